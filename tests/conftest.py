@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from rank_pool import RankPool  # noqa: E402
+
+
+class Pools:
+    """One :class:`RankPool` per world size, started on first use and shared by the whole session."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def __getitem__(self, world_size: int) -> RankPool:
+        if world_size not in self._pools:
+            self._pools[world_size] = RankPool(world_size)
+        return self._pools[world_size]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    pools = Pools()
+    yield pools
+    pools.close()

@@ -1,0 +1,291 @@
+"""Bucketed gradient reduce-scatter driven by post-accumulate-grad hooks.
+
+See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py`` for the buffers named here.
+
+Collective order. gloo and NCCL match collectives by the order each rank issues them, so every
+rank must issue the same reduce-scatters in the same order. Buckets are therefore launched strictly
+in one fixed order (flat buffers in param-group order, buckets in layout order): a complete bucket
+waits until every bucket before it has been launched. At the end of every backward pass (an
+autograd engine callback, queued by the first hook of that pass), buckets still incomplete because
+some param got no gradient on this rank are completed with zeros for those params and launched, so
+every backward issues every bucket once on every rank (DDP's ``find_unused_parameters`` semantics:
+a missing gradient counts as zero). Then all reductions of the pass are waited for and added into
+the grad shards, as DDP's reducer finalizes at the end of backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.autograd import Variable
+from torch.distributed import ProcessGroup
+
+from zeroshard import collectives
+from zeroshard.local_shard import LocalShard
+
+
+@dataclass
+class PendingReduce:
+    """One launched bucket reduce-scatter.
+
+    Attributes:
+        work: the async work handle.
+        input: 1-D reduce dtype, the bucket's padded gradients (kept alive until ``work`` is done).
+        output: 1-D reduce dtype, this rank's summed slice of the bucket.
+        shard: index of the :class:`LocalShard` the bucket belongs to.
+        bucket: index of the bucket in that shard's layout.
+    """
+
+    work: dist.Work
+    input: Tensor
+    output: Tensor
+    shard: int
+    bucket: int
+
+
+class GradReducer:
+    """Reduce-scatters gradients, bucket by bucket, into each shard's ``grad_shard``.
+
+    Stage 1 (``stage=1``): each param's ``.grad`` is a view of a flat grad buffer in the param
+    dtype (full gradients kept), reduce-scattered bucket by bucket; since the flat grad buffer holds
+    the running local sum of all micro-steps, each reduction overwrites the grad shard. Stage 2: as
+    a param's gradient becomes ready it is added into a staging bucket in ``reduce_dtype`` and the
+    param's ``.grad`` is freed; each reduction is added into the grad shard. Either way the grad
+    shard ends up holding ``sum over ranks / world_size`` (ZeRO, SC'20, §5.2).
+
+    Args:
+        shards: the local shards whose params get hooks.
+        stage: 1 or 2.
+        group: the sharding process group.
+        reduce_dtype: dtype of the reduce-scatter; ``None`` means each param's own dtype.
+        overlap_comm: launch buckets during backward as they complete (``True``) or all at the end
+            of backward (``False``).
+    """
+
+    def __init__(self, shards: list[LocalShard], *, stage: int, group: ProcessGroup, reduce_dtype: torch.dtype | None, overlap_comm: bool) -> None:
+        self.stage = stage
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.reduce_dtype = reduce_dtype
+        self.overlap_comm = overlap_comm
+        self.shards: list[LocalShard] = []
+        self._flat_grads: list[Tensor | None] = []  # stage 1: 1-D param dtype, flat-buffer layout
+        self._order: list[tuple[int, int]] = []  # (shard, bucket), the launch order
+        self._position: dict[tuple[int, int], int] = {}
+        self._ready: list[list[bool]] = []  # per shard, per param: gradient taken this backward
+        self._ready_count: list[list[int]] = []  # per shard, per bucket
+        self._used: list[list[bool]] = []  # per shard, per param: got a gradient since reset
+        self._staging: dict[tuple[int, int], Tensor] = {}  # stage 2: 1-D reduce dtype, padded bucket
+        self._pending: list[PendingReduce] = []
+        self._next_launch = 0
+        self._callback_queued = False
+        self._no_sync = False
+        self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
+        self._reductions = 0  # backward passes reduced since reset
+        self._index_of: dict[int, tuple[int, int]] = {}  # id(param) -> (shard, param index)
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        for shard in shards:
+            self.add_shard(shard)
+
+    def add_shard(self, shard: LocalShard) -> None:
+        """Register ``shard``'s params: hooks, launch order, and (stage 1) a flat grad buffer."""
+        k = len(self.shards)
+        self.shards.append(shard)
+        layout = shard.buffer.layout
+        flat_grad = torch.zeros_like(shard.buffer.data) if self.stage == 1 else None
+        self._flat_grads.append(flat_grad)
+        for bucket in layout.buckets:
+            self._position[(k, bucket.index)] = len(self._order)
+            self._order.append((k, bucket.index))
+        self._ready.append([False] * len(layout.slots))
+        self._ready_count.append([0] * len(layout.buckets))
+        self._used.append([False] * len(layout.slots))
+        for i, param in enumerate(shard.buffer.params):
+            self._index_of[id(param)] = (k, i)
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(k, i)))
+
+    def _make_hook(self, k: int, i: int):
+        def hook(param: nn.Parameter) -> None:
+            self._on_grad_ready(k, i, param)
+
+        return hook
+
+    def _reduce_dtype(self, k: int) -> torch.dtype:
+        return self.reduce_dtype or self.shards[k].buffer.dtype
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, with no communication, inside the block."""
+        previous = self._no_sync
+        self._no_sync = True
+        self._unreduced = True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    # -- backward ---------------------------------------------------------------------------
+
+    def _on_grad_ready(self, k: int, i: int, param: nn.Parameter) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            raise RuntimeError(f"param {tuple(param.shape)} got a sparse gradient; zeroshard reduces dense gradients only (use sparse=False in nn.Embedding)")
+        self._used[k][i] = True
+        if self.stage == 1:
+            self._keep_in_flat_grad(k, i, param)
+        if self._no_sync:
+            return
+        if not self._callback_queued:
+            # Runs once the whole backward pass is done: completes and waits for every bucket.
+            Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        self._take_grad(k, i, param)
+        if self.overlap_comm:
+            self._launch_complete_buckets()
+
+    def _keep_in_flat_grad(self, k: int, i: int, param: nn.Parameter) -> None:
+        """Stage 1: make ``param.grad`` a view of the flat grad buffer, copying if autograd made a new one."""
+        view = self.shards[k].buffer.param_view(i, of=self._flat_grads[k])
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad.reshape(-1))
+            param.grad = view.view_as(param)
+
+    def _take_grad(self, k: int, i: int, param: nn.Parameter) -> None:
+        """Mark param ``i`` of shard ``k`` ready; stage 2 moves its gradient into the staging bucket."""
+        slot = self.shards[k].buffer.layout.slots[i]
+        if self._position[(k, slot.bucket)] < self._next_launch:
+            raise RuntimeError(f"param {tuple(param.shape)} got a second gradient after its bucket was reduced in this backward pass (reentrant backward, e.g. checkpoint(use_reentrant=True), is not supported)")
+        if self.stage == 2 and param.grad is not None:
+            staging = self._staging_for(k, slot.bucket)
+            bucket = self.shards[k].buffer.layout.buckets[slot.bucket]
+            start = slot.offset - bucket.offset
+            staging[start : start + slot.numel].add_(param.grad.reshape(-1))
+            param.grad = None
+        if not self._ready[k][i]:
+            self._ready[k][i] = True
+            self._ready_count[k][slot.bucket] += 1
+
+    def _staging_for(self, k: int, b: int) -> Tensor:
+        staging = self._staging.get((k, b))
+        if staging is None:
+            bucket = self.shards[k].buffer.layout.buckets[b]
+            staging = torch.zeros(bucket.padded_numel, dtype=self._reduce_dtype(k), device=self.shards[k].buffer.device)
+            self._staging[(k, b)] = staging
+        return staging
+
+    def _launch_complete_buckets(self) -> None:
+        while self._next_launch < len(self._order):
+            k, b = self._order[self._next_launch]
+            if self._ready_count[k][b] < len(self.shards[k].buffer.layout.buckets[b].params):
+                return
+            self._launch(k, b)
+            self._next_launch += 1
+
+    def _launch(self, k: int, b: int) -> None:
+        buffer = self.shards[k].buffer
+        dtype = self._reduce_dtype(k)
+        if self.stage == 1:
+            grads = buffer.bucket_view(b, of=self._flat_grads[k])
+            grads = grads if grads.dtype == dtype else grads.to(dtype)
+        else:
+            grads = self._staging.pop((k, b), None)
+            if grads is None:  # no param of the bucket got a gradient on this rank
+                grads = torch.zeros(buffer.layout.buckets[b].padded_numel, dtype=dtype, device=buffer.device)
+        output = torch.empty(buffer.layout.buckets[b].shard_numel(self.world_size), dtype=dtype, device=buffer.device)
+        work = collectives.reduce_scatter(output, grads, self.group)
+        self._pending.append(PendingReduce(work, grads, output, k, b))
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        self._reduce_everything()
+
+    def _reduce_everything(self) -> None:
+        """Complete every bucket not yet launched, launch it, and add all results into the grad shards."""
+        for k, shard in enumerate(self.shards):
+            for i, param in enumerate(shard.buffer.params):
+                if self._ready[k][i]:
+                    continue
+                if param.grad is not None and not (self.stage == 1 and self._is_flat_grad_view(k, i, param)):
+                    self._used[k][i] = True
+                if self.stage == 1:
+                    self._keep_in_flat_grad(k, i, param)
+                self._take_grad(k, i, param)
+        self._launch_complete_buckets()
+        for pending in self._pending:
+            # The reduced slice must have arrived before it is added into the grad shard.
+            pending.work.wait()
+            shard = self.shards[pending.shard]
+            reduced = pending.output.to(shard.grad_shard.dtype).div_(self.world_size)
+            target = shard.grad_slice(pending.bucket)
+            if self.stage == 1:
+                target.copy_(reduced)
+            else:
+                target.add_(reduced)
+        self._pending.clear()
+        self._next_launch = 0
+        for k in range(len(self.shards)):
+            self._ready[k] = [False] * len(self._ready[k])
+            self._ready_count[k] = [0] * len(self._ready_count[k])
+        self._reductions += 1
+        self._unreduced = False
+
+    def _is_flat_grad_view(self, k: int, i: int, param: nn.Parameter) -> bool:
+        return param.grad.data_ptr() == self.shards[k].buffer.param_view(i, of=self._flat_grads[k]).data_ptr()
+
+    def owns_grad(self, param: nn.Parameter) -> bool:
+        """Whether ``param.grad`` is a view of a stage 1 flat grad buffer (zeroed by :meth:`reset`)."""
+        where = self._index_of.get(id(param))
+        return self.stage == 1 and where is not None and param.grad is not None and self._is_flat_grad_view(*where, param)
+
+    # -- step --------------------------------------------------------------------------------
+
+    def reduce_for_step(self) -> None:
+        """Reduce whatever is still local: gradients from ``no_sync``, or a step with no reduced backward.
+
+        Both conditions are the same on every rank as long as the ranks run the same training
+        loop, so every rank issues the same collectives here.
+        """
+        if self._unreduced or self._reductions == 0:
+            self._reduce_everything()
+
+    def global_used(self) -> list[list[bool]]:
+        """Per shard, per param: whether the param got a gradient on any rank since the last reset.
+
+        One uint8 MAX all-reduce over the group (skipped for a single rank).
+        """
+        flags = torch.tensor([u for used in self._used for u in used], dtype=torch.uint8, device=self.shards[0].buffer.device)
+        if self.world_size > 1:
+            collectives.all_reduce_max_(flags, self.group)
+        values = [bool(v) for v in flags.tolist()]
+        result, start = [], 0
+        for used in self._used:
+            result.append(values[start : start + len(used)])
+            start += len(used)
+        return result
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Zero the grad shards (and stage 1's flat grad buffers) and forget which params were used."""
+        for k, shard in enumerate(self.shards):
+            shard.grad_shard.zero_()
+            flat_grad = self._flat_grads[k]
+            if flat_grad is not None:
+                flat_grad.zero_()
+            self._used[k] = [False] * len(self._used[k])
+        self._staging.clear()
+        self._reductions = 0
+        self._unreduced = False
+
+    def grad_buffers(self) -> list[Tensor]:
+        """The gradient buffers this reducer owns right now: stage 1 flat grads, stage 2 staging buckets."""
+        return [t for t in self._flat_grads if t is not None] + list(self._staging.values())

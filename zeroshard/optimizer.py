@@ -1,0 +1,452 @@
+"""``ShardedOptimizer``: ZeRO stage 1/2 around any ``torch.optim.Optimizer``. Orchestration only.
+
+See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py`` for the buffers named here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from zeroshard import collectives
+from zeroshard.flat_buffer import FlatParamBuffer
+from zeroshard.grad_reducer import GradReducer
+from zeroshard.local_shard import LocalShard
+from zeroshard.memory import MemoryUsage, measure
+
+logger = logging.getLogger("zeroshard")
+
+SHARD_FORMAT = "zeroshard.shard"
+SHARD_FORMAT_VERSION = 1
+
+
+@dataclass
+class _ShardedGroup:
+    """What zeroshard keeps for one param group of the wrapped optimizer.
+
+    Attributes:
+        params: the group's original params, in the user's order (frozen ones included).
+        shards: indices into ``ShardedOptimizer._shards``, one per dtype of trainable params.
+    """
+
+    params: list[nn.Parameter]
+    shards: list[int]
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1/2 data parallelism around an already-built ``torch.optim`` optimizer.
+
+    Each param group's trainable params are copied into one flat buffer per dtype and become
+    views of it. The buffer is cut into buckets; each rank owns ``1/N`` of every bucket and hands
+    the wrapped optimizer *virtual parameters* covering only that part, so optimizer state (and,
+    for bf16/fp16 params, the fp32 master weights) exist for ``1/N`` of the model on each rank.
+    Gradients are reduce-scattered bucket by bucket during backward (stage 2 frees the full
+    gradients as it goes; stage 1 keeps them) and averaged over the group; after the update the
+    slices are all-gathered back into the params. No DDP wrapper is needed: the optimizer does
+    the data-parallel gradient reduction itself, and broadcasts rank 0's params at construction.
+
+    Follows Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+    Models", SC'20, §5 (stages 1 and 2), with the virtual-parameter scheme of the SageMaker model
+    parallel library; mirrors ``torch.distributed.optim.ZeroRedundancyOptimizer`` in API.
+
+    Memory per rank for Ψ mixed-precision params and N ranks (Adam): stage 1 ``4Ψ + 16Ψ/N``
+    bytes, stage 2 ``2Ψ + 16Ψ/N`` plus the buckets in flight (the grad shard is kept in fp32).
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` instance built on the model's params, not yet
+            stepped. Its ``param_groups`` stay the live list the user and LR schedulers see, with
+            each group's ``"params"`` replaced by this rank's virtual parameters (1-D, fp32 for
+            16-bit params, else the param dtype).
+        stage: 1 shards optimizer state and master weights; 2 also shards gradients.
+        process_group: the data-parallel group to shard over, a ``ProcessGroup`` or a 1-D
+            ``DeviceMesh``; ``None`` means the default (world) group. Every member must build the
+            optimizer on the same params, in the same order.
+        bucket_size_mb: size of a gradient reduce-scatter / param all-gather bucket in MiB of the
+            param dtype (DDP's default, 25). A param larger than this gets a bucket of its own.
+        overlap_comm: reduce-scatter each bucket as soon as its gradients are ready during
+            backward (``True``) or all buckets at the end of backward (``False``).
+        reduce_dtype: dtype of the gradient reduce-scatter; ``None`` reduces in each param's dtype.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already sharded),
+            ``process_group`` is neither a ``ProcessGroup`` nor a 1-D ``DeviceMesh``, or
+            ``reduce_dtype`` is not a floating-point ``torch.dtype``.
+        ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` not positive; torch.distributed
+            not initialized or this rank not in ``process_group``; no trainable params; params on
+            several devices, sparse or complex params; an optimizer that already holds state;
+            ranks holding different param shapes (raised on every rank, naming the param).
+            All checks but the last run before any collective.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int = 2,
+        process_group: ProcessGroup | Any | None = None,
+        bucket_size_mb: float = 25.0,
+        overlap_comm: bool = True,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        if isinstance(optimizer, ShardedOptimizer):
+            raise TypeError("optimizer is already a ShardedOptimizer; wrap the plain torch optimizer once")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}")
+        if stage not in (1, 2):
+            raise ValueError(f"stage={stage!r} must be 1 or 2")
+        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb={bucket_size_mb!r} must be a positive number")
+        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+            raise TypeError(f"reduce_dtype={reduce_dtype!r} must be None or a floating-point torch.dtype")
+        if optimizer.state:
+            raise ValueError(f"optimizer already holds state for {len(optimizer.state)} params; wrap it before its first step and load checkpoints through ShardedOptimizer.load_state_dict")
+
+        self.optimizer = optimizer
+        self.stage = stage
+        self.process_group = _resolve_group(process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.bucket_size_mb = float(bucket_size_mb)
+        self.overlap_comm = overlap_comm
+        self.reduce_dtype = reduce_dtype
+        self._init_optimizer_hooks()
+
+        self._groups: list[_ShardedGroup] = []
+        self._shards: list[LocalShard] = []
+        self._device: torch.device | None = None
+        self._reducer: GradReducer | None = None
+        self._shard_groups(range(len(optimizer.param_groups)))
+        self._log_layout()
+
+    def _init_optimizer_hooks(self) -> None:
+        """Set up what ``torch.optim.Optimizer.__init__`` sets up for hooks, without taking params.
+
+        The wrapped optimizer owns ``param_groups``, ``state`` and ``defaults`` (see the
+        properties below); this object adds the step/state-dict hook registries torch's
+        ``register_step_pre_hook`` and friends use, and torch's profiling wrapper around ``step``.
+        """
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._patch_step_function()
+
+    # -- the wrapped optimizer's live attributes ---------------------------------------------
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's live ``param_groups``; ``"params"`` holds virtual parameters."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        """The wrapped optimizer's state, keyed by virtual parameter (this rank's shard only)."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``defaults``."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    # -- partitioning ------------------------------------------------------------------------
+
+    def _shard_groups(self, indices: range) -> None:
+        """Flatten, broadcast and shard the given param groups of the wrapped optimizer.
+
+        Local checks first; then one fingerprint all-gather over every group (so a mismatch
+        raises on all ranks before any size-dependent collective); then the broadcast.
+        """
+        groups = [list(dict.fromkeys(self.optimizer.param_groups[g]["params"])) for g in indices]
+        self._check_params([p for params in groups for p in params], indices)
+        fingerprint = [
+            (f"param_groups[{g}]['params'][{j}]", tuple(p.shape), str(p.dtype), p.requires_grad)
+            for g, params in zip(indices, groups)
+            for j, p in enumerate(params)
+        ]
+        collectives.check_same_on_all_ranks("param", fingerprint, self.process_group)
+
+        buffers: list[FlatParamBuffer] = []
+        records = []
+        for params in groups:
+            trainable = [p for p in params if p.requires_grad]
+            shard_ids = []
+            for dtype in dict.fromkeys(p.dtype for p in trainable):
+                # Reverse registration order approximates the order gradients become ready.
+                same_dtype = [p for p in reversed(trainable) if p.dtype == dtype]
+                shard_ids.append(len(self._shards) + len(buffers))
+                buffers.append(FlatParamBuffer(same_dtype, self._bucket_numel(dtype), self.world_size))
+            records.append(_ShardedGroup(params=params, shards=shard_ids))
+        frozen = [p.data for params in groups for p in params if not p.requires_grad]
+        if self.world_size > 1:
+            collectives.broadcast_from_first_([b.data for b in buffers] + frozen, self.process_group)
+
+        new_shards = [LocalShard(buffer, self.rank) for buffer in buffers]
+        self._shards.extend(new_shards)
+        self._groups.extend(records)
+        for g, record in zip(indices, records):
+            self.optimizer.param_groups[g]["params"] = [v for k in record.shards for v in self._shards[k].virtual_params]
+        if self._reducer is None:
+            self._reducer = GradReducer(
+                new_shards, stage=self.stage, group=self.process_group, reduce_dtype=self.reduce_dtype, overlap_comm=self.overlap_comm
+            )
+        else:
+            for shard in new_shards:
+                self._reducer.add_shard(shard)
+
+    def _check_params(self, params: list[nn.Parameter], indices: range) -> None:
+        trainable = [p for p in params if p.requires_grad]
+        if not trainable and not self._shards:
+            raise ValueError(f"param_groups {list(indices)} hold {len(params)} params, none with requires_grad=True: nothing to optimize")
+        bad = [(tuple(p.shape), str(p.layout)) for p in params if p.layout != torch.strided]
+        if bad:
+            raise ValueError(f"sparse params are not supported (shape, layout): {bad[:5]}")
+        bad = [(tuple(p.shape), str(p.dtype)) for p in trainable if not p.dtype.is_floating_point]
+        if bad:
+            raise ValueError(f"only real floating-point params can be sharded; got (shape, dtype) {bad[:5]}")
+        devices = {p.device for p in params} | ({self._device} if self._device is not None else set())
+        if len(devices) > 1:
+            raise ValueError(f"all params must be on one device; got params on {sorted(map(str, devices))}")
+        self._device = devices.pop()
+
+    def _bucket_numel(self, dtype: torch.dtype) -> int:
+        return max(1, int(self.bucket_size_mb * 2**20) // dtype.itemsize)
+
+    def _log_layout(self) -> None:
+        if self.rank != 0:
+            return
+        numel = sum(s.buffer.layout.numel for s in self._shards)
+        buckets = sum(len(s.buffer.layout.buckets) for s in self._shards)
+        params = sum(len(s.buffer.params) for s in self._shards)
+        shard = sum(s.buffer.layout.shard_numel for s in self._shards)
+        logger.info(
+            "zeroshard: stage %d over %d ranks: %d params (%d elements with padding) in %d flat buffers, "
+            "%d buckets of <= %.1f MiB; each rank holds optimizer state for %d elements",
+            self.stage, self.world_size, params, numel, len(self._shards), buckets, self.bucket_size_mb, shard,
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group to the wrapped optimizer and shard it (a collective: call on every rank).
+
+        Mirrors ``torch.optim.Optimizer.add_param_group``: the group's defaults come from the
+        wrapped optimizer. Existing groups keep their layout and state; the new group gets flat
+        buffers, buckets and virtual parameters of its own.
+
+        Raises:
+            TypeError, ValueError: as ``torch.optim.Optimizer.add_param_group`` does, and for the
+                param checks of the constructor. On error the optimizer is left as it was.
+        """
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        params = [params] if isinstance(params, Tensor) else list(params or [])
+        sharded = {id(p) for record in self._groups for p in record.params}
+        again = [tuple(p.shape) for p in params if id(p) in sharded]
+        if again:
+            raise ValueError(f"param_group holds params already in another param group (shapes {again[:5]}); a param can be in one group only")
+        self.optimizer.add_param_group(param_group)
+        index = len(self.optimizer.param_groups) - 1
+        try:
+            self._shard_groups(range(index, index + 1))
+        except BaseException:
+            self.optimizer.param_groups.pop()
+            raise
+
+    # -- training ----------------------------------------------------------------------------
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Context manager: backward passes inside accumulate gradients locally, with no communication.
+
+        Mirrors ``DistributedDataParallel.no_sync``. The first backward outside the block (or
+        ``step()``, whichever comes first) reduces everything accumulated, so the result equals
+        one large batch.
+        """
+        return self._reducer.no_sync()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Reduce what is left, update this rank's shard with the wrapped optimizer, all-gather params.
+
+        Gradients are consumed: the grad shards (and stage 1's flat grad buffer) are zeroed
+        afterwards, so only ``model.zero_grad()`` — or nothing at all — needs to be called between
+        steps. A param that got no gradient on any rank is skipped, its state untouched, as in
+        ``torch.optim``. Collective: call on every rank.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run with grad enabled).
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._reducer.reduce_for_step()
+            used = self._reducer.global_used()
+            if any(any(flags) for flags in used):
+                for shard, flags in zip(self._shards, used):
+                    shard.refresh_master()
+                    shard.attach_grads(flags)
+                self.optimizer.step()
+                for shard in self._shards:
+                    shard.detach_grads()
+                    shard.write_back()
+                self._all_gather_params()
+            self._reducer.reset()
+        return loss
+
+    def _all_gather_params(self) -> None:
+        if self.world_size == 1:
+            return
+        works = [
+            collectives.all_gather(shard.buffer.bucket_view(b.index), shard.buffer.slice_view(b.index, self.rank), self.process_group)
+            for shard in self._shards
+            for b in shard.buffer.layout.buckets
+        ]
+        for work in works:
+            # The params must hold every rank's update before the next forward reads them.
+            work.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients, as ``torch.optim.Optimizer.zero_grad``, and zeroshard's gradient buffers.
+
+        With stage 1 a trainable param's ``.grad`` stays a view of the flat grad buffer, which is
+        zeroed, whatever ``set_to_none`` says; that keeps gradient storage contiguous.
+        """
+        for record in self._groups:
+            for p in record.params:
+                if p.grad is None or self._reducer.owns_grad(p):
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.zero_()
+        self._reducer.reset()
+
+    # -- introspection and state -------------------------------------------------------------
+
+    def memory_usage(self) -> MemoryUsage:
+        """Bytes this optimizer owns on this rank: flat params, gradient buffers, shards, optimizer state."""
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+        return measure(
+            {
+                "params": [s.buffer.data for s in self._shards],
+                "grads": self._reducer.grad_buffers(),
+                "grad_shard": [s.grad_shard for s in self._shards],
+                "master": [s.master for s in self._shards if s.master is not None],
+                "optimizer_state": state,
+            },
+            self._device,
+        )
+
+    def _layout_signature(self) -> list[tuple[Any, ...]]:
+        return [
+            (str(s.buffer.dtype), tuple(slot.numel for slot in s.buffer.layout.slots), tuple(b.padded_numel for b in s.buffer.layout.buckets))
+            for s in self._shards
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state. Runs no collective (safe on one rank only).
+
+        Returns:
+            ``{"state", "param_groups"}`` in ``torch.optim`` format, indexed by this rank's
+            virtual parameters, plus ``"zeroshard"``: ``format``, ``version``, ``rank``,
+            ``world_size``, ``stage``, ``layout`` (dtype, param sizes and bucket sizes per flat
+            buffer) and ``master`` (per flat buffer: the fp32 master shard of 16-bit params, 1-D,
+            or ``None``). Tensors are references, not copies, as in ``torch.optim``.
+        """
+        inner = self.optimizer.state_dict()
+        return {
+            "state": inner["state"],
+            "param_groups": inner["param_groups"],
+            "zeroshard": {
+                "format": SHARD_FORMAT,
+                "version": SHARD_FORMAT_VERSION,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "stage": self.stage,
+                "layout": self._layout_signature(),
+                "master": [s.master for s in self._shards],
+            },
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a shard saved by :meth:`state_dict` on this same rank, world size and model.
+
+        Runs no collective. Everything is checked before anything is written, so on error the
+        optimizer is as it was.
+
+        Raises:
+            ValueError: ``state_dict`` is not a zeroshard shard (e.g. a full ``torch.optim``
+                state dict, which this version cannot load), or was saved on another rank, world
+                size or param layout; the message names the mismatch.
+        """
+        meta = state_dict.get("zeroshard") if isinstance(state_dict, dict) else None
+        if not isinstance(meta, dict) or meta.get("format") != SHARD_FORMAT:
+            raise ValueError("state_dict is not a zeroshard shard state dict (it has no 'zeroshard' entry with format 'zeroshard.shard'); this version loads only shards saved by ShardedOptimizer.state_dict()")
+        if meta.get("version") != SHARD_FORMAT_VERSION:
+            raise ValueError(f"state_dict has shard format version {meta.get('version')!r}; this version reads {SHARD_FORMAT_VERSION}")
+        for key, mine in (("rank", self.rank), ("world_size", self.world_size)):
+            if meta.get(key) != mine:
+                raise ValueError(f"state_dict was saved with {key}={meta.get(key)!r}, this optimizer has {key}={mine}; a shard loads only on the rank and world size that saved it")
+        layout = [tuple(entry) for entry in meta.get("layout", [])]
+        mine = self._layout_signature()
+        if layout != mine:
+            for k, (theirs, ours) in enumerate(zip(layout, mine)):
+                if theirs != ours:
+                    raise ValueError(f"state_dict flat buffer {k} has (dtype, param sizes, bucket sizes) {theirs}, this optimizer {ours}: saved for another model or bucket_size_mb")
+            raise ValueError(f"state_dict has {len(layout)} flat buffers, this optimizer {len(mine)}: saved for another model")
+        masters = meta.get("master", [])
+        for k, (shard, master) in enumerate(zip(self._shards, masters)):
+            expected = None if shard.master is None else tuple(shard.master.shape)
+            if (None if master is None else tuple(master.shape)) != expected:
+                raise ValueError(f"state_dict master shard {k} has shape {None if master is None else tuple(master.shape)}, expected {expected}")
+        self.optimizer.load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
+        with torch.no_grad():
+            for shard, master in zip(self._shards, masters):
+                if master is not None:
+                    shard.master.copy_(master)
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer(stage={self.stage}, world_size={self.world_size}, rank={self.rank}, optimizer={self.optimizer!r})"
+
+
+def _resolve_group(process_group: Any) -> ProcessGroup:
+    """The ``ProcessGroup`` to shard over; checks that torch.distributed is up and this rank is in it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("process_group: torch.distributed is not initialized; call torch.distributed.init_process_group() first (torchrun sets up its environment)")
+    if process_group is None:
+        group = dist.group.WORLD
+    elif isinstance(process_group, ProcessGroup):
+        group = process_group
+    elif type(process_group).__name__ == "DeviceMesh":
+        if process_group.ndim != 1:
+            raise ValueError(f"process_group is a {process_group.ndim}-D DeviceMesh {process_group.mesh_dim_names}; only 1-D meshes are supported")
+        group = process_group.get_group()
+    else:
+        raise TypeError(f"process_group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(process_group).__name__}")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of process_group")
+    return group

@@ -1,0 +1,189 @@
+"""Pure index math for flat, bucketed, rank-partitioned parameter storage.
+
+Nothing here touches ``torch.distributed``, so every function is a plain function of
+integers and can be property-tested on its own. See [Note: zeroshard buffers] in
+``zeroshard/flat_buffer.py`` for what the offsets index into.
+
+Layout rules (Rajbhandari et al., "ZeRO", SC'20, §5.2 and §5.3):
+
+* Params are laid out one after another in the order given (the caller passes reverse
+  registration order, which approximates the order gradients become ready in backward).
+* They are cut into buckets of at most ``bucket_numel`` elements. A param never straddles two
+  buckets; a param larger than ``bucket_numel`` gets a bucket of its own.
+* Each bucket is padded to a multiple of ``world_size``; rank ``r`` owns the contiguous slice
+  ``[r * shard_numel, (r + 1) * shard_numel)`` of every bucket. A rank's *shard* is the
+  concatenation of its slices of all buckets, in bucket order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in the flat buffer.
+
+    Attributes:
+        index: position of the param in the sequence given to :func:`build_layout`.
+        offset: first element of the param in the flat buffer (elements).
+        numel: number of elements of the param.
+        bucket: index of the bucket holding the param.
+    """
+
+    index: int
+    offset: int
+    numel: int
+    bucket: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A run of whole params, reduced and gathered as one collective.
+
+    Attributes:
+        index: position of the bucket in the flat buffer.
+        offset: first element of the bucket in the flat buffer (elements).
+        numel: elements used by params, without padding.
+        padded_numel: ``numel`` rounded up to a multiple of the world size.
+        params: indices of the params in the bucket, in layout order.
+        shard_offset: first element of this bucket's slice within a rank's shard.
+    """
+
+    index: int
+    offset: int
+    numel: int
+    padded_numel: int
+    params: tuple[int, ...]
+    shard_offset: int
+
+    def shard_numel(self, world_size: int) -> int:
+        """Elements of this bucket owned by each rank (``padded_numel // world_size``)."""
+        return self.padded_numel // world_size
+
+    def rank_range(self, rank: int, world_size: int) -> tuple[int, int]:
+        """``[start, end)`` in flat-buffer elements of the slice owned by ``rank``."""
+        size = self.shard_numel(world_size)
+        start = self.offset + rank * size
+        return start, start + size
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The intersection of one param with one rank's slice of its bucket.
+
+    Attributes:
+        param: index of the param (as in :attr:`ParamSlot.index`).
+        param_offset: first element of the piece within the flattened param.
+        numel: elements in the piece (> 0).
+        flat_offset: first element of the piece in the flat buffer.
+        shard_offset: first element of the piece within the rank's shard.
+    """
+
+    param: int
+    param_offset: int
+    numel: int
+    flat_offset: int
+    shard_offset: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """The full layout of one flat buffer for a given world size.
+
+    Attributes:
+        slots: one :class:`ParamSlot` per param, in the order given.
+        buckets: the buckets in flat-buffer order.
+        world_size: number of ranks that share the buffer.
+        numel: total elements of the flat buffer, padding included.
+        shard_numel: elements of each rank's shard (sum of its slices of all buckets).
+    """
+
+    slots: tuple[ParamSlot, ...]
+    buckets: tuple[Bucket, ...]
+    world_size: int
+    numel: int
+    shard_numel: int
+
+    def pieces(self, rank: int) -> list[ShardPiece]:
+        """Every non-empty intersection of a param with ``rank``'s slices, in flat order.
+
+        Raises:
+            ValueError: if ``rank`` is not in ``[0, world_size)``.
+        """
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside [0, world_size={self.world_size})")
+        pieces = []
+        for bucket in self.buckets:
+            lo, hi = bucket.rank_range(rank, self.world_size)
+            for index in bucket.params:
+                slot = self.slots[index]
+                start = max(lo, slot.offset)
+                end = min(hi, slot.offset + slot.numel)
+                if start < end:
+                    pieces.append(
+                        ShardPiece(
+                            param=index,
+                            param_offset=start - slot.offset,
+                            numel=end - start,
+                            flat_offset=start,
+                            shard_offset=bucket.shard_offset + (start - lo),
+                        )
+                    )
+        return pieces
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int) -> FlatLayout:
+    """Cut params of the given sizes into padded buckets shared by ``world_size`` ranks.
+
+    Args:
+        numels: element count of each param, in layout order (each >= 1).
+        bucket_numel: soft cap on elements per bucket (>= 1); a larger param gets its own bucket.
+        world_size: number of ranks (>= 1).
+
+    Returns:
+        The :class:`FlatLayout`. Padding is at the end of each bucket only.
+
+    Raises:
+        ValueError: on an empty ``numels``, a param with fewer than one element, or a
+            ``bucket_numel`` / ``world_size`` below one.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
+    if len(numels) == 0:
+        raise ValueError("numels is empty: a flat buffer needs at least one param")
+    bad = [(i, n) for i, n in enumerate(numels) if n < 1]
+    if bad:
+        raise ValueError(f"params must have at least one element; got (index, numel) {bad[:5]}")
+
+    groups: list[list[int]] = []
+    group_numel = 0
+    for index, numel in enumerate(numels):
+        if groups and group_numel + numel <= bucket_numel:
+            groups[-1].append(index)
+            group_numel += numel
+        else:
+            groups.append([index])
+            group_numel = numel
+
+    slots: list[ParamSlot] = []
+    buckets: list[Bucket] = []
+    offset = shard_offset = 0
+    for bucket_index, members in enumerate(groups):
+        start = offset
+        for index in members:
+            slots.append(ParamSlot(index, offset, numels[index], bucket_index))
+            offset += numels[index]
+        used = offset - start
+        padded = _round_up(used, world_size)
+        buckets.append(Bucket(bucket_index, start, used, padded, tuple(members), shard_offset))
+        offset = start + padded
+        shard_offset += padded // world_size
+    return FlatLayout(tuple(slots), tuple(buckets), world_size, offset, shard_offset)
