@@ -74,22 +74,26 @@ class LocalShard:
 
     @torch.no_grad()
     def refresh_master(self) -> None:
-        """Re-copy master pieces of params written outside the optimizer (e.g. ``load_state_dict``).
+        """Re-copy master elements of params written outside the optimizer (e.g. ``load_state_dict``).
 
         A param's version counter moves on every in-place write to it (``p.copy_``, ``p.mul_``),
-        while the optimizer writes only to the flat buffer, which has its own counter. Only
-        16-bit params have a separate master to refresh.
+        while the optimizer writes only to the flat buffer, which has its own counter. Only 16-bit
+        params have a separate master, and of those only the elements whose value no longer
+        equals the master rounded to the param dtype are refreshed, so loading a checkpoint's
+        params and its fp32 master (in either order) keeps the master's precision.
         """
         if self.master is None:
             return
         params = self.buffer.params
-        changed = [i for i, p in enumerate(params) if p._version != self._seen_versions[i]]
+        changed = {i for i, p in enumerate(params) if p._version != self._seen_versions[i]}
         if not changed:
             return
-        wanted = set(changed)
         for piece in self.pieces:
-            if piece.param in wanted:
-                self._master_piece(piece).copy_(self.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel])
+            if piece.param in changed:
+                master = self._master_piece(piece)
+                current = self.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel]
+                stale = current != master.to(current.dtype)
+                master[stale] = current[stale].to(master.dtype)
         for i in changed:
             self._seen_versions[i] = params[i]._version
 

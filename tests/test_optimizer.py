@@ -1,0 +1,288 @@
+"""The torch.optim contract and the error paths of ShardedOptimizer, on gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zeroshard
+from models import TinyNet, batch, loss_fn, param_groups
+
+
+def _adamw(model: nn.Module, **kwargs) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False, **kwargs)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        x, y = batch(dist.get_rank(), step)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        model.zero_grad()
+
+
+def test_not_initialized_raises_before_anything():
+    assert not dist.is_initialized()
+    model = TinyNet()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="process_group: torch.distributed is not initialized"):
+        zeroshard.ShardedOptimizer(_adamw(model))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def bad_input_worker() -> list[str]:
+    model = TinyNet()
+    frozen = nn.Linear(3, 3).requires_grad_(False)
+    stepped = torch.optim.AdamW(nn.Linear(2, 2).parameters())
+    stepped.param_groups[0]["params"][0].grad = torch.ones(2, 2)
+    stepped.step()
+    cases = [
+        (TypeError, "must be a torch.optim.Optimizer instance, got Linear", lambda: zeroshard.ShardedOptimizer(nn.Linear(2, 2))),
+        (ValueError, r"stage=3 must be 1 or 2", lambda: zeroshard.ShardedOptimizer(_adamw(model), stage=3)),
+        (ValueError, r"bucket_size_mb=0 must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), bucket_size_mb=0)),
+        (TypeError, r"reduce_dtype=torch.int32", lambda: zeroshard.ShardedOptimizer(_adamw(model), reduce_dtype=torch.int32)),
+        (TypeError, r"process_group must be .* got str", lambda: zeroshard.ShardedOptimizer(_adamw(model), process_group="world")),
+        (ValueError, r"none with requires_grad=True", lambda: zeroshard.ShardedOptimizer(torch.optim.AdamW(frozen.parameters()))),
+        (ValueError, r"none with requires_grad=True", lambda: zeroshard.ShardedOptimizer(torch.optim.AdamW([{"params": []}]))),
+        (ValueError, r"one device; got params on \['cpu', 'meta'\]", lambda: zeroshard.ShardedOptimizer(torch.optim.AdamW([nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, device="meta"))]))),
+        (ValueError, r"sparse params are not supported", lambda: zeroshard.ShardedOptimizer(torch.optim.SGD([nn.Parameter(torch.eye(2).to_sparse())], lr=0.1))),
+        (ValueError, r"already holds state for 1 params", lambda: zeroshard.ShardedOptimizer(stepped)),
+    ]
+    for error, match, build in cases:
+        with pytest.raises(error, match=match):
+            build()
+    opt = zeroshard.ShardedOptimizer(_adamw(model))
+    with pytest.raises(TypeError, match="already a ShardedOptimizer"):
+        zeroshard.ShardedOptimizer(opt)
+    with pytest.raises(ValueError, match="already in another param group"):
+        opt.add_param_group({"params": [model.fc1.weight]})
+    assert len(opt.param_groups) == 2
+    return [c[1] for c in cases]
+
+
+def test_bad_input_raises_before_any_collective(pools):
+    # Every rank raises the same errors; a collective run by some ranks only would hang here.
+    pools[2].run(bad_input_worker)
+
+
+def mismatch_worker() -> str:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3 if dist.get_rank() == 0 else 5))
+    try:
+        zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters()))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_shape_mismatch_across_ranks_names_rank_and_param(pools):
+    messages = pools[2].run(mismatch_worker)
+    for message in messages:
+        assert "param_groups[0]['params'][2] on rank 1 is ((5, 4)," in message, message
+
+
+def broadcast_worker() -> bool:
+    torch.manual_seed(dist.get_rank())  # ranks start different
+    model = TinyNet()
+    zeroshard.ShardedOptimizer(_adamw(model))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.manual_seed(0)
+    rank0 = torch.cat([p.detach().reshape(-1) for p in TinyNet().parameters()])
+    return torch.equal(flat, rank0)
+
+
+def test_params_broadcast_from_rank_0(pools):
+    assert pools[2].run(broadcast_worker) == [True, True]
+
+
+def contract_worker() -> None:
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(_adamw(model), stage=2)
+    assert isinstance(opt, torch.optim.Optimizer)
+    x, y = batch(dist.get_rank(), 0)
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss is not None and loss.requires_grad
+    # param_groups is live: an lr written there is what the next step uses (0 => no change).
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step(closure)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # Step hooks registered through torch's API run.
+    calls = []
+    opt.register_step_post_hook(lambda *args: calls.append("post"))
+    opt.step(closure)
+    assert calls == ["post"]
+
+
+def test_torch_optimizer_contract(pools):
+    pools[2].run(contract_worker)
+
+
+def resume_worker(stage: int) -> None:
+    """Save a shard at step 4, keep training; resume a fresh copy from the shard: bitwise equal."""
+    torch.manual_seed(0)
+    model = TinyNet().to(torch.bfloat16)
+    opt = zeroshard.ShardedOptimizer(_adamw(model), stage=stage, bucket_size_mb=100 * 2 / 2**20)
+    _train(model, opt, range(4))
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, saved)
+    _train(model, opt, range(4, 8))
+
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=False)
+    torch.manual_seed(1)
+    resumed = TinyNet().to(torch.bfloat16)
+    ropt = zeroshard.ShardedOptimizer(_adamw(resumed), stage=stage, bucket_size_mb=100 * 2 / 2**20)
+    resumed.load_state_dict(checkpoint["model"])
+    ropt.load_state_dict(checkpoint["optim"])
+    _train(resumed, ropt, range(4, 8))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_shard_state_dict_resumes_bitwise(pools, stage):
+    pools[2].run(resume_worker, stage)
+
+
+def load_errors_worker() -> None:
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(_adamw(model))
+    _train(model, opt, range(2))
+    mine = copy.deepcopy(opt.state_dict())
+    theirs = [None, None]
+    dist.all_gather_object(theirs, mine)
+    other = theirs[1 - dist.get_rank()]
+    before = copy.deepcopy(opt.state_dict())
+
+    plain = torch.optim.AdamW(TinyNet().parameters()).state_dict()
+    with pytest.raises(ValueError, match="not a zeroshard shard state dict"):
+        opt.load_state_dict(plain)
+    with pytest.raises(ValueError, match=f"saved with rank={1 - dist.get_rank()}"):
+        opt.load_state_dict(other)
+    wrong_layout = copy.deepcopy(mine)
+    wrong_layout["zeroshard"]["layout"][0] = ("torch.float32", (1, 2), (3,))
+    with pytest.raises(ValueError, match="flat buffer 0 has"):
+        opt.load_state_dict(wrong_layout)
+    assert _same_state(opt.state_dict(), before)  # failed loads changed nothing
+    opt.load_state_dict(mine)
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
+        return False
+    return all(torch.equal(a["state"][k][n], b["state"][k][n]) for k in a["state"] for n in a["state"][k])
+
+
+def test_load_state_dict_rejects_foreign_shards_and_changes_nothing(pools):
+    pools[2].run(load_errors_worker)
+
+
+def state_dict_on_one_rank_worker() -> None:
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(_adamw(model))
+    _train(model, opt, range(1))
+    if dist.get_rank() == 0:  # as HF Trainer and accelerate do
+        sd = opt.state_dict()
+        assert sd["zeroshard"]["world_size"] == 2
+    _train(model, opt, range(1, 2))  # would hang if state_dict() had run a collective
+
+
+def test_state_dict_runs_no_collective(pools):
+    pools[2].run(state_dict_on_one_rank_worker, timeout=90)
+
+
+def memory_worker(stage: int) -> tuple[int, int, dict]:
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(_adamw(model), stage=stage, bucket_size_mb=100 * 4 / 2**20)
+    _train(model, opt, range(1))
+    usage = opt.memory_usage()
+    moments = sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items() if k != "step")
+    return moments, usage.device_bytes, usage.by_kind
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_memory_usage_shards_optimizer_state(pools, stage):
+    results = pools[2].run(memory_worker, stage)
+    model = TinyNet()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # Across ranks, exp_avg + exp_avg_sq cover every trainable element exactly once: 8 bytes each.
+    assert sum(moments for moments, _, _ in results) == 8 * trainable
+    for moments, device_bytes, by_kind in results:
+        assert by_kind["optimizer_state"] >= moments
+        assert device_bytes == sum(by_kind.values())
+        assert by_kind["params"] >= 4 * trainable
+        assert (by_kind["grads"] >= 4 * trainable) == (stage == 1)  # stage 2 keeps no full gradients at rest
+
+
+def refresh_worker() -> bool:
+    """bf16 params written outside the optimizer (model.load_state_dict) are not reverted by step()."""
+    torch.manual_seed(0)
+    model = TinyNet().to(torch.bfloat16)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0))
+    torch.manual_seed(7)
+    pretrained = TinyNet().to(torch.bfloat16).state_dict()
+    model.load_state_dict(pretrained)
+    _train(model, opt, range(1))
+    return all(torch.equal(model.state_dict()[k], v) for k, v in pretrained.items())
+
+
+def test_master_weights_follow_params_loaded_after_construction(pools):
+    assert pools[2].run(refresh_worker) == [True, True]
+
+
+def sparse_grad_worker() -> None:
+    model = nn.Embedding(5, 3, sparse=True)
+    opt = zeroshard.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="sparse gradient"):
+        model(torch.tensor([1, 2])).sum().backward()
+    del opt
+
+
+def test_sparse_gradient_is_refused(pools):
+    pools[2].run(sparse_grad_worker)
+
+
+def mesh_and_sgd_worker() -> bool:
+    """A 1-D DeviceMesh works as process_group, and a non-Adam optimizer steps the shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model, ref = TinyNet(), TinyNet()
+    ref.load_state_dict(model.state_dict())
+    opt = zeroshard.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), process_group=mesh)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            grads = []
+            for rank in range(dist.get_world_size()):  # the reference sees every rank's batch
+                x, y = batch(rank, step)
+                if m is ref:
+                    grads.append(loss_fn(m, x, y))
+            if m is ref:
+                (sum(grads) / len(grads)).backward()
+            else:
+                x, y = batch(dist.get_rank(), step)
+                loss_fn(m, x, y).backward()
+            o.step()
+            m.zero_grad()
+    return all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_device_mesh_and_sgd(pools):
+    assert pools[2].run(mesh_and_sgd_worker) == [True, True]

@@ -1,0 +1,95 @@
+"""Property tests: flatten -> shard -> all-gather -> unflatten round trips, ownership of every element."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from zeroshard.flat_buffer import FlatParamBuffer
+from zeroshard.local_shard import LocalShard
+from zeroshard.partition import build_layout
+
+numels = st.lists(st.integers(1, 300), min_size=1, max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(numels=numels, bucket_numel=st.integers(1, 700), world_size=st.integers(1, 8))
+def test_every_element_owned_by_exactly_one_rank(numels, bucket_numel, world_size):
+    layout = build_layout(numels, bucket_numel, world_size)
+    owners = [torch.zeros(n, dtype=torch.int64) for n in numels]
+    for rank in range(world_size):
+        shard_positions = []
+        for piece in layout.pieces(rank):
+            owners[piece.param][piece.param_offset : piece.param_offset + piece.numel] += 1
+            shard_positions.extend(range(piece.shard_offset, piece.shard_offset + piece.numel))
+        assert len(set(shard_positions)) == len(shard_positions)
+        assert all(0 <= s < layout.shard_numel for s in shard_positions)
+    assert all(bool((o == 1).all()) for o in owners)
+    for bucket in layout.buckets:
+        assert bucket.padded_numel % world_size == 0
+        assert 0 <= bucket.padded_numel - bucket.numel < world_size
+        assert bucket.numel <= bucket_numel or len(bucket.params) == 1
+    assert layout.numel == sum(b.padded_numel for b in layout.buckets)
+    assert layout.shard_numel * world_size == layout.numel
+
+
+shapes = st.lists(st.lists(st.integers(1, 7), min_size=0, max_size=3), min_size=1, max_size=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes=shapes, bucket_numel=st.integers(1, 200), world_size=st.integers(1, 5), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
+def test_flatten_shard_gather_unflatten_round_trip(shapes, bucket_numel, world_size, dtype):
+    torch.manual_seed(0)
+    originals = [torch.randn(shape).to(dtype) for shape in shapes]
+    params = [nn.Parameter(t.clone()) for t in originals]
+    buffer = FlatParamBuffer(params, bucket_numel, world_size)
+    for p, t in zip(params, originals):  # params are now views with their old values
+        assert p.shape == t.shape and torch.equal(p, t)
+        assert p.untyped_storage().data_ptr() == buffer.data.untyped_storage().data_ptr()
+    shards = [LocalShard(buffer, rank) for rank in range(world_size)]
+
+    # Each rank's virtual params hold exactly its pieces of the originals (in master precision).
+    for shard in shards:
+        for piece, virtual in zip(shard.pieces, shard.virtual_params):
+            expected = originals[piece.param].reshape(-1)[piece.param_offset : piece.param_offset + piece.numel]
+            assert virtual.dtype == (torch.float32 if dtype.itemsize < 4 else dtype)
+            assert torch.equal(virtual.detach(), expected.to(virtual.dtype))
+
+    # Update every master, write back, "all-gather" by reading each rank's slices into a new
+    # buffer, and unflatten: every param must show the update, padding untouched.
+    with torch.no_grad():
+        for shard in shards:
+            for virtual in shard.virtual_params:
+                virtual.mul_(2)
+            shard.write_back()
+    gathered = torch.zeros_like(buffer.data)
+    for b in buffer.layout.buckets:
+        for rank in range(world_size):
+            start, end = b.rank_range(rank, world_size)
+            gathered[start:end] = buffer.slice_view(b.index, rank)
+    for i, t in enumerate(originals):
+        assert torch.equal(buffer.param_view(i, of=gathered).view_as(t), (t.to(torch.float32 if dtype.itemsize < 4 else dtype) * 2).to(dtype))
+    assert torch.equal(gathered, buffer.data)
+
+
+def test_layout_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="world_size=0"):
+        build_layout([3], 4, 0)
+    with pytest.raises(ValueError, match="bucket_numel=0"):
+        build_layout([3], 0, 2)
+    with pytest.raises(ValueError, match="numels is empty"):
+        build_layout([], 4, 2)
+    with pytest.raises(ValueError, match=r"\(1, 0\)"):
+        build_layout([3, 0], 4, 2)
+    with pytest.raises(ValueError, match="rank=2"):
+        build_layout([3], 4, 2).pieces(2)
+
+
+def test_large_param_gets_own_bucket_and_padding_goes_last():
+    layout = build_layout([5, 20, 3, 4], bucket_numel=10, world_size=4)
+    assert [b.params for b in layout.buckets] == [(0,), (1,), (2, 3)]
+    assert [(b.numel, b.padded_numel) for b in layout.buckets] == [(5, 8), (20, 20), (7, 8)]
+    assert [s.offset for s in layout.slots] == [0, 8, 28, 31]
