@@ -1,0 +1,29 @@
+"""The README's first quick-start command, shortened: the GPT example on 2 gloo ranks on real text."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_train_gpt_runs_on_two_ranks_and_learns():
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "examples" / "train_gpt.py"),
+               "--steps", "30", "--log-interval", "10", "--eval-batches", "4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "optimizer state per rank:" in result.stdout
+    summary = re.search(r"done: 30 steps .* train loss ([\d.]+) -> ([\d.]+), val loss ([\d.]+) -> ([\d.]+)", result.stdout)
+    assert summary, result.stdout[-3000:]
+    train_before, train_after, val_before, val_after = map(float, summary.groups())
+    assert val_after < val_before - 1.0 and train_after < train_before - 1.0, summary.group(0)
+
+
+def test_kernels_installs_under_zeroshard_only(tmp_path):
+    probe = "import importlib.util, zeroshard.kernels; print(importlib.util.find_spec('kernels') is None)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
