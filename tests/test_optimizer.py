@@ -286,3 +286,42 @@ def mesh_and_sgd_worker() -> bool:
 
 def test_device_mesh_and_sgd(pools):
     assert pools[2].run(mesh_and_sgd_worker) == [True, True]
+
+
+def overlap_worker(stage: int, overlap_comm: bool) -> tuple[list[str], list[bool]]:
+    """Order of bucket reduce-scatters against the last gradient hook of backward; .grad after backward."""
+    from zeroshard import grad_reducer
+
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(_adamw(model), stage=stage, overlap_comm=overlap_comm, bucket_size_mb=100 * 4 / 2**20)
+    events: list[str] = []
+    original = grad_reducer.collectives.reduce_scatter
+
+    def recording(*args, **kwargs):
+        events.append("reduce_scatter")
+        return original(*args, **kwargs)
+
+    grad_reducer.collectives.reduce_scatter = recording
+    try:
+        # The tied embedding's gradient is the last one ready (its hook runs after zeroshard's).
+        model.embed.weight.register_post_accumulate_grad_hook(lambda p: events.append("last hook"))
+        x, y = batch(dist.get_rank(), 0)
+        loss_fn(model, x, y).backward()
+    finally:
+        grad_reducer.collectives.reduce_scatter = original
+    grads_present = [p.grad is not None for p in model.parameters() if p.requires_grad]
+    opt.step()
+    return events, grads_present
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("overlap_comm", [True, False])
+def test_buckets_reduced_during_backward_and_stage2_frees_grads(pools, stage, overlap_comm):
+    events, grads_present = pools[2].run(overlap_worker, stage, overlap_comm)[0]
+    last = events.index("last hook")
+    assert events.count("reduce_scatter") >= 3, events
+    if overlap_comm:  # buckets complete before the last gradient must already be on the wire
+        assert events[0] == "reduce_scatter", events
+    else:
+        assert events[: last + 1] == ["last hook"], events
+    assert all(grads_present) if stage == 1 else not any(grads_present)
