@@ -31,7 +31,7 @@ def _branch_used(rank: int, step: int) -> bool:
     return not (3 <= step <= 5 or (8 <= step <= 10 and rank == 0))
 
 
-def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.dtype = torch.float32, add_group_at: int | None = None):
+def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.dtype = torch.float32, add_group_at: int | None = None, reduce_dtype: torch.dtype | None = None):
     """Train DDP + AdamW and ShardedOptimizer(AdamW) side by side; yield after every step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -48,7 +48,7 @@ def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.
     zgroups = param_groups(model)
     if add_group_at is not None:
         zgroups.pop()
-    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(zgroups, lr=1e-2, foreach=False), stage=stage, bucket_size_mb=200 * 4 / 2**20, overlap_comm=overlap_comm)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(zgroups, lr=1e-2, foreach=False), stage=stage, bucket_size_mb=200 * 4 / 2**20, overlap_comm=overlap_comm, reduce_dtype=reduce_dtype)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule) if add_group_at is None else None
 
     for step in range(STEPS):
@@ -131,4 +131,31 @@ def bf16_worker(stage: int) -> tuple[float, float]:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_bf16_error_at_most_twice_ddp(pools, stage):
     sharded_err, ddp_err = pools[2].run(bf16_worker, stage)[0]
+    assert sharded_err <= 2 * ddp_err, f"bf16 error {sharded_err:.3g} vs DDP + AdamW bf16 {ddp_err:.3g}"
+
+
+def reduce_dtype_worker(stage: int) -> tuple[float, float, set]:
+    """bf16 params reduced in fp32: the collective's dtype, and the error against fp32 DDP + AdamW."""
+    from zeroshard import grad_reducer
+
+    dtypes = set()
+    original = grad_reducer.collectives.reduce_scatter
+
+    def recording(output, input, group):
+        dtypes.add(input.dtype)
+        return original(output, input, group)
+
+    fp32 = list(_train_pair(stage, "none", True, torch.float32))[-1][0]
+    grad_reducer.collectives.reduce_scatter = recording
+    try:
+        ddp_bf16, sharded = list(_train_pair(stage, "none", True, torch.bfloat16, None, torch.float32))[-1][:2]
+    finally:
+        grad_reducer.collectives.reduce_scatter = original
+    return relative_error(sharded, fp32), relative_error(ddp_bf16, fp32), dtypes
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reduce_dtype_float32_for_bf16_params(pools, stage):
+    sharded_err, ddp_err, dtypes = pools[2].run(reduce_dtype_worker, stage)[0]
+    assert dtypes == {torch.float32}
     assert sharded_err <= 2 * ddp_err, f"bf16 error {sharded_err:.3g} vs DDP + AdamW bf16 {ddp_err:.3g}"

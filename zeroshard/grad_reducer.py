@@ -206,7 +206,6 @@ class GradReducer:
         self._pending.append(PendingReduce(work, grads, output, k, b))
 
     def _finish_backward(self) -> None:
-        self._callback_queued = False
         self._reduce_everything()
 
     def _reduce_everything(self) -> None:
@@ -232,12 +231,17 @@ class GradReducer:
             else:
                 target.add_(reduced)
         self._pending.clear()
+        self._clear_backward_state()
+        self._reductions += 1
+        self._unreduced = False
+
+    def _clear_backward_state(self) -> None:
+        """Forget which params were taken in the current backward pass."""
         self._next_launch = 0
+        self._callback_queued = False
         for k in range(len(self.shards)):
             self._ready[k] = [False] * len(self._ready[k])
             self._ready_count[k] = [0] * len(self._ready_count[k])
-        self._reductions += 1
-        self._unreduced = False
 
     def _is_flat_grad_view(self, k: int, i: int, param: nn.Parameter) -> bool:
         return param.grad.data_ptr() == self.shards[k].buffer.param_view(i, of=self._flat_grads[k]).data_ptr()
@@ -275,13 +279,20 @@ class GradReducer:
 
     @torch.no_grad()
     def reset(self) -> None:
-        """Zero the grad shards (and stage 1's flat grad buffers) and forget which params were used."""
+        """Zero the grad shards (and stage 1's flat grad buffers) and forget which params were used.
+
+        Also clears what a backward pass that raised midway left behind, so the next one starts clean.
+        """
         for k, shard in enumerate(self.shards):
             shard.grad_shard.zero_()
             flat_grad = self._flat_grads[k]
             if flat_grad is not None:
                 flat_grad.zero_()
             self._used[k] = [False] * len(self._used[k])
+        for pending in self._pending:  # left behind by a backward pass that raised
+            pending.work.wait()
+        self._pending.clear()
+        self._clear_backward_state()
         self._staging.clear()
         self._reductions = 0
         self._unreduced = False

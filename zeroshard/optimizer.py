@@ -16,18 +16,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
-from zeroshard import collectives
+from zeroshard import checkpoint, collectives
 from zeroshard.flat_buffer import FlatParamBuffer
 from zeroshard.grad_reducer import GradReducer
 from zeroshard.local_shard import LocalShard
 from zeroshard.memory import MemoryUsage, measure
 
 logger = logging.getLogger("zeroshard")
-
-SHARD_FORMAT = "zeroshard.shard"
-SHARD_FORMAT_VERSION = 1
-
 
 @dataclass
 class _ShardedGroup:
@@ -92,7 +89,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         *,
         stage: int = 2,
-        process_group: ProcessGroup | Any | None = None,
+        process_group: ProcessGroup | DeviceMesh | None = None,
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
         reduce_dtype: torch.dtype | None = None,
@@ -361,36 +358,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._device,
         )
 
-    def _layout_signature(self) -> list[tuple[Any, ...]]:
-        return [
-            (str(s.buffer.dtype), tuple(slot.numel for slot in s.buffer.layout.slots), tuple(b.padded_numel for b in s.buffer.layout.buckets))
-            for s in self._shards
-        ]
-
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state. Runs no collective (safe on one rank only).
 
-        Returns:
-            ``{"state", "param_groups"}`` in ``torch.optim`` format, indexed by this rank's
-            virtual parameters, plus ``"zeroshard"``: ``format``, ``version``, ``rank``,
-            ``world_size``, ``stage``, ``layout`` (dtype, param sizes and bucket sizes per flat
-            buffer) and ``master`` (per flat buffer: the fp32 master shard of 16-bit params, 1-D,
-            or ``None``). Tensors are references, not copies, as in ``torch.optim``.
+        See :func:`zeroshard.checkpoint.shard_state_dict` for the format.
         """
-        inner = self.optimizer.state_dict()
-        return {
-            "state": inner["state"],
-            "param_groups": inner["param_groups"],
-            "zeroshard": {
-                "format": SHARD_FORMAT,
-                "version": SHARD_FORMAT_VERSION,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "stage": self.stage,
-                "layout": self._layout_signature(),
-                "master": [s.master for s in self._shards],
-            },
-        }
+        return checkpoint.shard_state_dict(self.optimizer, self._shards, rank=self.rank, world_size=self.world_size, stage=self.stage)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a shard saved by :meth:`state_dict` on this same rank, world size and model.
@@ -403,31 +376,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 state dict, which this version cannot load), or was saved on another rank, world
                 size or param layout; the message names the mismatch.
         """
-        meta = state_dict.get("zeroshard") if isinstance(state_dict, dict) else None
-        if not isinstance(meta, dict) or meta.get("format") != SHARD_FORMAT:
-            raise ValueError("state_dict is not a zeroshard shard state dict (it has no 'zeroshard' entry with format 'zeroshard.shard'); this version loads only shards saved by ShardedOptimizer.state_dict()")
-        if meta.get("version") != SHARD_FORMAT_VERSION:
-            raise ValueError(f"state_dict has shard format version {meta.get('version')!r}; this version reads {SHARD_FORMAT_VERSION}")
-        for key, mine in (("rank", self.rank), ("world_size", self.world_size)):
-            if meta.get(key) != mine:
-                raise ValueError(f"state_dict was saved with {key}={meta.get(key)!r}, this optimizer has {key}={mine}; a shard loads only on the rank and world size that saved it")
-        layout = [tuple(entry) for entry in meta.get("layout", [])]
-        mine = self._layout_signature()
-        if layout != mine:
-            for k, (theirs, ours) in enumerate(zip(layout, mine)):
-                if theirs != ours:
-                    raise ValueError(f"state_dict flat buffer {k} has (dtype, param sizes, bucket sizes) {theirs}, this optimizer {ours}: saved for another model or bucket_size_mb")
-            raise ValueError(f"state_dict has {len(layout)} flat buffers, this optimizer {len(mine)}: saved for another model")
-        masters = meta.get("master", [])
-        for k, (shard, master) in enumerate(zip(self._shards, masters)):
-            expected = None if shard.master is None else tuple(shard.master.shape)
-            if (None if master is None else tuple(master.shape)) != expected:
-                raise ValueError(f"state_dict master shard {k} has shape {None if master is None else tuple(master.shape)}, expected {expected}")
-        self.optimizer.load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
-        with torch.no_grad():
-            for shard, master in zip(self._shards, masters):
-                if master is not None:
-                    shard.master.copy_(master)
+        checkpoint.load_shard_state_dict(self.optimizer, self._shards, state_dict, rank=self.rank, world_size=self.world_size)
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(stage={self.stage}, world_size={self.world_size}, rank={self.rank}, optimizer={self.optimizer!r})"
@@ -441,7 +390,7 @@ def _resolve_group(process_group: Any) -> ProcessGroup:
         group = dist.group.WORLD
     elif isinstance(process_group, ProcessGroup):
         group = process_group
-    elif type(process_group).__name__ == "DeviceMesh":
+    elif isinstance(process_group, DeviceMesh):
         if process_group.ndim != 1:
             raise ValueError(f"process_group is a {process_group.ndim}-D DeviceMesh {process_group.mesh_dim_names}; only 1-D meshes are supported")
         group = process_group.get_group()
