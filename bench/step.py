@@ -1,0 +1,116 @@
+"""``step`` suite: one training step (forward, backward, optimizer step) of the example GPT at 2 ranks.
+
+zeroshard stages 1 and 2 against DDP + AdamW, ``ZeroRedundancyOptimizer(AdamW)`` + DDP and FSDP2
+``fully_shard(reshard_after_forward=False)`` + AdamW: same model, batch and dtype (fp32), same
+AdamW settings. Methods take turns in rounds so drift in the machine's speed hits all alike; each
+figure is the median step time over all rounds, and each ratio is against a baseline measured in
+the same run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zeroshard
+from bench import gpt
+from bench.harness import Timing, ratio, run_ranks
+
+METHODS = ("ddp", "torch_zero", "fsdp2", "zeroshard_stage1", "zeroshard_stage2")
+RATIOS = (
+    ("zeroshard_stage2", "ddp"),
+    ("zeroshard_stage2", "torch_zero"),
+    ("zeroshard_stage2", "fsdp2"),
+    ("zeroshard_stage1", "ddp"),
+)
+ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95)}
+
+
+def _fully_shard():
+    try:
+        from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+def build_method(method: str, config: gpt.GPTConfig, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """(model to call, optimizer) for one method, from the same initial weights."""
+    model = gpt.build(config, device)
+    if method == "ddp":
+        return DDP(model), torch.optim.AdamW(gpt.decay_groups(model), **ADAMW)
+    if method == "torch_zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(gpt.decay_groups(model), optimizer_class=torch.optim.AdamW, **ADAMW)
+        return DDP(model), opt
+    if method == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        fully_shard = _fully_shard()
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        return model, torch.optim.AdamW(gpt.decay_groups(model), **ADAMW)
+    stage = {"zeroshard_stage1": 1, "zeroshard_stage2": 2}[method]
+    return model, zeroshard.ShardedOptimizer(torch.optim.AdamW(gpt.decay_groups(model), **ADAMW), stage=stage)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, steps: int, device: torch.device) -> list[float]:
+    """Seconds per step for ``steps`` steps, each started together on all ranks (a barrier)."""
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def rank_main(config: gpt.GPTConfig, rounds: int, steps: int, warmup: int) -> dict[str, list[float]]:
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    x, y = gpt.batch(config, dist.get_rank(), device)
+    built: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {m: build_method(m, config, device) for m in METHODS}
+    for model, opt in built.values():
+        time_steps(model, opt, x, y, warmup, device)
+    samples: dict[str, list[float]] = {m: [] for m in METHODS}
+    for _ in range(rounds):
+        for method, (model, opt) in built.items():
+            samples[method] += time_steps(model, opt, x, y, steps, device)
+    return samples
+
+
+def run(quick: bool, log: Callable[[str], None] = print) -> list[dict]:
+    """Time every method at world size 2; rows: one per method, then one per ratio."""
+    config = gpt.QUICK if quick else (gpt.FULL_GPU if torch.cuda.is_available() else gpt.FULL_CPU)
+    rounds, steps, warmup = (3, 5, 2) if quick else (5, 10, 3)
+    log(f"step: GPT {config}, 2 ranks, {rounds} rounds x {steps} steps per method")
+    samples = run_ranks(rank_main, 2, config, rounds, steps, warmup)[0]
+    timings = {m: Timing(m, tuple(s)) for m, s in samples.items()}
+    tokens = config.batch_size * config.seq_len * 2
+    rows = [
+        {"kind": "time", "method": m, "baseline": "", "median_ms": t.median * 1e3, "p20_ms": t.p20 * 1e3, "p80_ms": t.p80 * 1e3,
+         "tokens_per_s": tokens / t.median, "ratio": ""}
+        for m, t in timings.items()
+    ]
+    rows += [
+        {"kind": "ratio", "method": a, "baseline": b, "median_ms": "", "p20_ms": "", "p80_ms": "", "tokens_per_s": "",
+         "ratio": ratio(timings[a], timings[b])}
+        for a, b in RATIOS
+    ]
+    return rows

@@ -1,0 +1,87 @@
+"""The benchmark harness pieces that compute, and one end-to-end run of the step suite. No timing is asserted."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.formulas import zero_bytes  # noqa: E402
+from bench.harness import Timing, format_table, percentile, ratio, write_csv  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "stage, mixed, expected",
+    [
+        (0, True, 16_000),  # 2 + 2 + 12 bytes per param
+        (1, True, 4_000 + 12_000 / 4),
+        (2, True, 2_000 + 14_000 / 4),
+        (0, False, 16_000),  # 4 + 4 + 8
+        (1, False, 8_000 + 8_000 / 4),
+        (2, False, 4_000 + 12_000 / 4),
+    ],
+)
+def test_zero_formula_matches_the_paper(stage, mixed, expected):
+    assert zero_bytes(1_000, 4, stage, mixed) == expected
+
+
+def test_zero_formula_without_sharding_is_ddp():
+    for stage in (1, 2):
+        for mixed in (True, False):
+            assert zero_bytes(777, 1, stage, mixed) == zero_bytes(777, 1, 0, mixed)
+
+
+def test_zero_formula_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="stage=3"):
+        zero_bytes(10, 2, 3, True)
+    with pytest.raises(ValueError, match="world_size=0"):
+        zero_bytes(10, 0, 1, True)
+
+
+def test_percentiles_and_ratio_against_numpy():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 50):
+        samples = rng.random(n).tolist()
+        for q in (0, 20, 50, 80, 100):
+            assert percentile(samples, q) == pytest.approx(np.percentile(samples, q), rel=1e-12)
+    fast, slow = Timing("a", (1.0, 2.0, 3.0)), Timing("b", (4.0, 4.0, 5.0, 6.0))
+    assert (fast.median, fast.p20, fast.p80) == (2.0, pytest.approx(1.4), pytest.approx(2.6))
+    assert ratio(fast, slow) == 2.0 / 4.5
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_csv_is_stamped_and_keeps_every_column(tmp_path):
+    path = write_csv("demo", [{"method": "a", "ms": 1.5}, {"method": "b", "ratio": 0.9}], tmp_path)
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["method"] for r in rows] == ["a", "b"]
+    assert rows[0]["ms"] == "1.5" and rows[1]["ratio"] == "0.9" and rows[0]["ratio"] == ""
+    assert all(r["device"] and r["torch"] and r["date"] for r in rows)
+    assert path.name.startswith("demo-" + rows[0]["date"])
+    with pytest.raises(ValueError, match="no rows"):
+        write_csv("demo", [], tmp_path)
+    assert "1.5" in format_table([{"method": "a", "ms": 1.5}])
+
+
+def test_step_suite_runs_end_to_end(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "bench", "step", "--quick", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (path,) = tmp_path.glob("step-*.csv")
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    times = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "time"}
+    assert set(times) == {"ddp", "torch_zero", "fsdp2", "zeroshard_stage1", "zeroshard_stage2"}
+    assert all(t > 0 for t in times.values())
+    ratios = [r for r in rows if r["kind"] == "ratio"]
+    assert len(ratios) == 4
+    for r in ratios:  # each ratio is the two medians of this same run
+        assert float(r["ratio"]) == pytest.approx(times[r["method"]] / times[r["baseline"]], rel=1e-6)
