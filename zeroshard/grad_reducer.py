@@ -29,6 +29,12 @@ from zeroshard import collectives
 from zeroshard.local_shard import LocalShard
 
 
+# Stage 2 keeps at most this many bucket reductions in flight (double buffering, as DeepSpeed's
+# ZeRO-2 does): launching one more first completes the oldest, so staging memory stays bounded at
+# about this many buckets plus the one being filled, instead of growing to a full gradient copy.
+MAX_BUCKETS_IN_FLIGHT = 2
+
+
 @dataclass
 class PendingReduce:
     """One launched bucket reduce-scatter.
@@ -55,7 +61,8 @@ class GradReducer:
     dtype (full gradients kept), reduce-scattered bucket by bucket; since the flat grad buffer holds
     the running local sum of all micro-steps, each reduction overwrites the grad shard. Stage 2: as
     a param's gradient becomes ready it is added into a staging bucket in ``reduce_dtype`` and the
-    param's ``.grad`` is freed; each reduction is added into the grad shard. Either way the grad
+    param's ``.grad`` is freed; each reduction is added into the grad shard, and at most
+    ``MAX_BUCKETS_IN_FLIGHT`` reductions are in flight, their staging buffers reused. Either way the grad
     shard ends up holding ``sum over ranks / world_size`` (ZeRO, SC'20, §5.2).
 
     Args:
@@ -81,6 +88,7 @@ class GradReducer:
         self._ready_count: list[list[int]] = []  # per shard, per bucket
         self._used: list[list[bool]] = []  # per shard, per param: got a gradient since reset
         self._staging: dict[tuple[int, int], Tensor] = {}  # stage 2: 1-D reduce dtype, padded bucket
+        self._staging_pool: dict[tuple[int, torch.dtype], list[Tensor]] = {}  # stage 2: free staging buffers, until reset
         self._pending: list[PendingReduce] = []
         self._next_launch = 0
         self._callback_queued = False
@@ -176,10 +184,15 @@ class GradReducer:
             self._ready_count[k][slot.bucket] += 1
 
     def _staging_for(self, k: int, b: int) -> Tensor:
+        """Stage 2: the zeroed staging buffer of bucket ``b`` of shard ``k``, reused from the pool if one is free."""
         staging = self._staging.get((k, b))
         if staging is None:
-            bucket = self.shards[k].buffer.layout.buckets[b]
-            staging = torch.zeros(bucket.padded_numel, dtype=self._reduce_dtype(k), device=self.shards[k].buffer.device)
+            numel, dtype = self.shards[k].buffer.layout.buckets[b].padded_numel, self._reduce_dtype(k)
+            free = self._staging_pool.get((numel, dtype))
+            if free:
+                staging = free.pop().zero_()
+            else:
+                staging = torch.zeros(numel, dtype=dtype, device=self.shards[k].buffer.device)
             self._staging[(k, b)] = staging
         return staging
 
@@ -204,6 +217,22 @@ class GradReducer:
         output = torch.empty(buffer.layout.buckets[b].shard_numel(self.world_size), dtype=dtype, device=buffer.device)
         work = collectives.reduce_scatter(output, grads, self.group)
         self._pending.append(PendingReduce(work, grads, output, k, b))
+        if self.stage == 2 and len(self._pending) > MAX_BUCKETS_IN_FLIGHT:
+            # Bound stage 2's gradient memory: finish the oldest reduction and free its staging buffer.
+            self._complete(self._pending.pop(0))
+
+    def _complete(self, pending: PendingReduce) -> None:
+        """Wait for one reduction, fold its slice into the grad shard, recycle its staging buffer."""
+        # The reduced slice must have arrived before it is added into the grad shard.
+        pending.work.wait()
+        shard = self.shards[pending.shard]
+        reduced = pending.output.to(shard.grad_shard.dtype).div_(self.world_size)
+        target = shard.grad_slice(pending.bucket)
+        if self.stage == 1:
+            target.copy_(reduced)
+        else:
+            target.add_(reduced)
+            self._staging_pool.setdefault((pending.input.numel(), pending.input.dtype), []).append(pending.input)
 
     def _finish_backward(self) -> None:
         self._reduce_everything()
@@ -221,15 +250,7 @@ class GradReducer:
                 self._take_grad(k, i, param)
         self._launch_complete_buckets()
         for pending in self._pending:
-            # The reduced slice must have arrived before it is added into the grad shard.
-            pending.work.wait()
-            shard = self.shards[pending.shard]
-            reduced = pending.output.to(shard.grad_shard.dtype).div_(self.world_size)
-            target = shard.grad_slice(pending.bucket)
-            if self.stage == 1:
-                target.copy_(reduced)
-            else:
-                target.add_(reduced)
+            self._complete(pending)
         self._pending.clear()
         self._clear_backward_state()
         self._reductions += 1
@@ -294,9 +315,11 @@ class GradReducer:
         self._pending.clear()
         self._clear_backward_state()
         self._staging.clear()
+        self._staging_pool.clear()  # stage 2 holds no gradient buffers between steps
         self._reductions = 0
         self._unreduced = False
 
     def grad_buffers(self) -> list[Tensor]:
-        """The gradient buffers this reducer owns right now: stage 1 flat grads, stage 2 staging buckets."""
-        return [t for t in self._flat_grads if t is not None] + list(self._staging.values())
+        """The gradient buffers this reducer owns right now: stage 1 flat grads, stage 2 staging buckets (pooled too)."""
+        pooled = [t for free in self._staging_pool.values() for t in free]
+        return [t for t in self._flat_grads if t is not None] + list(self._staging.values()) + pooled
