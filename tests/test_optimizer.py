@@ -325,3 +325,31 @@ def test_buckets_reduced_during_backward_and_stage2_frees_grads(pools, stage, ov
     else:
         assert events[: last + 1] == ["last hook"], events
     assert all(grads_present) if stage == 1 else not any(grads_present)
+
+
+def staging_bound_worker() -> tuple[int, int, int]:
+    """Peak stage 2 gradient-buffer bytes seen during backward, one bucket's bytes, all gradients' bytes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(8)])
+    bucket_mb = 64 * 64 * 4 / 2**20  # one layer per bucket
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters()), stage=2, bucket_size_mb=bucket_mb)
+    peak = 0
+
+    def record(_):
+        nonlocal peak
+        peak = max(peak, opt.memory_usage().by_kind["grads"])
+
+    for layer in model:  # registered after zeroshard's hooks, so they see its buffers
+        layer.weight.register_post_accumulate_grad_hook(record)
+    for _ in range(2):
+        model(torch.randn(4, 64)).sum().backward()
+        record(None)  # after the end-of-backward reduction too
+        opt.step()
+    return peak, 64 * 64 * 4, 8 * 64 * 64 * 4
+
+
+def test_stage2_gradient_buffers_stay_bounded_during_backward(pools):
+    from zeroshard.grad_reducer import MAX_BUCKETS_IN_FLIGHT
+
+    for peak, bucket, everything in pools[2].run(staging_bound_worker):
+        assert peak <= (MAX_BUCKETS_IN_FLIGHT + 1) * bucket < everything, (peak, bucket, everything)

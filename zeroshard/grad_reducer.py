@@ -322,4 +322,5 @@ class GradReducer:
     def grad_buffers(self) -> list[Tensor]:
         """The gradient buffers this reducer owns right now: stage 1 flat grads, stage 2 staging buckets (pooled too)."""
         pooled = [t for free in self._staging_pool.values() for t in free]
-        return [t for t in self._flat_grads if t is not None] + list(self._staging.values()) + pooled
+        in_flight = [p.input for p in self._pending] if self.stage == 2 else []
+        return [t for t in self._flat_grads if t is not None] + list(self._staging.values()) + in_flight + pooled
