@@ -5,12 +5,19 @@ zeroshard stages 1 and 2 against DDP + AdamW, ``ZeroRedundancyOptimizer(AdamW)``
 AdamW settings. Methods take turns in rounds so drift in the machine's speed hits all alike; each
 figure is the median step time over all rounds, and each ratio is against a baseline measured in
 the same run.
+
+The suite also counts the bytes each rank sends per step at world size 4 for DDP, flat sharding
+(shard size 4) and hybrid sharding (``zeroshard.hybrid_mesh(2)``): the growth of the process's
+``wchar`` in ``/proc/self/io``, which counts every byte written to the collectives' sockets (only
+collectives write during a step). Counted, not estimated; Linux only.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -113,4 +120,57 @@ def run(quick: bool, log: Callable[[str], None] = print) -> list[dict]:
          "ratio": ratio(timings[a], timings[b])}
         for a, b in RATIOS
     ]
-    return rows
+    log("step: bytes sent per rank per step at world size 4 (flat vs hybrid sharding)")
+    return rows + comm_rows(config, steps=3 if quick else 5)
+
+
+COMM_LAYOUTS = (("ddp", None), ("zeroshard_flat", 4), ("zeroshard_hybrid", 2))  # (name, shard size)
+PROC_IO = Path("/proc/self/io")
+
+
+def bytes_written() -> int:
+    """This process's ``wchar``: bytes passed to write calls so far, sockets included (Linux)."""
+    for line in PROC_IO.read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{PROC_IO} has no wchar line")
+
+
+def comm_rank_main(config: gpt.GPTConfig, steps: int) -> dict[str, list[int]]:
+    """Bytes written by this rank in each of ``steps`` training steps, per layout (stage 2 for zeroshard)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    x, y = gpt.batch(config, dist.get_rank(), device)
+    sent: dict[str, list[int]] = {}
+    for name, shard_size in COMM_LAYOUTS:
+        if shard_size is None:
+            model, opt = build_method("ddp", config, device)
+        else:
+            model = gpt.build(config, device)
+            group = zeroshard.hybrid_mesh(shard_size) if shard_size < dist.get_world_size() else None
+            opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(gpt.decay_groups(model), **ADAMW), stage=2, process_group=group)
+        sent[name] = []
+        for step in range(steps + 1):
+            _sync(device)
+            dist.barrier()
+            before = bytes_written()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            _sync(device)
+            if step:  # the first step builds buckets and state
+                sent[name].append(bytes_written() - before)
+    return sent
+
+
+def comm_rows(config: gpt.GPTConfig, steps: int) -> list[dict]:
+    """One row per layout: the largest per-rank median of bytes sent per step, and its ratio to flat sharding."""
+    if not PROC_IO.exists():
+        return []
+    per_rank = run_ranks(comm_rank_main, 4, config, steps)
+    numel = sum(p.numel() for p in gpt.build(config, torch.device("cpu")).parameters())
+    sent = {name: max(statistics.median(rank[name]) for rank in per_rank) for name, _ in COMM_LAYOUTS}
+    return [
+        {"kind": "bytes", "method": name, "baseline": "zeroshard_flat", "world_size": 4, "shard_size": shard or "",
+         "bytes_sent_per_rank_MiB": sent[name] / 2**20, "bytes_per_param": sent[name] / numel, "ratio": sent[name] / sent["zeroshard_flat"]}
+        for name, shard in COMM_LAYOUTS
+    ]

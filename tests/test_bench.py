@@ -85,3 +85,8 @@ def test_step_suite_runs_end_to_end(tmp_path):
     assert len(ratios) == 4
     for r in ratios:  # each ratio is the two medians of this same run
         assert float(r["ratio"]) == pytest.approx(times[r["method"]] / times[r["baseline"]], rel=1e-6)
+    sent = {r["method"]: float(r["bytes_per_param"]) for r in rows if r["kind"] == "bytes"}
+    assert set(sent) == {"ddp", "zeroshard_flat", "zeroshard_hybrid"}
+    # Counted bytes are at least what the collectives must move (ring algorithms, 4 ranks, fp32):
+    # DDP's all-reduce 2*(3/4)*4 bytes per param; flat sharding's all-gather alone (3/4)*4.
+    assert sent["ddp"] >= 6.0 and sent["zeroshard_flat"] >= 3.0 and sent["zeroshard_hybrid"] > 0

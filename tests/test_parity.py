@@ -31,8 +31,12 @@ def _branch_used(rank: int, step: int) -> bool:
     return not (3 <= step <= 5 or (8 <= step <= 10 and rank == 0))
 
 
-def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.dtype = torch.float32, add_group_at: int | None = None, reduce_dtype: torch.dtype | None = None):
-    """Train DDP + AdamW and ShardedOptimizer(AdamW) side by side; yield after every step."""
+def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.dtype = torch.float32, add_group_at: int | None = None, reduce_dtype: torch.dtype | None = None, process_group=None, ddp_group=None):
+    """Train DDP + AdamW and ShardedOptimizer(AdamW) side by side; yield after every step.
+
+    ``process_group`` is what ShardedOptimizer shards over; ``ddp_group`` the group of the DDP
+    reference (default: the world).
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref_model = TinyNet().to(dtype)
@@ -40,7 +44,7 @@ def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.
     groups = param_groups(ref_model)
     held_back = groups.pop() if add_group_at is not None else None
 
-    ref = DDP(ref_model, find_unused_parameters=True) if world > 1 else ref_model
+    ref = DDP(ref_model, find_unused_parameters=True, process_group=ddp_group) if world > 1 else ref_model
     ref_opt = torch.optim.AdamW(groups, lr=1e-2, foreach=False)
     # torch's LR schedulers do not follow groups added later, so that config runs without one.
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, _schedule) if add_group_at is None else None
@@ -48,7 +52,7 @@ def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.
     zgroups = param_groups(model)
     if add_group_at is not None:
         zgroups.pop()
-    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(zgroups, lr=1e-2, foreach=False), stage=stage, bucket_size_mb=200 * 4 / 2**20, overlap_comm=overlap_comm, reduce_dtype=reduce_dtype)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(zgroups, lr=1e-2, foreach=False), stage=stage, bucket_size_mb=200 * 4 / 2**20, overlap_comm=overlap_comm, reduce_dtype=reduce_dtype, process_group=process_group)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule) if add_group_at is None else None
 
     for step in range(STEPS):
@@ -90,10 +94,10 @@ def parity_worker(configs: list[tuple]) -> list[tuple]:
     return out
 
 
-def _same_on_all_ranks(model) -> bool:
+def _same_on_all_ranks(model, group=None) -> bool:
     flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flat, group=group)
     return all(torch.equal(g, flat) for g in gathered)
 
 

@@ -4,8 +4,9 @@ Replace ``torch.optim.AdamW(...)`` with ``zeroshard.ShardedOptimizer(torch.optim
 and launch with ``torchrun``. See ``docs/`` for the design and API reference.
 """
 
+from zeroshard.groups import hybrid_mesh
 from zeroshard.memory import MemoryUsage
 from zeroshard.optimizer import ShardedOptimizer
 
-__all__ = ["MemoryUsage", "ShardedOptimizer"]
+__all__ = ["MemoryUsage", "ShardedOptimizer", "hybrid_mesh"]
 __version__ = "0.1.0"

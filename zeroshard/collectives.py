@@ -75,15 +75,17 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
         group: the process group to compare over.
 
     Raises:
-        ValueError: on every rank, naming the first differing rank and entry and both values.
+        ValueError: on every rank of ``group``, naming the first differing (global) rank, the
+            entry and both values.
     """
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, list(fingerprint), group=group)
-    reference = gathered[0]
+    reference, first = gathered[0], dist.get_global_rank(group, 0)
     for rank, theirs in enumerate(gathered[1:], start=1):
         if theirs == reference:
             continue
+        rank = dist.get_global_rank(group, rank)
         for mine, other in zip(reference, theirs):
             if mine != other:
-                raise ValueError(f"{what} {other[0]} on rank {rank} is {other[1:]}, on rank 0 {mine[1:]}; every rank must build the optimizer on the same params in the same order")
-        raise ValueError(f"rank {rank} has {len(theirs)} {what}s, rank 0 has {len(reference)}; every rank must build the optimizer on the same params in the same order")
+                raise ValueError(f"{what} {other[0]} on rank {rank} is {other[1:]}, on rank {first} {mine[1:]}; every rank must build the optimizer on the same params in the same order")
+        raise ValueError(f"rank {rank} has {len(theirs)} {what}s, rank {first} has {len(reference)}; every rank must build the optimizer on the same params in the same order")

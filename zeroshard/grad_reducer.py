@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
-from torch.distributed import ProcessGroup
 
 from zeroshard import collectives
+from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
 
 
@@ -63,21 +63,23 @@ class GradReducer:
     a param's gradient becomes ready it is added into a staging bucket in ``reduce_dtype`` and the
     param's ``.grad`` is freed; each reduction is added into the grad shard, and at most
     ``MAX_BUCKETS_IN_FLIGHT`` reductions are in flight, their staging buffers reused. Either way the grad
-    shard ends up holding ``sum over ranks / world_size`` (ZeRO, SC'20, §5.2).
+    shard ends up holding ``sum over data-parallel ranks / their number`` (ZeRO, SC'20, §5.2).
 
     Args:
         shards: the local shards whose params get hooks.
         stage: 1 or 2.
-        group: the sharding process group.
+        groups: the shard group (reduce-scatter) and, for hybrid sharding, the replicate group
+            (all-reduce of the reduced slice across replicas).
         reduce_dtype: dtype of the reduce-scatter; ``None`` means each param's own dtype.
         overlap_comm: launch buckets during backward as they complete (``True``) or all at the end
             of backward (``False``).
     """
 
-    def __init__(self, shards: list[LocalShard], *, stage: int, group: ProcessGroup, reduce_dtype: torch.dtype | None, overlap_comm: bool) -> None:
+    def __init__(self, shards: list[LocalShard], *, stage: int, groups: ShardingGroups, reduce_dtype: torch.dtype | None, overlap_comm: bool) -> None:
         self.stage = stage
-        self.group = group
-        self.world_size = dist.get_world_size(group)
+        self.groups = groups
+        self.group = groups.shard
+        self.world_size = groups.shard_size
         self.reduce_dtype = reduce_dtype
         self.overlap_comm = overlap_comm
         self.shards: list[LocalShard] = []
@@ -225,8 +227,11 @@ class GradReducer:
         """Wait for one reduction, fold its slice into the grad shard, recycle its staging buffer."""
         # The reduced slice must have arrived before it is added into the grad shard.
         pending.work.wait()
+        if self.groups.replicate is not None:
+            # Hybrid: the same slice on every replica, summed across them (MiCS, §3).
+            dist.all_reduce(pending.output, group=self.groups.replicate)
         shard = self.shards[pending.shard]
-        reduced = pending.output.to(shard.grad_shard.dtype).div_(self.world_size)
+        reduced = pending.output.to(shard.grad_shard.dtype).div_(self.groups.data_parallel_size)
         target = shard.grad_slice(pending.bucket)
         if self.stage == 1:
             target.copy_(reduced)
@@ -286,11 +291,13 @@ class GradReducer:
     def global_used(self) -> list[list[bool]]:
         """Per shard, per param: whether the param got a gradient on any rank since the last reset.
 
-        One uint8 MAX all-reduce over the group (skipped for a single rank).
+        One uint8 MAX all-reduce over the shard group, and one over the replicate group if any
+        (skipped for groups of one rank).
         """
         flags = torch.tensor([u for used in self._used for u in used], dtype=torch.uint8, device=self.shards[0].buffer.device)
-        if self.world_size > 1:
-            collectives.all_reduce_max_(flags, self.group)
+        for group in self.groups.all():
+            if dist.get_world_size(group) > 1:
+                collectives.all_reduce_max_(flags, group)
         values = [bool(v) for v in flags.tolist()]
         result, start = [], 0
         for used in self._used:

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zeroshard import checkpoint, collectives
 from zeroshard.flat_buffer import FlatParamBuffer
 from zeroshard.grad_reducer import GradReducer
+from zeroshard.groups import ShardingGroups, resolve_groups
 from zeroshard.local_shard import LocalShard
 from zeroshard.memory import MemoryUsage, measure
 
@@ -55,8 +56,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Models", SC'20, §5 (stages 1 and 2), with the virtual-parameter scheme of the SageMaker model
     parallel library; mirrors ``torch.distributed.optim.ZeroRedundancyOptimizer`` in API.
 
-    Memory per rank for Ψ mixed-precision params and N ranks (Adam): stage 1 ``4Ψ + 16Ψ/N``
-    bytes, stage 2 ``2Ψ + 16Ψ/N`` plus the buckets in flight (the grad shard is kept in fp32).
+    Memory per rank for Ψ mixed-precision params and sharding degree N (Adam): stage 1
+    ``4Ψ + 16Ψ/N`` bytes, stage 2 ``2Ψ + 16Ψ/N`` plus the buckets in flight (the grad shard is
+    kept in fp32). N is the shard group's size, not the number of data-parallel ranks.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` instance built on the model's params, not yet
@@ -64,9 +66,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             each group's ``"params"`` replaced by this rank's virtual parameters (1-D, fp32 for
             16-bit params, else the param dtype).
         stage: 1 shards optimizer state and master weights; 2 also shards gradients.
-        process_group: the data-parallel group to shard over, a ``ProcessGroup`` or a 1-D
-            ``DeviceMesh``; ``None`` means the default (world) group. Every member must build the
-            optimizer on the same params, in the same order.
+        process_group: the data-parallel ranks and how they shard: ``None`` (the world, flat
+            sharding), a ``ProcessGroup`` (e.g. a subgroup; ranks outside it run their own), a
+            1-D ``DeviceMesh``, or a 2-D ``DeviceMesh`` with dims ("replicate", "shard") for
+            hybrid (MiCS) sharding: state sharded within each "shard" group and replicated across
+            "replicate" (see :func:`zeroshard.hybrid_mesh`). Gradients are averaged over all
+            data-parallel ranks. Every member must build the optimizer on the same params, in the
+            same order.
         bucket_size_mb: size of a gradient reduce-scatter / param all-gather bucket in MiB of the
             param dtype (DDP's default, 25). A param larger than this gets a bucket of its own.
         overlap_comm: reduce-scatter each bucket as soon as its gradients are ready during
@@ -75,10 +81,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already sharded),
-            ``process_group`` is neither a ``ProcessGroup`` nor a 1-D ``DeviceMesh``, or
+            ``process_group`` is neither a ``ProcessGroup`` nor a ``DeviceMesh``, or
             ``reduce_dtype`` is not a floating-point ``torch.dtype``.
         ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` not positive; torch.distributed
-            not initialized or this rank not in ``process_group``; no trainable params; params on
+            not initialized, this rank not in ``process_group``, or a 2-D mesh whose dims are not
+            ("replicate", "shard"); no trainable params; params on
             several devices, sparse or complex params; an optimizer that already holds state;
             ranks holding different param shapes (raised on every rank, naming the param).
             All checks but the last run before any collective.
@@ -109,8 +116,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         self.optimizer = optimizer
         self.stage = stage
-        self.process_group = _resolve_group(process_group)
-        self.world_size = dist.get_world_size(self.process_group)
+        self.groups: ShardingGroups = resolve_groups(process_group)
+        self.process_group = self.groups.shard
+        self.world_size = self.groups.shard_size
         self.rank = dist.get_rank(self.process_group)
         self.bucket_size_mb = float(bucket_size_mb)
         self.overlap_comm = overlap_comm
@@ -183,7 +191,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for g, params in zip(indices, groups)
             for j, p in enumerate(params)
         ]
-        collectives.check_same_on_all_ranks("param", fingerprint, self.process_group)
+        for group in self.groups.all():
+            collectives.check_same_on_all_ranks("param", fingerprint, group)
 
         buffers: list[FlatParamBuffer] = []
         records = []
@@ -197,8 +206,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 buffers.append(FlatParamBuffer(same_dtype, self._bucket_numel(dtype), self.world_size))
             records.append(_ShardedGroup(params=params, shards=shard_ids))
         frozen = [p.data for params in groups for p in params if not p.requires_grad]
-        if self.world_size > 1:
-            collectives.broadcast_from_first_([b.data for b in buffers] + frozen, self.process_group)
+        # Replicas take replica 0's values, then each shard group its first rank's: all equal rank (0, 0).
+        for group in reversed(self.groups.all()):
+            if dist.get_world_size(group) > 1:
+                collectives.broadcast_from_first_([b.data for b in buffers] + frozen, group)
 
         new_shards = [LocalShard(buffer, self.rank) for buffer in buffers]
         self._shards.extend(new_shards)
@@ -207,7 +218,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.optimizer.param_groups[g]["params"] = [v for k in record.shards for v in self._shards[k].virtual_params]
         if self._reducer is None:
             self._reducer = GradReducer(
-                new_shards, stage=self.stage, group=self.process_group, reduce_dtype=self.reduce_dtype, overlap_comm=self.overlap_comm
+                new_shards, stage=self.stage, groups=self.groups, reduce_dtype=self.reduce_dtype, overlap_comm=self.overlap_comm
             )
         else:
             for shard in new_shards:
@@ -238,10 +249,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         buckets = sum(len(s.buffer.layout.buckets) for s in self._shards)
         params = sum(len(s.buffer.params) for s in self._shards)
         shard = sum(s.buffer.layout.shard_numel for s in self._shards)
+        replicas = self.groups.data_parallel_size // self.world_size
         logger.info(
-            "zeroshard: stage %d over %d ranks: %d params (%d elements with padding) in %d flat buffers, "
+            "zeroshard: stage %d, sharded over %d ranks x %d replicas: %d params (%d elements with padding) in %d flat buffers, "
             "%d buckets of <= %.1f MiB; each rank holds optimizer state for %d elements",
-            self.stage, self.world_size, params, numel, len(self._shards), buckets, self.bucket_size_mb, shard,
+            self.stage, self.world_size, replicas, params, numel, len(self._shards), buckets, self.bucket_size_mb, shard,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -381,21 +393,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"ShardedOptimizer(stage={self.stage}, world_size={self.world_size}, rank={self.rank}, optimizer={self.optimizer!r})"
 
-
-def _resolve_group(process_group: Any) -> ProcessGroup:
-    """The ``ProcessGroup`` to shard over; checks that torch.distributed is up and this rank is in it."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("process_group: torch.distributed is not initialized; call torch.distributed.init_process_group() first (torchrun sets up its environment)")
-    if process_group is None:
-        group = dist.group.WORLD
-    elif isinstance(process_group, ProcessGroup):
-        group = process_group
-    elif isinstance(process_group, DeviceMesh):
-        if process_group.ndim != 1:
-            raise ValueError(f"process_group is a {process_group.ndim}-D DeviceMesh {process_group.mesh_dim_names}; only 1-D meshes are supported")
-        group = process_group.get_group()
-    else:
-        raise TypeError(f"process_group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(process_group).__name__}")
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of process_group")
-    return group

@@ -1,0 +1,76 @@
+"""Hybrid (MiCS) sharding and subgroups on 4 gloo ranks, against DDP + AdamW."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from models import TinyNet, param_groups
+from test_parity import _same_on_all_ranks, _train_pair
+
+
+def hybrid_parity_worker(shard_size: int, stage: int, accumulation: str) -> tuple[float, bool, int, int]:
+    """Worst tolerance ratio against DDP over the world, params equal on all 4 ranks after every
+    step, and this rank's exp_avg + exp_avg_sq bytes next to DDP's."""
+    mesh = zeroshard.hybrid_mesh(shard_size)
+    worst, identical = 0.0, True
+    for ref_model, model, opt in _train_pair(stage, accumulation, True, process_group=mesh):
+        from models import tolerance_ratio
+
+        worst = max(worst, tolerance_ratio(model, ref_model))
+        identical &= _same_on_all_ranks(model)
+    moments = sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items() if k != "step")
+    unsharded = 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return worst, identical, moments, unsharded
+
+
+@pytest.mark.parametrize("shard_size, stage, accumulation", [(1, 2, "none"), (2, 1, "none"), (2, 2, "none"), (2, 2, "no_sync"), (4, 2, "backward")])
+def test_hybrid_parity_with_ddp(pools, shard_size, stage, accumulation):
+    results = pools[4].run(hybrid_parity_worker, shard_size, stage, accumulation)
+    for worst, identical, _, _ in results:
+        assert identical, "params differ between ranks"
+        assert worst <= 1.0, f"params off DDP + AdamW by {worst:.3g}x the tolerance (rtol 1e-6, atol 1e-7)"
+    # Optimizer state follows the shard size, not the world size: each shard group holds one copy.
+    for start in range(0, 4, shard_size):
+        assert sum(r[2] for r in results[start : start + shard_size]) == results[0][3]
+    if shard_size == 2:
+        assert all(moments <= 0.5 * unsharded * 1.05 for _, _, moments, unsharded in results)
+
+
+def subgroups_worker() -> tuple[float, bool, list[float]]:
+    """Ranks {0, 1} and {2, 3} each train their own replica on their own process group."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[dist.get_rank() // 2]
+    worst = 0.0
+    for ref_model, model, _ in _train_pair(2, "none", True, process_group=mine, ddp_group=mine):
+        from models import tolerance_ratio
+
+        worst = max(worst, tolerance_ratio(model, ref_model))
+    first = [float(p.detach().reshape(-1)[0]) for p in model.parameters()]
+    return worst, _same_on_all_ranks(model, mine), first
+
+
+def test_independent_subgroups_train_their_own_replicas(pools):
+    results = pools[4].run(subgroups_worker)
+    for worst, identical, _ in results:
+        assert identical and worst <= 1.0, worst
+    assert results[0][2] == results[1][2] and results[2][2] == results[3][2]
+    assert results[0][2] != results[2][2]  # different data, different replicas
+
+
+def bad_mesh_worker() -> None:
+    with pytest.raises(ValueError, match=r"shard_size=3 must divide the world size 4: one of \[1, 2, 4\]"):
+        zeroshard.hybrid_mesh(3)
+    with pytest.raises(ValueError, match=r"shard_size=0 must divide"):
+        zeroshard.hybrid_mesh(0)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    wrong = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"dims \('dp', 'tp'\)"):
+        zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(TinyNet())), process_group=wrong)
+
+
+def test_bad_shard_size_or_mesh_raises_before_any_collective(pools):
+    pools[4].run(bad_mesh_worker)
