@@ -104,6 +104,10 @@ class RankPool:
                     raise TimeoutError(f"{fn.__name__} did not finish on ranks {missing}: {why}") from None
                 continue
             answers[rank] = (ok, value)
+        if not all(ok for ok, _ in answers.values()):
+            # A rank that raised may have left the others mid-collective: start clean next time.
+            self.close()
+            self._start()
         for rank in range(self.world_size):
             ok, value = answers[rank]
             if not ok:

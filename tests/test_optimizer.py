@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import io
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -129,80 +126,6 @@ def contract_worker() -> None:
 
 def test_torch_optimizer_contract(pools):
     pools[2].run(contract_worker)
-
-
-def resume_worker(stage: int) -> None:
-    """Save a shard at step 4, keep training; resume a fresh copy from the shard: bitwise equal."""
-    torch.manual_seed(0)
-    model = TinyNet().to(torch.bfloat16)
-    opt = zeroshard.ShardedOptimizer(_adamw(model), stage=stage, bucket_size_mb=100 * 2 / 2**20)
-    _train(model, opt, range(4))
-    saved = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, saved)
-    _train(model, opt, range(4, 8))
-
-    saved.seek(0)
-    checkpoint = torch.load(saved, weights_only=False)
-    torch.manual_seed(1)
-    resumed = TinyNet().to(torch.bfloat16)
-    ropt = zeroshard.ShardedOptimizer(_adamw(resumed), stage=stage, bucket_size_mb=100 * 2 / 2**20)
-    resumed.load_state_dict(checkpoint["model"])
-    ropt.load_state_dict(checkpoint["optim"])
-    _train(resumed, ropt, range(4, 8))
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
-
-
-@pytest.mark.parametrize("stage", [1, 2])
-def test_shard_state_dict_resumes_bitwise(pools, stage):
-    pools[2].run(resume_worker, stage)
-
-
-def load_errors_worker() -> None:
-    torch.manual_seed(0)
-    model = TinyNet()
-    opt = zeroshard.ShardedOptimizer(_adamw(model))
-    _train(model, opt, range(2))
-    mine = copy.deepcopy(opt.state_dict())
-    theirs = [None, None]
-    dist.all_gather_object(theirs, mine)
-    other = theirs[1 - dist.get_rank()]
-    before = copy.deepcopy(opt.state_dict())
-
-    plain = torch.optim.AdamW(TinyNet().parameters()).state_dict()
-    with pytest.raises(ValueError, match="not a zeroshard shard state dict"):
-        opt.load_state_dict(plain)
-    with pytest.raises(ValueError, match=f"saved with rank={1 - dist.get_rank()}"):
-        opt.load_state_dict(other)
-    wrong_layout = copy.deepcopy(mine)
-    wrong_layout["zeroshard"]["layout"][0] = ("torch.float32", (1, 2), (3,))
-    with pytest.raises(ValueError, match="flat buffer 0 has"):
-        opt.load_state_dict(wrong_layout)
-    assert _same_state(opt.state_dict(), before)  # failed loads changed nothing
-    opt.load_state_dict(mine)
-
-
-def _same_state(a: dict, b: dict) -> bool:
-    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
-        return False
-    return all(torch.equal(a["state"][k][n], b["state"][k][n]) for k in a["state"] for n in a["state"][k])
-
-
-def test_load_state_dict_rejects_foreign_shards_and_changes_nothing(pools):
-    pools[2].run(load_errors_worker)
-
-
-def state_dict_on_one_rank_worker() -> None:
-    model = TinyNet()
-    opt = zeroshard.ShardedOptimizer(_adamw(model))
-    _train(model, opt, range(1))
-    if dist.get_rank() == 0:  # as HF Trainer and accelerate do
-        sd = opt.state_dict()
-        assert sd["zeroshard"]["world_size"] == 2
-    _train(model, opt, range(1, 2))  # would hang if state_dict() had run a collective
-
-
-def test_state_dict_runs_no_collective(pools):
-    pools[2].run(state_dict_on_one_rank_worker, timeout=90)
 
 
 def memory_worker(stage: int) -> tuple[int, int, dict]:

@@ -26,10 +26,13 @@ class ShardingGroups:
     Attributes:
         shard: the ranks that split the optimizer state among them (size N, the sharding degree).
         replicate: the ranks holding the same shard in other replicas, or ``None`` for flat sharding.
+        mesh: a ``DeviceMesh`` over the same ranks — 1-D (shard) or 2-D (replicate, shard) — on
+            which checkpoint DTensors live.
     """
 
     shard: ProcessGroup
     replicate: ProcessGroup | None
+    mesh: DeviceMesh
 
     @property
     def shard_size(self) -> int:
@@ -85,13 +88,13 @@ def resolve_groups(process_group: ProcessGroup | DeviceMesh | None) -> ShardingG
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("process_group: torch.distributed is not initialized; call torch.distributed.init_process_group() first (torchrun sets up its environment)")
-    replicate = None
+    replicate, mesh = None, None
     if process_group is None:
         shard = dist.group.WORLD
     elif isinstance(process_group, ProcessGroup):
         shard = process_group
     elif isinstance(process_group, DeviceMesh):
-        names = process_group.mesh_dim_names
+        names, mesh = process_group.mesh_dim_names, process_group
         if process_group.ndim == 1:
             shard = process_group.get_group()
         elif process_group.ndim == 2 and names is not None and tuple(names) == HYBRID_DIMS:
@@ -102,4 +105,6 @@ def resolve_groups(process_group: ProcessGroup | DeviceMesh | None) -> ShardingG
         raise TypeError(f"process_group must be a ProcessGroup, a DeviceMesh or None, got {type(process_group).__name__}")
     if dist.get_rank(shard) < 0:
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of process_group")
-    return ShardingGroups(shard, replicate)
+    if mesh is None:  # no collective: the mesh wraps the existing group
+        mesh = DeviceMesh.from_group(shard, "cuda" if dist.get_backend(shard) == "nccl" else "cpu")
+    return ShardingGroups(shard, replicate, mesh)

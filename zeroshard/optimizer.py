@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -127,6 +128,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         self._groups: list[_ShardedGroup] = []
         self._shards: list[LocalShard] = []
+        self._param_index: list[list[int]] = []  # per shard, per layout position: torch.optim param index
+        self._param_steps: list[int] = []  # per torch.optim param index: updates so far (replicated)
+        self._consolidated: dict[str, Any] | None = None  # full state, on the consolidate_state_dict rank
+        self._issued: dict[int, weakref.ref] = {}  # id -> DTensor, for those the last state_dict() returned
         self._device: torch.device | None = None
         self._reducer: GradReducer | None = None
         self._shard_groups(range(len(optimizer.param_groups)))
@@ -196,15 +201,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         buffers: list[FlatParamBuffer] = []
         records = []
+        first_index = len(self._param_steps)  # torch.optim numbers params across groups in order
         for params in groups:
             trainable = [p for p in params if p.requires_grad]
+            index_of = {id(p): first_index + j for j, p in enumerate(params)}
+            first_index += len(params)
             shard_ids = []
             for dtype in dict.fromkeys(p.dtype for p in trainable):
                 # Reverse registration order approximates the order gradients become ready.
                 same_dtype = [p for p in reversed(trainable) if p.dtype == dtype]
                 shard_ids.append(len(self._shards) + len(buffers))
                 buffers.append(FlatParamBuffer(same_dtype, self._bucket_numel(dtype), self.world_size))
+                self._param_index.append([index_of[id(p)] for p in same_dtype])
             records.append(_ShardedGroup(params=params, shards=shard_ids))
+        self._param_steps.extend([0] * (first_index - len(self._param_steps)))
         frozen = [p.data for params in groups for p in params if not p.requires_grad]
         # Replicas take replica 0's values, then each shard group its first rank's: all equal rank (0, 0).
         for group in reversed(self.groups.all()):
@@ -322,7 +332,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     shard.detach_grads()
                     shard.write_back()
                 self._all_gather_params()
+                for k, flags in enumerate(used):
+                    for i, stepped in enumerate(flags):
+                        self._param_steps[self._param_index[k][i]] += stepped
             self._reducer.reset()
+            self._consolidated = None
         return loss
 
     def _all_gather_params(self) -> None:
@@ -370,25 +384,80 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._device,
         )
 
+    def _checkpoint_view(self) -> checkpoint.CheckpointView:
+        return checkpoint.CheckpointView(
+            self.optimizer, self._shards, [g.params for g in self._groups], self._param_index, self._param_steps, self.groups.mesh, self.process_group
+        )
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state. Runs no collective (safe on one rank only).
+        """The optimizer state: this rank's shard, or the full state right after consolidation.
 
-        See :func:`zeroshard.checkpoint.shard_state_dict` for the format.
-        """
-        return checkpoint.shard_state_dict(self.optimizer, self._shards, rank=self.rank, world_size=self.world_size, stage=self.stage)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a shard saved by :meth:`state_dict` on this same rank, world size and model.
-
-        Runs no collective. Everything is checked before anything is written, so on error the
-        optimizer is as it was.
+        Runs no collective (HF Trainer and accelerate call it on one rank). Returns, on the rank
+        that just ran :meth:`consolidate_state_dict` (until the next ``step()``), the full state
+        in plain ``torch.optim`` format; otherwise the sharded format: per bucket, 1-D
+        ``DTensor`` s of each per-element state (and fp32 master) that
+        ``torch.distributed.checkpoint`` reshards onto any world size, with the param groups,
+        per-param steps and a layout signature (see ``zeroshard/checkpoint.py``). The tensors are
+        copies: loading into them never touches the optimizer until :meth:`load_state_dict`.
+        A freshly built optimizer returns zero-filled entries to load into (no dummy step).
 
         Raises:
-            ValueError: ``state_dict`` is not a zeroshard shard (e.g. a full ``torch.optim``
-                state dict, which this version cannot load), or was saved on another rank, world
-                size or param layout; the message names the mismatch.
+            ValueError: the wrapped optimizer keeps scalar state other than ``step``.
         """
-        checkpoint.load_shard_state_dict(self.optimizer, self._shards, state_dict, rank=self.rank, world_size=self.world_size)
+        if self._consolidated is not None:
+            return self._consolidated
+        state_dict = checkpoint.sharded_state_dict(self._checkpoint_view())
+        self._issued = {id(t): weakref.ref(t) for t in checkpoint.bucket_tensors(state_dict)}
+        return state_dict
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full optimizer state onto global rank ``to``, one bucket at a time.
+
+        A collective: call it on every rank. Afterwards :meth:`state_dict` on rank ``to``
+        returns the full state in plain ``torch.optim`` format — param-shaped state keyed by the
+        wrapped optimizer's param indices, every hyperparameter, and a ``"zeroshard"`` entry (param
+        shapes and dtypes, fp32 masters of 16-bit params) that plain torch ignores — which loads
+        into an unsharded optimizer of the same class, or into a ``ShardedOptimizer`` at any world
+        size. Mirrors ``ZeroRedundancyOptimizer.consolidate_state_dict``.
+
+        Raises:
+            ValueError: ``to`` is not a rank of the world.
+        """
+        if not 0 <= to < dist.get_world_size():
+            raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
+        self._consolidated = checkpoint.consolidate(self._checkpoint_view(), to)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a sharded state dict (this layout, any world size via DCP) or a full one (any world size).
+
+        Accepts what :meth:`state_dict` returns — filled by ``dcp.load`` at any world size, or
+        saved with ``torch.save`` at this same world size — and full ``torch.optim``-format dicts:
+        from :meth:`consolidate_state_dict` or from an unsharded optimizer of the same class on
+        the same params. The checkpoint's hyperparameters win, as in ``torch.optim``. Runs no
+        collective. Everything is checked before anything is written, so on error the optimizer
+        is as it was.
+
+        Raises:
+            ValueError: anything else, or a state dict for another model (group count, param
+                count, shape or dtype: the param is named), another optimizer's state, another
+                ``bucket_size_mb``, or a sharded dict from another world size not loaded through DCP.
+        """
+        view = self._checkpoint_view()
+        meta = state_dict.get("zeroshard") if isinstance(state_dict, dict) else None
+        if isinstance(meta, dict) and meta.get("format") == checkpoint.SHARDED_FORMAT:
+            tensors = checkpoint.bucket_tensors(state_dict)
+            filled_in_place = bool(tensors) and all(self._issued.get(id(t), lambda: None)() is t for t in tensors)
+            inner, steps, masters = checkpoint.load_sharded(view, state_dict, filled_in_place)
+        elif isinstance(state_dict, dict) and (meta is None or (isinstance(meta, dict) and meta.get("format") == checkpoint.FULL_FORMAT)):
+            inner, steps, masters = checkpoint.load_full(view, state_dict)
+        else:
+            raise ValueError(f"state_dict is neither a zeroshard state dict nor a torch.optim one (zeroshard entry: {meta!r})")
+        self.optimizer.load_state_dict(inner)
+        with torch.no_grad():
+            for k, offset, values in masters:
+                self._shards[k].master[offset : offset + values.numel()].copy_(values)
+        self._param_steps[:] = steps
+        self._consolidated = None
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(stage={self.stage}, world_size={self.world_size}, rank={self.rank}, optimizer={self.optimizer!r})"

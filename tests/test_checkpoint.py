@@ -1,0 +1,170 @@
+"""Checkpoints: sharded (torch.save per rank, DCP at any world size) and full torch.optim format."""
+
+from __future__ import annotations
+
+import copy
+import io
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zeroshard
+from models import TinyNet, batch, loss_fn, param_groups, tolerance_ratio
+
+BUCKET_MB = 100 * 4 / 2**20  # several buckets in TinyNet
+
+
+def _build(seed: int = 0, stage: int = 2, dtype: torch.dtype = torch.float32, process_group=None):
+    torch.manual_seed(seed)
+    model = TinyNet().to(dtype)
+    opt = zeroshard.ShardedOptimizer(
+        torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB, process_group=process_group
+    )
+    return model, opt
+
+
+def _train(model, opt, steps: range, ddp=None) -> None:
+    for step in steps:
+        x, y = batch(dist.get_rank(), step)
+        loss_fn(ddp or model, x, y).backward()
+        opt.step()
+        model.zero_grad()
+
+
+# -- same world size ---------------------------------------------------------------------------
+
+
+def same_world_worker(stage: int) -> None:
+    """torch.save of each rank's sharded state dict at step 4; a fresh copy resumes bitwise."""
+    model, opt = _build(stage=stage, dtype=torch.bfloat16)
+    _train(model, opt, range(4))
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, saved)
+    _train(model, opt, range(4, 8))
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=False)
+    resumed, ropt = _build(seed=1, stage=stage, dtype=torch.bfloat16)
+    resumed.load_state_dict(checkpoint["model"])
+    ropt.load_state_dict(checkpoint["optim"])
+    _train(resumed, ropt, range(4, 8))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_state_dict_resumes_bitwise_at_same_world_size(pools, stage):
+    pools[2].run(same_world_worker, stage)
+
+
+def full_matches_unsharded_worker() -> None:
+    """The consolidated full dict equals DDP + AdamW's state, and loads into a plain AdamW."""
+    model, opt = _build()
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
+    _train(model, opt, range(5))
+    _train(ref_model, ref_opt, range(5), ddp=DDP(ref_model, find_unused_parameters=True))
+    opt.consolidate_state_dict(to=1)
+    full, ref = opt.state_dict(), ref_opt.state_dict()
+    if dist.get_rank() != 1:
+        assert "buckets" in full  # other ranks keep returning their shard
+        return
+    assert full["param_groups"] == ref["param_groups"]
+    assert full["state"].keys() == ref["state"].keys()
+    for index, expected in ref["state"].items():
+        assert full["state"][index].keys() == expected.keys()
+        assert torch.equal(full["state"][index]["step"], expected["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(full["state"][index][key], expected[key], rtol=1e-6, atol=1e-9)
+    plain = torch.optim.AdamW(param_groups(TinyNet()), lr=0.5, foreach=False)
+    plain.load_state_dict(full)
+    assert plain.param_groups[0]["lr"] == pytest.approx(1e-2)
+
+
+def test_full_state_dict_equals_unsharded_adamw_state(pools):
+    pools[2].run(full_matches_unsharded_worker)
+
+
+def plain_torch_into_sharded_worker() -> float:
+    """A plain AdamW state dict loads into ShardedOptimizer; both then train alike."""
+    torch.manual_seed(0)
+    plain_model = TinyNet()
+    plain = torch.optim.AdamW(param_groups(plain_model), lr=1e-2, foreach=False)
+    for step in range(3):  # every rank trains the same unsharded copy on the same data
+        loss_fn(plain_model, *batch(0, step)).backward()
+        plain.step()
+        plain.zero_grad()
+    model, opt = _build(seed=5)
+    model.load_state_dict(plain_model.state_dict())
+    opt.load_state_dict(copy.deepcopy(plain.state_dict()))
+    for step in range(3, 6):
+        for m, o in ((plain_model, plain), (model, opt)):
+            loss_fn(m, *batch(0, step)).backward()
+            o.step()
+            m.zero_grad()
+    return tolerance_ratio(model, plain_model)
+
+
+def test_plain_torch_state_dict_loads_into_sharded(pools):
+    assert all(r <= 1.0 for r in pools[3].run(plain_torch_into_sharded_worker))
+
+
+# -- across world sizes ------------------------------------------------------------------------
+
+K, M_STEPS = 4, 4
+
+
+def save_worker(stage: int, directory: str) -> None:
+    """Train K steps, then save the model, a consolidated full dict, and a DCP checkpoint."""
+    model, opt = _build(stage=stage)
+    _train(model, opt, range(K))
+    dcp.save({"model": model.state_dict(), "optim": opt}, checkpoint_id=f"{directory}/dcp")
+    opt.consolidate_state_dict(to=0)
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), f"{directory}/model.pt")
+        torch.save(opt.state_dict(), f"{directory}/optim_full.pt")
+    dist.barrier()
+
+
+def resume_worker(stage: int, directory: str, method: str, same_world: bool) -> tuple[float, bool]:
+    """Resume at this world size and train M_STEPS more; compare with a reference run.
+
+    Reference: at the same world size, an uninterrupted ShardedOptimizer run of K + M_STEPS steps
+    (bitwise); else DDP + AdamW loaded with plain torch from the saved model and full dict.
+    """
+    model, opt = _build(seed=1, stage=stage)
+    if method == "dcp":
+        state = {"model": model.state_dict(), "optim": opt}
+        dcp.load(state, checkpoint_id=f"{directory}/dcp")
+        model.load_state_dict(state["model"])
+    else:
+        model.load_state_dict(torch.load(f"{directory}/model.pt"))
+        opt.load_state_dict(torch.load(f"{directory}/optim_full.pt", weights_only=False))
+    _train(model, opt, range(K, K + M_STEPS))
+    if same_world:
+        ref_model, ref_opt = _build(stage=stage)
+        _train(ref_model, ref_opt, range(K + M_STEPS))
+        return 0.0, all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    ref_model = TinyNet()
+    ref_model.load_state_dict(torch.load(f"{directory}/model.pt"))
+    ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=0.5, foreach=False)
+    ref_opt.load_state_dict(torch.load(f"{directory}/optim_full.pt", weights_only=False))
+    ddp = DDP(ref_model, find_unused_parameters=True) if dist.get_world_size() > 1 else None
+    _train(ref_model, ref_opt, range(K, K + M_STEPS), ddp=ddp)
+    return tolerance_ratio(model, ref_model), False
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("saved_at, loaded_at", [(4, 2), (2, 3), (3, 1), (1, 2), (2, 2)])
+def test_resume_at_another_world_size(pools, tmp_path, stage, saved_at, loaded_at):
+    pools[saved_at].run(save_worker, stage, str(tmp_path))
+    for method in ("full", "dcp"):
+        results = pools[loaded_at].run(resume_worker, stage, str(tmp_path), method, saved_at == loaded_at)
+        for worst, bitwise in results:
+            if saved_at == loaded_at:
+                assert bitwise, f"{method}: resumed run differs from the uninterrupted one"
+            else:
+                assert worst <= 1.0, f"{method}: {worst:.3g}x the tolerance (rtol 1e-6, atol 1e-7)"
