@@ -168,3 +168,150 @@ def test_resume_at_another_world_size(pools, tmp_path, stage, saved_at, loaded_a
                 assert bitwise, f"{method}: resumed run differs from the uninterrupted one"
             else:
                 assert worst <= 1.0, f"{method}: {worst:.3g}x the tolerance (rtol 1e-6, atol 1e-7)"
+
+
+# -- what must be refused, and what must not change -------------------------------------------
+
+
+def _snapshot(opt) -> list[torch.Tensor]:
+    return [v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)] + [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+
+
+def mismatch_worker() -> None:
+    model, opt = _build()
+    _train(model, opt, range(2))
+    sharded = opt.state_dict()
+    opt.consolidate_state_dict(to=0)
+    full = [opt.state_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(full, src=0)
+    full = full[0]
+    _train(model, opt, range(2, 3))  # a step ends the consolidated view
+    before = _snapshot(opt)
+    hyper_before = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+    # Another rank's sharded dict, as torch.load brings it back.
+    mine = io.BytesIO()
+    torch.save(sharded, mine)
+    files: list = [None, None]
+    dist.all_gather_object(files, mine.getvalue())
+    other = torch.load(io.BytesIO(files[1 - dist.get_rank()]), weights_only=False)
+    with pytest.raises(ValueError, match=rf"shard of rank {1 - dist.get_rank()} of 2, this is rank {dist.get_rank()} of 2"):
+        opt.load_state_dict(other)
+
+    # Full dicts for another model: the param is named.
+    wrong_shape = copy.deepcopy(full)
+    wrong_shape["zeroshard"]["params"][2] = ((29, 7), "torch.float32")
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[2\] was saved with shape \(29, 7\)"):
+        opt.load_state_dict(wrong_shape)
+    wrong_dtype = copy.deepcopy(full)
+    shape, _ = wrong_dtype["zeroshard"]["params"][0]
+    wrong_dtype["zeroshard"]["params"][0] = (shape, "torch.bfloat16")
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] was saved with .* torch.bfloat16"):
+        opt.load_state_dict(wrong_dtype)
+    plain = copy.deepcopy(full)
+    del plain["zeroshard"]
+    plain["state"][1]["exp_avg"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"'exp_avg' of param_groups\[0\]\['params'\]\[1\] has shape \(3, 3\)"):
+        opt.load_state_dict(plain)
+    with pytest.raises(ValueError, match="has 1 param groups, this optimizer 2"):
+        opt.load_state_dict({**full, "param_groups": full["param_groups"][:1]})
+
+    # Another optimizer's state.
+    sgd = torch.optim.SGD(param_groups(TinyNet()), lr=0.1, momentum=0.9)
+    for group in sgd.param_groups:
+        for p in group["params"]:
+            p.grad = torch.ones_like(p)
+    sgd.step()
+    with pytest.raises(ValueError, match=r"has \['momentum_buffer'\], AdamW keeps \['exp_avg', 'exp_avg_sq', 'step'\]"):
+        opt.load_state_dict(sgd.state_dict())
+    with pytest.raises(ValueError, match="neither a zeroshard state dict nor a torch.optim one"):
+        opt.load_state_dict({"zeroshard": {"format": "something else"}})
+
+    # Sharded dicts are tied to bucket_size_mb (full ones load anywhere).
+    torch.manual_seed(0)
+    coarse = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(TinyNet()), lr=1e-2), bucket_size_mb=1.0)
+    with pytest.raises(ValueError, match="saved for another model, param groups or bucket_size_mb"):
+        coarse.load_state_dict(sharded)
+
+    after = _snapshot(opt)
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(before, after))
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == hyper_before
+
+
+def test_mismatches_raise_and_change_nothing(pools):
+    pools[2].run(mismatch_worker)
+
+
+def empty_and_mid_accumulation_worker(stage: int, directory: str) -> bool:
+    """Save right after construction (DCP and full), and in the middle of gradient accumulation."""
+    model, opt = _build(stage=stage)
+    dcp.save({"optim": opt}, checkpoint_id=f"{directory}/empty")
+    opt.consolidate_state_dict(to=0)
+    empty_full = opt.state_dict() if dist.get_rank() == 0 else None
+    assert not opt.state  # saving never steps
+    fresh_model, fresh = _build(stage=stage)
+    dcp.load({"optim": fresh}, checkpoint_id=f"{directory}/empty")
+    if empty_full is not None:
+        assert empty_full["state"] == {}
+        fresh.load_state_dict(empty_full)
+    assert not fresh.state
+
+    # Mid-accumulation: a state_dict() between micro-batches must not disturb the step.
+    for m, o, save in ((model, opt, True), (fresh_model, fresh, False)):
+        for micro in range(2):
+            loss_fn(m, *batch(dist.get_rank(), 0, micro)).backward()
+            if save and micro == 0:
+                o.state_dict()
+        o.step()
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_save_empty_and_mid_accumulation(pools, tmp_path, stage):
+    assert all(pools[2].run(empty_and_mid_accumulation_worker, stage, str(tmp_path)))
+
+
+def one_rank_state_dict_worker() -> None:
+    model, opt = _build()
+    _train(model, opt, range(1))
+    if dist.get_rank() == 0:  # as HF Trainer and accelerate do
+        opt.state_dict()
+    _train(model, opt, range(1, 2))  # would hang if state_dict() had run a collective
+
+
+def test_state_dict_runs_no_collective(pools):
+    pools[2].run(one_rank_state_dict_worker, timeout=90)
+
+
+def hybrid_save_worker(directory: str, shard_size: int) -> None:
+    mesh = zeroshard.hybrid_mesh(shard_size) if shard_size < dist.get_world_size() else None
+    model, opt = _build(process_group=mesh)
+    _train(model, opt, range(K))
+    dcp.save({"model": model.state_dict(), "optim": opt}, checkpoint_id=directory)
+
+
+def hybrid_resume_worker(directory: str, shard_size: int, reference: str) -> float:
+    mesh = zeroshard.hybrid_mesh(shard_size) if shard_size < dist.get_world_size() else None
+    model, opt = _build(seed=1, process_group=mesh)
+    state = {"model": model.state_dict(), "optim": opt}
+    dcp.load(state, checkpoint_id=directory)
+    model.load_state_dict(state["model"])
+    _train(model, opt, range(K, K + M_STEPS))
+    ref_model, ref_opt = _build(seed=1)
+    ref_state = {"model": ref_model.state_dict(), "optim": ref_opt}
+    dcp.load(ref_state, checkpoint_id=reference)  # the same state, saved by flat sharding
+    ref_model.load_state_dict(ref_state["model"])
+    _train(ref_model, ref_opt, range(K, K + M_STEPS))
+    return tolerance_ratio(model, ref_model)
+
+
+def test_hybrid_checkpoint_saved_once_per_shard_group_loads_anywhere(pools, tmp_path):
+    pools[4].run(hybrid_save_worker, str(tmp_path / "hybrid"), 2)
+    pools[4].run(hybrid_save_worker, str(tmp_path / "flat"), 4)
+    size = {name: sum(f.stat().st_size for f in (tmp_path / name).glob("*.distcp")) for name in ("hybrid", "flat")}
+    assert size["hybrid"] < 1.2 * size["flat"], size  # the two replicas are not both written
+    # Hybrid (4 ranks, shard 2) -> flat at 2 ranks and hybrid at 4 ranks (shard 2 -> 4, 1); both
+    # against the flat checkpoint of the same training run resumed the same way.
+    assert all(r <= 1.0 for r in pools[2].run(hybrid_resume_worker, str(tmp_path / "hybrid"), 2, str(tmp_path / "flat")))
+    assert all(r <= 1.0 for r in pools[4].run(hybrid_resume_worker, str(tmp_path / "hybrid"), 1, str(tmp_path / "flat")))
+    assert all(r <= 1.0 for r in pools[4].run(hybrid_resume_worker, str(tmp_path / "flat"), 2, str(tmp_path / "hybrid")))
