@@ -4,9 +4,10 @@ Replace ``torch.optim.AdamW(...)`` with ``zeroshard.ShardedOptimizer(torch.optim
 and launch with ``torchrun``. See ``docs/`` for the design and API reference.
 """
 
+from zeroshard.checkpoint_dir import latest_checkpoint, verify_checkpoint
 from zeroshard.groups import hybrid_mesh
 from zeroshard.memory import MemoryUsage
 from zeroshard.optimizer import ShardedOptimizer
 
-__all__ = ["MemoryUsage", "ShardedOptimizer", "hybrid_mesh"]
+__all__ = ["MemoryUsage", "ShardedOptimizer", "hybrid_mesh", "latest_checkpoint", "verify_checkpoint"]
 __version__ = "0.1.0"

@@ -1,0 +1,79 @@
+"""Checkpoint directories on disk: is one complete and readable, and which is the latest good one.
+
+``torch.distributed.checkpoint`` writes every rank's data files first and the ``.metadata`` file
+last (atomically, through a rename), so a save killed midway leaves a directory without
+``.metadata``. Save each checkpoint to a new directory (e.g. ``ckpt/step_000500``) and resume from
+:func:`latest_checkpoint`: an interrupted save is then never mistaken for a good one, and the
+previous checkpoint is untouched.
+
+Both functions only read files and run no collective: called on every rank, they raise the same
+error on every rank, so no rank is left waiting in ``dcp.load``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+METADATA = ".metadata"
+
+
+def verify_checkpoint(checkpoint_id: str | os.PathLike) -> None:
+    """Check that a DCP checkpoint directory is complete and every entry in it can be read.
+
+    Reads the whole checkpoint once (each entry is deserialized and dropped), so it costs about
+    as much as a load.
+
+    Args:
+        checkpoint_id: the directory given to ``dcp.save``.
+
+    Raises:
+        ValueError: naming the first bad file: ``.metadata`` missing (the save did not finish)
+            or unreadable; a data file missing, shorter than its entries (truncated), or holding
+            an entry that cannot be deserialized (corrupted).
+    """
+    path = Path(checkpoint_id)
+    metadata_file = path / METADATA
+    if not metadata_file.is_file():
+        raise ValueError(f"{metadata_file} is missing: {path} is an incomplete checkpoint (its save did not finish) or not a checkpoint")
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as error:
+        raise ValueError(f"{metadata_file} cannot be read ({error}): the checkpoint is corrupted") from error
+    entries = defaultdict(list)
+    for index, info in metadata.storage_data.items():
+        entries[info.relative_path].append((index, info))
+    for name, items in sorted(entries.items()):
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"{file} is missing from the checkpoint in {path}")
+        size, needed = file.stat().st_size, max(info.offset + info.length for _, info in items)
+        if size < needed:
+            raise ValueError(f"{file} is truncated: it has {size} bytes, its entries need {needed}")
+        with open(file, "rb") as stream:
+            for index, info in sorted(items, key=lambda item: item[1].offset):
+                if info.transform_descriptors:  # compressed or otherwise transformed: DCP decodes those
+                    continue
+                stream.seek(info.offset)
+                try:
+                    torch.load(io.BytesIO(stream.read(info.length)), map_location="cpu", weights_only=False)
+                except Exception as error:
+                    raise ValueError(f"{file} is corrupted: entry {index.fqn!r} at byte {info.offset} cannot be read ({error})") from error
+
+
+def latest_checkpoint(parent: str | os.PathLike) -> Path | None:
+    """The most recently completed checkpoint directory directly under ``parent``, or ``None``.
+
+    Complete means it has ``.metadata``; the newest is the one whose ``.metadata`` was written
+    last. Directories of saves that did not finish are skipped.
+    """
+    root = Path(parent)
+    if not root.is_dir():
+        return None
+    complete = [d for d in root.iterdir() if (d / METADATA).is_file()]
+    return max(complete, key=lambda d: (d / METADATA).stat().st_mtime_ns, default=None)
