@@ -2,6 +2,8 @@
 
     torchrun --nproc_per_node 2 examples/train_gpt.py            # ~3 minutes on 2 CPU cores
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 20 # seconds
+    torchrun --nproc_per_node 2 examples/train_gpt.py --ckpt-dir ckpt --steps 200
+    torchrun --nproc_per_node 3 examples/train_gpt.py --ckpt-dir ckpt --steps 400 --resume  # on 3 ranks
 
 The default corpus is the Python standard library's own source files on this machine (real text
 nobody here wrote); ``--data FILE`` trains on any other file. Bytes are the tokens, so there is no
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
@@ -46,7 +49,32 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-interval", type=int, default=100, help="steps between progress lines")
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches per rank for the validation loss")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    p.add_argument("--ckpt-dir", type=Path, default=None, help="save a checkpoint under this directory every --ckpt-every steps")
+    p.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --ckpt-dir (any number of ranks)")
+    args = p.parse_args()
+    if args.resume and args.ckpt_dir is None:
+        p.error("--resume needs --ckpt-dir")
+    return args
+
+
+def save_checkpoint(directory: Path, step: int, model: nn.Module, opt: zeroshard.ShardedOptimizer, schedule) -> None:
+    """One torch.distributed.checkpoint directory per step; it counts only once its .metadata exists."""
+    state = {"model": model.state_dict(), "optim": opt, "schedule": schedule.state_dict(), "step": step}
+    dcp.save(state, checkpoint_id=directory / f"step_{step:06d}")
+
+
+def load_checkpoint(directory: Path, model: nn.Module, opt: zeroshard.ShardedOptimizer, schedule) -> int:
+    """Load the latest complete checkpoint under ``directory`` (saved on any number of ranks); its step, or 0."""
+    latest = zeroshard.latest_checkpoint(directory)
+    if latest is None:
+        return 0
+    zeroshard.verify_checkpoint(latest)  # a damaged file is named on every rank, before any collective
+    state = {"model": model.state_dict(), "optim": opt, "schedule": schedule.state_dict(), "step": 0}
+    dcp.load(state, checkpoint_id=latest)
+    model.load_state_dict(state["model"])
+    schedule.load_state_dict(state["schedule"])
+    return state["step"]
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -182,24 +210,29 @@ def main() -> None:
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
     )
 
+    first_step = load_checkpoint(args.ckpt_dir, model, opt, schedule) + 1 if args.resume else 1
+    if first_step > 1:
+        log(f"resumed from {zeroshard.latest_checkpoint(args.ckpt_dir)} (step {first_step - 1}) on {world} ranks")
     val_before = evaluate(model, val, args, device)
-    log(f"step {0:5d} | val loss {val_before:.4f}")
-    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    log(f"step {first_step - 1:5d} | val loss {val_before:.4f}")
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank + 7919 * first_step)
     tokens_per_step = args.batch_size * args.seq_len * world
     start = last = time.perf_counter()
     first_loss = loss_value = None
-    for step in range(1, args.steps + 1):
+    for step in range(first_step, args.steps + 1):
         loss = model(*get_batch(train, args.batch_size, args.seq_len, generator, device))
         loss.backward()
         opt.step()
         schedule.step()
         model.zero_grad()
-        if step == 1:
+        if args.ckpt_dir is not None and step % args.ckpt_every == 0:
+            save_checkpoint(args.ckpt_dir, step, model, opt, schedule)
+        if step == first_step:
             usage = opt.memory_usage().by_kind
             unsharded = sum(2 * p.numel() * 4 + 4 for p in model.parameters())  # exp_avg, exp_avg_sq, step
             log(f"optimizer state per rank: {usage['optimizer_state'] / 2**20:.2f} MiB "
                 f"(+ {usage['master'] / 2**20:.2f} MiB fp32 master); unsharded AdamW would hold {unsharded / 2**20:.2f} MiB")
-        if step % args.log_interval == 0 or step == args.steps or step == 1:
+        if step % args.log_interval == 0 or step == args.steps or step == first_step:
             mean = loss.detach().float().reshape(1)
             dist.all_reduce(mean)
             loss_value = mean.item() / world
@@ -210,9 +243,10 @@ def main() -> None:
                 f"{steps_done * tokens_per_step / (now - last):,.0f} tokens/s")
             last = now
     elapsed = time.perf_counter() - start
+    steps_run = args.steps - first_step + 1
     val_after = evaluate(model, val, args, device)
     log(f"step {args.steps:5d} | val loss {val_after:.4f}")
-    log(f"done: {args.steps} steps in {elapsed:.1f} s ({args.steps * tokens_per_step / elapsed:,.0f} tokens/s), "
+    log(f"done: {steps_run} steps in {elapsed:.1f} s ({steps_run * tokens_per_step / elapsed:,.0f} tokens/s), "
         f"train loss {first_loss:.3f} -> {loss_value:.3f}, val loss {val_before:.3f} -> {val_after:.3f}")
     dist.destroy_process_group()
 

@@ -315,3 +315,67 @@ def test_hybrid_checkpoint_saved_once_per_shard_group_loads_anywhere(pools, tmp_
     assert all(r <= 1.0 for r in pools[2].run(hybrid_resume_worker, str(tmp_path / "hybrid"), 2, str(tmp_path / "flat")))
     assert all(r <= 1.0 for r in pools[4].run(hybrid_resume_worker, str(tmp_path / "hybrid"), 1, str(tmp_path / "flat")))
     assert all(r <= 1.0 for r in pools[4].run(hybrid_resume_worker, str(tmp_path / "flat"), 2, str(tmp_path / "hybrid")))
+
+
+# -- property tests: full <-> sharded round trips ----------------------------------------------
+
+
+def round_trip_worker(examples: int) -> int:
+    """Random shapes, dtypes and bucket sizes: a full dict and a sharded dict of the same state
+    load into a fresh optimizer (another bucket size for the full one) and give back the same
+    full state. Derandomized, so every rank draws the same examples."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    shapes = st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=3), min_size=1, max_size=6)
+
+    def build(shape_list, dtype, bucket_numel, seed):
+        torch.manual_seed(seed)
+        params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shape_list]
+        groups = [{"params": params[::2], "weight_decay": 0.1}] + ([{"params": params[1::2], "lr": 0.02}] if len(params) > 1 else [])
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(groups, lr=1e-2), bucket_size_mb=bucket_numel * dtype.itemsize / 2**20)
+        return params, opt
+
+    def full_of(opt):
+        opt.consolidate_state_dict(to=0)
+        box = [opt.state_dict() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    count = 0
+
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None)
+    @given(shape_list=shapes, dtype=st.sampled_from([torch.float32, torch.bfloat16]), bucket_numel=st.integers(1, 40), steps=st.integers(0, 2))
+    def check(shape_list, dtype, bucket_numel, steps):
+        nonlocal count
+        params, opt = build(shape_list, dtype, bucket_numel, seed=0)
+        for step in range(steps):
+            for i, p in enumerate(params):
+                if (i + step) % 3:  # some params get no gradient in some steps
+                    p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i)).to(dtype)
+            opt.step()
+            for p in params:
+                p.grad = None
+        expected = full_of(opt)
+        sharded = copy.deepcopy(opt.state_dict())
+        _, from_full = build(shape_list, dtype, bucket_numel + 7, seed=1)
+        from_full.load_state_dict(copy.deepcopy(expected))
+        _, from_sharded = build(shape_list, dtype, bucket_numel, seed=1)
+        from_sharded.load_state_dict(sharded)
+        for other in (from_full, from_sharded):
+            got = full_of(other)
+            assert got["param_groups"] == expected["param_groups"]
+            assert got["state"].keys() == expected["state"].keys()
+            for index, entry in expected["state"].items():
+                assert all(torch.equal(got["state"][index][k], v) for k, v in entry.items())
+            assert got["zeroshard"]["master"].keys() == expected["zeroshard"]["master"].keys()
+            assert all(torch.equal(got["zeroshard"]["master"][i], m) for i, m in expected["zeroshard"]["master"].items())
+        count += 1
+
+    check()
+    return count
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_full_and_sharded_round_trips(pools, world_size):
+    assert pools[world_size].run(round_trip_worker, 25, timeout=300) == [25] * world_size

@@ -27,3 +27,15 @@ def test_kernels_installs_under_zeroshard_only(tmp_path):
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
+
+
+def test_train_gpt_checkpoints_and_resumes_on_another_number_of_ranks(tmp_path):
+    base = [sys.executable, "-m", "torch.distributed.run", str(ROOT / "examples" / "train_gpt.py"), "--ckpt-dir", str(tmp_path),
+            "--ckpt-every", "5", "--log-interval", "5", "--eval-batches", "2"]
+    first = subprocess.run(base[:3] + ["--nproc_per_node", "2"] + base[3:] + ["--steps", "10"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000005", "step_000010"]
+    second = subprocess.run(base[:3] + ["--nproc_per_node", "3"] + base[3:] + ["--steps", "15", "--resume"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'step_000010'} (step 10) on 3 ranks" in second.stdout
+    assert "done: 5 steps" in second.stdout

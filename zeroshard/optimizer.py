@@ -392,9 +392,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state: this rank's shard, or the full state right after consolidation.
 
-        Runs no collective (HF Trainer and accelerate call it on one rank). Returns, on the rank
-        that just ran :meth:`consolidate_state_dict` (until the next ``step()``), the full state
-        in plain ``torch.optim`` format; otherwise the sharded format: per bucket, 1-D
+        Runs no collective (HF Trainer and accelerate call it on one rank). The first call on
+        the rank that just ran :meth:`consolidate_state_dict` (before any ``step()``) returns the
+        full state in plain ``torch.optim`` format; every other call the sharded format: per bucket, 1-D
         ``DTensor`` s of each per-element state (and fp32 master) that
         ``torch.distributed.checkpoint`` reshards onto any world size, with the param groups,
         per-param steps and a layout signature (see ``zeroshard/checkpoint.py``). The tensors are
@@ -405,7 +405,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ValueError: the wrapped optimizer keeps scalar state other than ``step``.
         """
         if self._consolidated is not None:
-            return self._consolidated
+            state_dict, self._consolidated = self._consolidated, None
+            return state_dict
         state_dict = checkpoint.sharded_state_dict(self._checkpoint_view())
         self._issued = {id(t): weakref.ref(t) for t in checkpoint.bucket_tensors(state_dict)}
         return state_dict
@@ -416,7 +417,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         A collective: call it on every rank. Afterwards :meth:`state_dict` on rank ``to``
         returns the full state in plain ``torch.optim`` format — param-shaped state keyed by the
         wrapped optimizer's param indices, every hyperparameter, and a ``"zeroshard"`` entry (param
-        shapes and dtypes, fp32 masters of 16-bit params) that plain torch ignores — which loads
+        shapes and dtypes, fp32 masters of 16-bit params) that plain torch ignores — once, which loads
         into an unsharded optimizer of the same class, or into a ``ShardedOptimizer`` at any world
         size. Mirrors ``ZeroRedundancyOptimizer.consolidate_state_dict``.
 
