@@ -25,6 +25,7 @@ from zeroshard.grad_reducer import GradReducer
 from zeroshard.groups import ShardingGroups, resolve_groups
 from zeroshard.local_shard import LocalShard
 from zeroshard.memory import MemoryUsage, measure
+from zeroshard.validation import check_arguments, check_params
 
 logger = logging.getLogger("zeroshard")
 
@@ -102,19 +103,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         overlap_comm: bool = True,
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
-        if isinstance(optimizer, ShardedOptimizer):
-            raise TypeError("optimizer is already a ShardedOptimizer; wrap the plain torch optimizer once")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}")
-        if stage not in (1, 2):
-            raise ValueError(f"stage={stage!r} must be 1 or 2")
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb={bucket_size_mb!r} must be a positive number")
-        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
-            raise TypeError(f"reduce_dtype={reduce_dtype!r} must be None or a floating-point torch.dtype")
-        if optimizer.state:
-            raise ValueError(f"optimizer already holds state for {len(optimizer.state)} params; wrap it before its first step and load checkpoints through ShardedOptimizer.load_state_dict")
-
+        check_arguments(optimizer, stage, bucket_size_mb, reduce_dtype)
         self.optimizer = optimizer
         self.stage = stage
         self.groups: ShardingGroups = resolve_groups(process_group)
@@ -190,7 +179,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         raises on all ranks before any size-dependent collective); then the broadcast.
         """
         groups = [list(dict.fromkeys(self.optimizer.param_groups[g]["params"])) for g in indices]
-        self._check_params([p for params in groups for p in params], indices)
+        self._device = check_params([p for params in groups for p in params], indices, self._device, first=not self._shards)
         fingerprint = [
             (f"param_groups[{g}]['params'][{j}]", tuple(p.shape), str(p.dtype), p.requires_grad)
             for g, params in zip(indices, groups)
@@ -233,21 +222,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             for shard in new_shards:
                 self._reducer.add_shard(shard)
-
-    def _check_params(self, params: list[nn.Parameter], indices: range) -> None:
-        trainable = [p for p in params if p.requires_grad]
-        if not trainable and not self._shards:
-            raise ValueError(f"param_groups {list(indices)} hold {len(params)} params, none with requires_grad=True: nothing to optimize")
-        bad = [(tuple(p.shape), str(p.layout)) for p in params if p.layout != torch.strided]
-        if bad:
-            raise ValueError(f"sparse params are not supported (shape, layout): {bad[:5]}")
-        bad = [(tuple(p.shape), str(p.dtype)) for p in trainable if not p.dtype.is_floating_point]
-        if bad:
-            raise ValueError(f"only real floating-point params can be sharded; got (shape, dtype) {bad[:5]}")
-        devices = {p.device for p in params} | ({self._device} if self._device is not None else set())
-        if len(devices) > 1:
-            raise ValueError(f"all params must be on one device; got params on {sorted(map(str, devices))}")
-        self._device = devices.pop()
 
     def _bucket_numel(self, dtype: torch.dtype) -> int:
         return max(1, int(self.bucket_size_mb * 2**20) // dtype.itemsize)
