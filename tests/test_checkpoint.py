@@ -336,12 +336,6 @@ def round_trip_worker(examples: int) -> int:
         opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(groups, lr=1e-2), bucket_size_mb=bucket_numel * dtype.itemsize / 2**20)
         return params, opt
 
-    def full_of(opt):
-        opt.consolidate_state_dict(to=0)
-        box = [opt.state_dict() if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     count = 0
 
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None)
@@ -356,14 +350,14 @@ def round_trip_worker(examples: int) -> int:
             opt.step()
             for p in params:
                 p.grad = None
-        expected = full_of(opt)
+        expected = _full(opt)
         sharded = copy.deepcopy(opt.state_dict())
         _, from_full = build(shape_list, dtype, bucket_numel + 7, seed=1)
         from_full.load_state_dict(copy.deepcopy(expected))
         _, from_sharded = build(shape_list, dtype, bucket_numel, seed=1)
         from_sharded.load_state_dict(sharded)
         for other in (from_full, from_sharded):
-            got = full_of(other)
+            got = _full(other)
             assert got["param_groups"] == expected["param_groups"]
             assert got["state"].keys() == expected["state"].keys()
             for index, entry in expected["state"].items():
@@ -379,3 +373,41 @@ def round_trip_worker(examples: int) -> int:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_full_and_sharded_round_trips(pools, world_size):
     assert pools[world_size].run(round_trip_worker, 25, timeout=300) == [25] * world_size
+
+
+def _full(opt) -> dict:
+    """The consolidated full state dict, on every rank."""
+    opt.consolidate_state_dict(to=0)
+    box = [opt.state_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def frozen_later_worker(directory: str) -> list[bool]:
+    """A param frozen after training started keeps its optimizer state through DCP and full dicts."""
+    model, opt = _build()
+    _train(model, opt, range(2))
+    model.fc2.weight.requires_grad_(False)
+    _train(model, opt, range(2, 3))
+    dcp.save({"model": model.state_dict(), "optim": opt}, checkpoint_id=directory)
+    expected = _full(opt)
+    frozen = [id(p) for g in param_groups(model) for p in g["params"]].index(id(model.fc2.weight))
+    results = [expected["state"][frozen]["step"].item() == 2.0]  # its two updates before freezing
+    for method in ("dcp", "full"):
+        fresh_model, fresh = _build(seed=1)
+        fresh_model.fc2.weight.requires_grad_(False)  # the resumed script freezes it the same way
+        if method == "dcp":
+            dcp.load({"model": fresh_model.state_dict(), "optim": fresh}, checkpoint_id=directory)
+        else:
+            fresh.load_state_dict(copy.deepcopy(expected))
+        got = _full(fresh)
+        results.append(
+            got["state"].keys() == expected["state"].keys()
+            and all(torch.equal(got["state"][i][k], v) for i, entry in expected["state"].items() for k, v in entry.items())
+        )
+    return results
+
+
+def test_state_of_params_frozen_after_training_started_survives(pools, tmp_path):
+    for results in pools[2].run(frozen_later_worker, str(tmp_path)):
+        assert results == [True, True, True]
