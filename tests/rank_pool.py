@@ -9,7 +9,6 @@ hang is a failure, never a wait) and the next ``run`` starts a fresh one.
 from __future__ import annotations
 
 import datetime
-import os
 import pickle
 import queue
 import socket

@@ -15,7 +15,7 @@ Two formats, both world-size independent (bucket boundaries depend on the params
 * **full** (after ``consolidate_state_dict``): plain ``torch.optim`` format keyed by the index of
   each param in the wrapped optimizer's ``param_groups`` (as ``torch.optim.Optimizer.state_dict``
   numbers them), param-shaped state, plus a ``"zeroshard"`` entry (format, param shapes and
-  dtypes, fp32 masters) that plain torch ignores. Loads into an unsharded ``torch.optim`` optimizer
+  dtypes, fp32 masters, loss scaler) that plain torch ignores. Loads into an unsharded ``torch.optim`` optimizer
   and back, at any world size.
 
 Per-param steps are kept replicated on every rank (``ShardedOptimizer._param_steps``): a param is
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.local_shard import LocalShard
+from zeroshard.loss_scaler import DynamicLossScaler
 
 try:  # torch >= 2.5
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -58,6 +59,7 @@ class CheckpointView:
         param_steps: per param (``torch.optim`` numbering): how many updates it has had; replicated.
         mesh: the device mesh the DTensors live on (1-D shard, or 2-D replicate x shard).
         shard_group: the process group that shares one copy of the state.
+        loss_scaler: the dynamic loss scaler, whose state travels in both formats, or ``None``.
     """
 
     optimizer: torch.optim.Optimizer
@@ -67,6 +69,7 @@ class CheckpointView:
     param_steps: list[int]
     mesh: DeviceMesh
     shard_group: dist.ProcessGroup
+    loss_scaler: DynamicLossScaler | None = None
 
     @property
     def rank(self) -> int:
@@ -180,6 +183,7 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
         "zeroshard": {
             "format": SHARDED_FORMAT, "version": FORMAT_VERSION, "layout": layout_signature(view), "state_keys": keys,
             "rank": view.rank, "world_size": view.world_size,
+            "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
         },
         "param_groups": _groups_without_params(view.optimizer, view.group_params),
         "param_steps": torch.tensor(view.param_steps, dtype=torch.int64),
@@ -323,6 +327,7 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
             "version": FORMAT_VERSION,
             "params": [(tuple(p.shape), str(p.dtype)) for p in flat_params],
             "master": masters,
+            "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
         },
     }
 

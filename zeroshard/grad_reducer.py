@@ -288,22 +288,9 @@ class GradReducer:
         if self._unreduced or self._reductions == 0:
             self._reduce_everything()
 
-    def global_used(self) -> list[list[bool]]:
-        """Per shard, per param: whether the param got a gradient on any rank since the last reset.
-
-        One uint8 MAX all-reduce over the shard group, and one over the replicate group if any
-        (skipped for groups of one rank).
-        """
-        flags = torch.tensor([u for used in self._used for u in used], dtype=torch.uint8, device=self.shards[0].buffer.device)
-        for group in self.groups.all():
-            if dist.get_world_size(group) > 1:
-                collectives.all_reduce_max_(flags, group)
-        values = [bool(v) for v in flags.tolist()]
-        result, start = [], 0
-        for used in self._used:
-            result.append(values[start : start + len(used)])
-            start += len(used)
-        return result
+    def local_used(self) -> list[list[bool]]:
+        """Per shard, per param: whether the param got a gradient on this rank since the last reset."""
+        return [list(used) for used in self._used]
 
     @torch.no_grad()
     def reset(self) -> None:

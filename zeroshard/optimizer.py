@@ -9,40 +9,31 @@ import contextlib
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from zeroshard import checkpoint, collectives
-from zeroshard.flat_buffer import FlatParamBuffer
+from zeroshard import collectives
+from zeroshard.fused_adam import FusedAdam, fused_adam_kind
+from zeroshard.grad_norm import NORM_TYPES, GradStats, gather_grad_stats
 from zeroshard.grad_reducer import GradReducer
 from zeroshard.groups import ShardingGroups, resolve_groups
 from zeroshard.local_shard import LocalShard
+from zeroshard.loss_scaler import DynamicLossScaler
 from zeroshard.memory import MemoryUsage, measure
-from zeroshard.validation import check_arguments, check_params
+from zeroshard.sharding import ShardedGroup, shard_param_groups
+from zeroshard.state_dict_api import StateDictMixin
+from zeroshard.step_path import apply_update, grad_multiplier
+from zeroshard.validation import check_arguments
 
 logger = logging.getLogger("zeroshard")
 
-@dataclass
-class _ShardedGroup:
-    """What zeroshard keeps for one param group of the wrapped optimizer.
-
-    Attributes:
-        params: the group's original params, in the user's order (frozen ones included).
-        shards: indices into ``ShardedOptimizer._shards``, one per dtype of trainable params.
-    """
-
-    params: list[nn.Parameter]
-    shards: list[int]
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
     """ZeRO stage 1/2 data parallelism around an already-built ``torch.optim`` optimizer.
 
     Each param group's trainable params are copied into one flat buffer per dtype and become
@@ -80,12 +71,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         overlap_comm: reduce-scatter each bucket as soon as its gradients are ready during
             backward (``True``) or all buckets at the end of backward (``False``).
         reduce_dtype: dtype of the gradient reduce-scatter; ``None`` reduces in each param's dtype.
+        max_grad_norm: clip every step's gradients to this global 2-norm (``None``: no clipping;
+            :meth:`clip_grad_norm_` clips one step).
+        loss_scale: ``"dynamic"`` (a :class:`~zeroshard.DynamicLossScaler`), a fixed positive
+            number, a ``DynamicLossScaler`` instance, or ``None``: dynamic when any trainable
+            param is fp16, else none. With a loss scale active, call :meth:`backward` (or
+            ``scale_loss(loss).backward()``) instead of ``loss.backward()``.
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already sharded),
             ``process_group`` is neither a ``ProcessGroup`` nor a ``DeviceMesh``, or
             ``reduce_dtype`` is not a floating-point ``torch.dtype``.
-        ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` not positive; torch.distributed
+        ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` or ``max_grad_norm`` not positive;
+            a ``loss_scale`` of another kind; torch.distributed
             not initialized, this rank not in ``process_group``, or a 2-D mesh whose dims are not
             ("replicate", "shard"); no trainable params; params on
             several devices, sparse or complex params; an optimizer that already holds state;
@@ -102,8 +100,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
         reduce_dtype: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
+        loss_scale: str | float | DynamicLossScaler | None = None,
     ) -> None:
         check_arguments(optimizer, stage, bucket_size_mb, reduce_dtype)
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or a positive number")
+        if not (loss_scale is None or loss_scale == "dynamic" or isinstance(loss_scale, DynamicLossScaler)
+                or (isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0)):
+            raise ValueError(f"loss_scale={loss_scale!r} must be None, 'dynamic', a positive number or a DynamicLossScaler")
         self.optimizer = optimizer
         self.stage = stage
         self.groups: ShardingGroups = resolve_groups(process_group)
@@ -115,7 +120,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.reduce_dtype = reduce_dtype
         self._init_optimizer_hooks()
 
-        self._groups: list[_ShardedGroup] = []
+        self._groups: list[ShardedGroup] = []
         self._shards: list[LocalShard] = []
         self._param_index: list[list[int]] = []  # per shard, per layout position: torch.optim param index
         self._param_steps: list[int] = []  # per torch.optim param index: updates so far (replicated)
@@ -123,7 +128,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._issued: dict[int, weakref.ref] = {}  # id -> DTensor, for those the last state_dict() returned
         self._device: torch.device | None = None
         self._reducer: GradReducer | None = None
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm: Tensor | None = None  # the last step's pre-clip global norm (unscaled)
+        self.step_was_skipped = False  # whether the last step was skipped for inf/NaN gradients
+        self._skipped_steps = 0
+        self._stats: GradStats | None = None  # from clip_grad_norm_, for the coming step
+        self._clip_norm: float | None = None  # max_norm of a clip_grad_norm_ call, for the coming step
+        self._group_of_shard: list[int] = []  # per shard: its param group
         self._shard_groups(range(len(optimizer.param_groups)))
+        self._fused = FusedAdam(optimizer, kind) if (kind := fused_adam_kind(optimizer)) else None
+        fp16 = any(s.buffer.dtype == torch.float16 for s in self._shards)
+        self._scaler = loss_scale if isinstance(loss_scale, DynamicLossScaler) else (
+            DynamicLossScaler() if loss_scale == "dynamic" or (loss_scale is None and fp16) else None)
+        self._static_scale = float(loss_scale) if isinstance(loss_scale, (int, float)) else None
         self._log_layout()
 
     def _init_optimizer_hooks(self) -> None:
@@ -173,58 +190,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- partitioning ------------------------------------------------------------------------
 
     def _shard_groups(self, indices: range) -> None:
-        """Flatten, broadcast and shard the given param groups of the wrapped optimizer.
-
-        Local checks first; then one fingerprint all-gather over every group (so a mismatch
-        raises on all ranks before any size-dependent collective); then the broadcast.
-        """
-        groups = [list(dict.fromkeys(self.optimizer.param_groups[g]["params"])) for g in indices]
-        self._device = check_params([p for params in groups for p in params], indices, self._device, first=not self._shards)
-        fingerprint = [
-            (f"param_groups[{g}]['params'][{j}]", tuple(p.shape), str(p.dtype), p.requires_grad)
-            for g, params in zip(indices, groups)
-            for j, p in enumerate(params)
-        ]
-        for group in self.groups.all():
-            collectives.check_same_on_all_ranks("param", fingerprint, group)
-
-        buffers: list[FlatParamBuffer] = []
-        records = []
-        first_index = len(self._param_steps)  # torch.optim numbers params across groups in order
-        for params in groups:
-            trainable = [p for p in params if p.requires_grad]
-            index_of = {id(p): first_index + j for j, p in enumerate(params)}
-            first_index += len(params)
-            shard_ids = []
-            for dtype in dict.fromkeys(p.dtype for p in trainable):
-                # Reverse registration order approximates the order gradients become ready.
-                same_dtype = [p for p in reversed(trainable) if p.dtype == dtype]
-                shard_ids.append(len(self._shards) + len(buffers))
-                buffers.append(FlatParamBuffer(same_dtype, self._bucket_numel(dtype), self.world_size))
-                self._param_index.append([index_of[id(p)] for p in same_dtype])
-            records.append(_ShardedGroup(params=params, shards=shard_ids))
-        self._param_steps.extend([0] * (first_index - len(self._param_steps)))
-        frozen = [p.data for params in groups for p in params if not p.requires_grad]
-        # Replicas take replica 0's values, then each shard group its first rank's: all equal rank (0, 0).
-        for group in reversed(self.groups.all()):
-            if dist.get_world_size(group) > 1:
-                collectives.broadcast_from_first_([b.data for b in buffers] + frozen, group)
-
-        new_shards = [LocalShard(buffer, self.rank) for buffer in buffers]
-        self._shards.extend(new_shards)
-        self._groups.extend(records)
-        for g, record in zip(indices, records):
-            self.optimizer.param_groups[g]["params"] = [v for k in record.shards for v in self._shards[k].virtual_params]
+        """Shard param groups ``indices`` (see :func:`~zeroshard.sharding.shard_param_groups`) and hook them up."""
+        new = shard_param_groups(
+            self.optimizer, indices, self.groups, bucket_size_mb=self.bucket_size_mb, device=self._device,
+            first_shard=len(self._shards), first_param_index=len(self._param_steps),
+        )
+        self._device = new.device
+        self._groups.extend(new.groups)
+        self._shards.extend(new.shards)
+        self._param_index.extend(new.param_index)
+        self._group_of_shard.extend(new.group_of_shard)
+        self._param_steps.extend([0] * sum(len(g.params) for g in new.groups))
         if self._reducer is None:
             self._reducer = GradReducer(
-                new_shards, stage=self.stage, groups=self.groups, reduce_dtype=self.reduce_dtype, overlap_comm=self.overlap_comm
+                new.shards, stage=self.stage, groups=self.groups, reduce_dtype=self.reduce_dtype, overlap_comm=self.overlap_comm
             )
         else:
-            for shard in new_shards:
+            for shard in new.shards:
                 self._reducer.add_shard(shard)
-
-    def _bucket_numel(self, dtype: torch.dtype) -> int:
-        return max(1, int(self.bucket_size_mb * 2**20) // dtype.itemsize)
 
     def _log_layout(self) -> None:
         if self.rank != 0:
@@ -276,42 +259,107 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         return self._reducer.no_sync()
 
+    # The wrapped optimizer handles scaling itself: GradScaler.step() then sets grad_scale and
+    # found_inf on it and calls step(), which refuses (see _refuse_grad_scaler).
+    _step_supports_amp_scaling = True
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current loss scale (dynamic or static), or ``None`` when no loss scaling is active."""
+        return self._scaler.scale if self._scaler is not None else self._static_scale
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss`` multiplied by the loss scale (``loss`` itself when no scaling is active)."""
+        return loss if self.loss_scale is None else loss * self.loss_scale
+
+    def backward(self, loss: Tensor) -> None:
+        """``scale_loss(loss).backward()``: use it instead of ``loss.backward()`` whenever a loss scale is active."""
+        self.scale_loss(loss).backward()
+
+    def _gather_stats(self, norm_type: float) -> GradStats:
+        self._reducer.reduce_for_step()
+        return gather_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the coming step's gradients to global norm ``max_norm``; return the pre-clip norm.
+
+        Mirrors ``torch.nn.utils.clip_grad_norm_``: the norm spans all shards and ranks, each
+        (tied) param counted once, unscaled by the loss scale. Call it after the backward passes
+        and before ``step()``, on every rank (one all-reduce, which ``step()`` then reuses). The
+        coefficient ``min(1, max_norm / (norm + 1e-6))`` is applied inside the step; a
+        non-finite norm skips the step.
+
+        Raises:
+            ValueError: ``max_norm`` not positive, or ``norm_type`` not 2 or inf.
+        """
+        if not max_norm > 0:
+            raise ValueError(f"max_norm={max_norm!r} must be positive")
+        if float(norm_type) not in NORM_TYPES:
+            raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
+        self._stats = self._gather_stats(float(norm_type))
+        self._clip_norm = float(max_norm)
+        return torch.tensor(self._stats.norm / (self.loss_scale or 1.0))
+
+    def _refuse_grad_scaler(self) -> None:
+        if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
+            self.found_inf = self.grad_scale = None
+            raise RuntimeError(
+                "torch.amp.GradScaler cannot drive ShardedOptimizer, which scales and checks gradients itself: "
+                "drop the GradScaler and use ShardedOptimizer(..., loss_scale='dynamic') with opt.backward(loss)"
+            )
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Reduce what is left, update this rank's shard with the wrapped optimizer, all-gather params.
+        """Reduce what is left, update this rank's shard, all-gather the params.
 
-        Gradients are consumed: the grad shards (and stage 1's flat grad buffer) are zeroed
-        afterwards, so only ``model.zero_grad()`` — or nothing at all — needs to be called between
-        steps. A param that got no gradient on any rank is skipped, its state untouched, as in
-        ``torch.optim``. Collective: call on every rank.
+        One all-reduce gives the global gradient norm, the overflow check and which params got a
+        gradient on any rank. On inf/NaN every rank skips the update (params and state stay
+        byte-identical), the loss scale backs off and ``step_was_skipped`` is set. Otherwise the
+        gradients are multiplied by ``1/loss_scale`` times the clip coefficient (``max_grad_norm``
+        or a preceding :meth:`clip_grad_norm_`) and Adam/AdamW take the fused one-pass update;
+        other optimizers run their own ``step()`` on the virtual params. A param that got no
+        gradient on any rank is skipped, its state untouched, as in ``torch.optim``. Gradients
+        are consumed: only ``model.zero_grad()`` — or nothing — is needed between steps.
+        Collective: call on every rank.
 
-        Args:
-            closure: re-evaluates the model and returns the loss (run with grad enabled).
+        Raises:
+            RuntimeError: a ``torch.amp.GradScaler`` is driving this optimizer.
 
         Returns:
             The closure's loss, or ``None``.
         """
+        self._refuse_grad_scaler()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            self._reducer.reduce_for_step()
-            used = self._reducer.global_used()
-            if any(any(flags) for flags in used):
-                for shard, flags in zip(self._shards, used):
-                    shard.refresh_master()
-                    shard.attach_grads(flags)
-                self.optimizer.step()
-                for shard in self._shards:
-                    shard.detach_grads()
-                    shard.write_back()
-                self._all_gather_params()
-                for k, flags in enumerate(used):
-                    for i, stepped in enumerate(flags):
-                        self._param_steps[self._param_index[k][i]] += stepped
+            stats = self._stats or self._gather_stats(2.0)
+            scale = self.loss_scale or 1.0
+            self.grad_norm = torch.tensor(stats.norm / scale)
+            self.step_was_skipped = stats.found_inf
+            if self._scaler is not None:
+                self._scaler.update(stats.found_inf)
+            if stats.found_inf:
+                self._log_skip()
+            elif any(any(flags) for flags in stats.used):
+                self._update(stats, scale)
             self._reducer.reset()
-            self._consolidated = None
+            self._stats = self._clip_norm = self._consolidated = None
         return loss
+
+    def _update(self, stats: GradStats, scale: float) -> None:
+        max_norm = self._clip_norm if self._clip_norm is not None else self.max_grad_norm
+        multiplier = grad_multiplier(stats.norm, scale, max_norm)
+        apply_update(self.optimizer, self._shards, self._fused, self._group_of_shard, stats.used, multiplier)
+        self._all_gather_params()
+        for k, flags in enumerate(stats.used):
+            for i, stepped in enumerate(flags):
+                self._param_steps[self._param_index[k][i]] += stepped
+
+    def _log_skip(self) -> None:
+        self._skipped_steps += 1
+        if self.rank == 0 and self._skipped_steps & (self._skipped_steps - 1) == 0:  # 1, 2, 4, 8, ...
+            logger.info("zeroshard: %d steps skipped so far for inf/NaN gradients; loss scale now %s", self._skipped_steps, self.loss_scale)
 
     def _all_gather_params(self) -> None:
         if self.world_size == 1:
@@ -341,12 +389,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     p.grad.detach_()
                     p.grad.zero_()
         self._reducer.reset()
+        self._stats = self._clip_norm = None
 
     # -- introspection and state -------------------------------------------------------------
 
     def memory_usage(self) -> MemoryUsage:
         """Bytes this optimizer owns on this rank: flat params, gradient buffers, shards, optimizer state."""
-        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+        fused_keys = ("exp_avg", "exp_avg_sq") if self._fused is not None else ()
+        state = [v for s in self.optimizer.state.values() for k, v in s.items() if isinstance(v, Tensor) and k not in fused_keys]
+        state += self._fused.state_tensors() if self._fused is not None else []
         return measure(
             {
                 "params": [s.buffer.data for s in self._shards],
@@ -357,82 +408,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             },
             self._device,
         )
-
-    def _checkpoint_view(self) -> checkpoint.CheckpointView:
-        return checkpoint.CheckpointView(
-            self.optimizer, self._shards, [g.params for g in self._groups], self._param_index, self._param_steps, self.groups.mesh, self.process_group
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer state: this rank's shard, or the full state right after consolidation.
-
-        Runs no collective (HF Trainer and accelerate call it on one rank). The first call on
-        the rank that just ran :meth:`consolidate_state_dict` (before any ``step()``) returns the
-        full state in plain ``torch.optim`` format; every other call the sharded format: per bucket, 1-D
-        ``DTensor`` s of each per-element state (and fp32 master) that
-        ``torch.distributed.checkpoint`` reshards onto any world size, with the param groups,
-        per-param steps and a layout signature (see ``zeroshard/checkpoint.py``). The tensors are
-        copies: loading into them never touches the optimizer until :meth:`load_state_dict`.
-        A freshly built optimizer returns zero-filled entries to load into (no dummy step).
-
-        Raises:
-            ValueError: the wrapped optimizer keeps scalar state other than ``step``.
-        """
-        if self._consolidated is not None:
-            state_dict, self._consolidated = self._consolidated, None
-            return state_dict
-        state_dict = checkpoint.sharded_state_dict(self._checkpoint_view())
-        self._issued = {id(t): weakref.ref(t) for t in checkpoint.bucket_tensors(state_dict)}
-        return state_dict
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the full optimizer state onto global rank ``to``, one bucket at a time.
-
-        A collective: call it on every rank. Afterwards :meth:`state_dict` on rank ``to``
-        returns the full state in plain ``torch.optim`` format — param-shaped state keyed by the
-        wrapped optimizer's param indices, every hyperparameter, and a ``"zeroshard"`` entry (param
-        shapes and dtypes, fp32 masters of 16-bit params) that plain torch ignores — once, which loads
-        into an unsharded optimizer of the same class, or into a ``ShardedOptimizer`` at any world
-        size. Mirrors ``ZeroRedundancyOptimizer.consolidate_state_dict``.
-
-        Raises:
-            ValueError: ``to`` is not a rank of the world.
-        """
-        if not 0 <= to < dist.get_world_size():
-            raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
-        self._consolidated = checkpoint.consolidate(self._checkpoint_view(), to)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a sharded state dict (this layout, any world size via DCP) or a full one (any world size).
-
-        Accepts what :meth:`state_dict` returns — filled by ``dcp.load`` at any world size, or
-        saved with ``torch.save`` at this same world size — and full ``torch.optim``-format dicts:
-        from :meth:`consolidate_state_dict` or from an unsharded optimizer of the same class on
-        the same params. The checkpoint's hyperparameters win, as in ``torch.optim``. Runs no
-        collective. Everything is checked before anything is written, so on error the optimizer
-        is as it was.
-
-        Raises:
-            ValueError: anything else, or a state dict for another model (group count, param
-                count, shape or dtype: the param is named), another optimizer's state, another
-                ``bucket_size_mb``, or a sharded dict from another world size not loaded through DCP.
-        """
-        view = self._checkpoint_view()
-        meta = state_dict.get("zeroshard") if isinstance(state_dict, dict) else None
-        if isinstance(meta, dict) and meta.get("format") == checkpoint.SHARDED_FORMAT:
-            tensors = checkpoint.bucket_tensors(state_dict)
-            filled_in_place = bool(tensors) and all(self._issued.get(id(t), lambda: None)() is t for t in tensors)
-            inner, steps, masters = checkpoint.load_sharded(view, state_dict, filled_in_place)
-        elif isinstance(state_dict, dict) and (meta is None or (isinstance(meta, dict) and meta.get("format") == checkpoint.FULL_FORMAT)):
-            inner, steps, masters = checkpoint.load_full(view, state_dict)
-        else:
-            raise ValueError(f"state_dict is neither a zeroshard state dict nor a torch.optim one (zeroshard entry: {meta!r})")
-        self.optimizer.load_state_dict(inner)
-        with torch.no_grad():
-            for k, offset, values in masters:
-                self._shards[k].master[offset : offset + values.numel()].copy_(values)
-        self._param_steps[:] = steps
-        self._consolidated = None
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(stage={self.stage}, world_size={self.world_size}, rank={self.rank}, optimizer={self.optimizer!r})"

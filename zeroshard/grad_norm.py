@@ -1,0 +1,89 @@
+"""The global gradient norm, the overflow check and "which params got a gradient", in one all-reduce.
+
+See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py`` for the grad shard.
+
+Every rank computes the sum of squares of its grad shards (padding is zero, and a tied param
+lives in one flat-buffer slot, so each element of each param counts once) and sends it with one
+flag per param in one SUM all-reduce over the shard group. With hybrid sharding the replicas hold
+identical grad shards, so only replica 0 contributes its sum to the second all-reduce (over the
+replicate group) while every replica contributes its flags. An inf or NaN anywhere makes the sum
+non-finite: that is the overflow check (as in ZeRO's and Megatron's ``found_inf``). The infinity
+norm takes a MAX all-reduce of the largest magnitude instead, and the flags a SUM of their own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.groups import ShardingGroups
+from zeroshard.kernels import grad_sumsq
+from zeroshard.local_shard import LocalShard
+
+NORM_TYPES = (2.0, math.inf)
+
+
+@dataclass(frozen=True)
+class GradStats:
+    """What one step needs to know about the reduced gradients of all ranks.
+
+    Attributes:
+        norm: the global ``norm_type`` norm of the gradients as they sit in the grad shards
+            (still multiplied by the loss scale, if any); inf or NaN on overflow.
+        used: per shard, per param: whether the param got a gradient on some rank.
+        norm_type: 2.0 or ``math.inf``.
+    """
+
+    norm: float
+    used: list[list[bool]]
+    norm_type: float
+
+    @property
+    def found_inf(self) -> bool:
+        """Whether any gradient element on any rank is inf or NaN."""
+        return not math.isfinite(self.norm)
+
+
+def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0) -> GradStats:
+    """Reduce this rank's sum of squares (or max magnitude) and used-flags over every data-parallel rank.
+
+    Args:
+        shards: this rank's shards, their grad shards already reduced.
+        local_used: per shard, per param: whether it got a gradient on this rank.
+        groups: the shard group and, for hybrid sharding, the replicate group.
+        norm_type: 2.0 or ``math.inf``.
+
+    Raises:
+        ValueError: another ``norm_type``.
+    """
+    if norm_type not in NORM_TYPES:
+        raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
+    device = shards[0].grad_shard.device
+    flags = torch.tensor([u for used in local_used for u in used], dtype=torch.float32, device=device)
+    if norm_type == 2.0:
+        local = sum((grad_sumsq(s.grad_shard) for s in shards), torch.zeros((), device=device))
+    else:
+        local = torch.stack([s.grad_shard.abs().max() if s.grad_shard.numel() else torch.zeros((), device=device) for s in shards]).max()
+    both = torch.cat([local.reshape(1).float(), flags]) if norm_type == 2.0 else flags
+    replica_rank = dist.get_rank(groups.replicate) if groups.replicate is not None else 0
+    for group in groups.all():
+        if dist.get_world_size(group) == 1:
+            continue
+        if group is groups.replicate and norm_type == 2.0 and replica_rank != 0:
+            both[0] = 0.0  # the replicas' grad shards are identical: count one of them
+        dist.all_reduce(both, group=group)
+    if norm_type != 2.0:
+        for group in groups.all():
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    values = both.tolist()  # the one host-device synchronization of the step
+    norm = math.sqrt(values[0]) if norm_type == 2.0 and math.isfinite(values[0]) else (values[0] if norm_type == 2.0 else float(local))
+    flat = values[1:] if norm_type == 2.0 else values
+    used, start = [], 0
+    for per_shard in local_used:
+        used.append([v > 0 for v in flat[start : start + len(per_shard)]])
+        start += len(per_shard)
+    return GradStats(norm, used, norm_type)

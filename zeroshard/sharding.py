@@ -1,0 +1,123 @@
+"""Turning param groups into sharded flat buffers: check, compare across ranks, flatten, broadcast.
+
+See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroshard import collectives
+from zeroshard.flat_buffer import FlatParamBuffer
+from zeroshard.groups import ShardingGroups
+from zeroshard.local_shard import LocalShard
+from zeroshard.validation import check_params
+
+
+@dataclass
+class ShardedGroup:
+    """What zeroshard keeps for one param group of the wrapped optimizer.
+
+    Attributes:
+        params: the group's original params, in the user's order (frozen ones included).
+        shards: indices of its shards (one per dtype of trainable params) in the optimizer's list.
+    """
+
+    params: list[nn.Parameter]
+    shards: list[int]
+
+
+@dataclass
+class NewShards:
+    """The result of :func:`shard_param_groups`, to append to the optimizer's lists.
+
+    Attributes:
+        groups: one record per sharded param group.
+        shards: the new local shards, in order.
+        param_index: per new shard, per layout position: the param's ``torch.optim`` index.
+        group_of_shard: per new shard, the index of its param group.
+        device: the device all params are on.
+    """
+
+    groups: list[ShardedGroup]
+    shards: list[LocalShard]
+    param_index: list[list[int]]
+    group_of_shard: list[int]
+    device: torch.device
+
+
+def bucket_numel(bucket_size_mb: float, dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` in ``bucket_size_mb`` MiB (at least 1)."""
+    return max(1, int(bucket_size_mb * 2**20) // dtype.itemsize)
+
+
+def shard_param_groups(
+    optimizer: torch.optim.Optimizer,
+    indices: range,
+    groups: ShardingGroups,
+    *,
+    bucket_size_mb: float,
+    device: torch.device | None,
+    first_shard: int,
+    first_param_index: int,
+) -> NewShards:
+    """Flatten, broadcast and shard param groups ``indices`` of ``optimizer``.
+
+    Local checks first; then one fingerprint all-gather per group of ranks (a mismatch raises on
+    every rank, naming it, before any size-dependent collective); then the broadcast from rank 0;
+    finally each group's ``"params"`` is replaced by this rank's virtual parameters.
+
+    Args:
+        optimizer: the wrapped optimizer.
+        indices: the param groups to shard.
+        groups: the shard (and replicate) groups.
+        bucket_size_mb: bucket size in MiB of the param dtype.
+        device: the device of the params sharded before, or ``None``.
+        first_shard: how many shards the optimizer already has.
+        first_param_index: how many params the groups before ``indices`` hold (``torch.optim``
+            numbers params across groups in order).
+
+    Raises:
+        ValueError: from :func:`~zeroshard.validation.check_params`, or params that differ
+            between ranks.
+    """
+    params_of = [list(dict.fromkeys(optimizer.param_groups[g]["params"])) for g in indices]
+    device = check_params([p for params in params_of for p in params], indices, device, first=first_shard == 0)
+    fingerprint = [
+        (f"param_groups[{g}]['params'][{j}]", tuple(p.shape), str(p.dtype), p.requires_grad)
+        for g, params in zip(indices, params_of)
+        for j, p in enumerate(params)
+    ]
+    for group in groups.all():
+        collectives.check_same_on_all_ranks("param", fingerprint, group)
+
+    buffers: list[FlatParamBuffer] = []
+    records, param_index, group_of_shard = [], [], []
+    index = first_param_index
+    for g, params in zip(indices, params_of):
+        trainable = [p for p in params if p.requires_grad]
+        index_of = {id(p): index + j for j, p in enumerate(params)}
+        index += len(params)
+        shard_ids = []
+        for dtype in dict.fromkeys(p.dtype for p in trainable):
+            # Reverse registration order approximates the order gradients become ready.
+            same_dtype = [p for p in reversed(trainable) if p.dtype == dtype]
+            shard_ids.append(first_shard + len(buffers))
+            buffers.append(FlatParamBuffer(same_dtype, bucket_numel(bucket_size_mb, dtype), groups.shard_size))
+            param_index.append([index_of[id(p)] for p in same_dtype])
+            group_of_shard.append(g)
+        records.append(ShardedGroup(params=params, shards=shard_ids))
+    frozen = [p.data for params in params_of for p in params if not p.requires_grad]
+    # Replicas take replica 0's values, then each shard group its first rank's: all equal rank (0, 0).
+    for group in reversed(groups.all()):
+        if dist.get_world_size(group) > 1:
+            collectives.broadcast_from_first_([b.data for b in buffers] + frozen, group)
+
+    shards = [LocalShard(buffer, dist.get_rank(groups.shard)) for buffer in buffers]
+    for g, record in zip(indices, records):
+        optimizer.param_groups[g]["params"] = [v for k in record.shards for v in shards[k - first_shard].virtual_params]
+    return NewShards(records, shards, param_index, group_of_shard, device)

@@ -1,0 +1,101 @@
+"""``ShardedOptimizer``'s checkpoint API: ``state_dict``, ``consolidate_state_dict``, ``load_state_dict``.
+
+The formats and their checks live in ``zeroshard/checkpoint.py``; this mixin connects them to the
+optimizer's attributes (``optimizer``, ``_shards``, ``_groups``, ``_param_index``,
+``_param_steps``, ``groups``, ``process_group``, ``_scaler``, ``_consolidated``, ``_issued``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroshard import checkpoint
+
+
+class StateDictMixin:
+    """Checkpoint methods of :class:`~zeroshard.ShardedOptimizer` (see ``docs/checkpoint.md``)."""
+
+    def _checkpoint_view(self) -> checkpoint.CheckpointView:
+        return checkpoint.CheckpointView(
+            self.optimizer, self._shards, [g.params for g in self._groups], self._param_index, self._param_steps, self.groups.mesh,
+            self.process_group, self._scaler,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state: this rank's shard, or the full state right after consolidation.
+
+        Runs no collective (HF Trainer and accelerate call it on one rank). The first call on
+        the rank that just ran :meth:`consolidate_state_dict` (before any ``step()``) returns the
+        full state in plain ``torch.optim`` format; every other call the sharded format: per bucket, 1-D
+        ``DTensor`` s of each per-element state (and fp32 master) that
+        ``torch.distributed.checkpoint`` reshards onto any world size, with the param groups,
+        per-param steps and a layout signature (see ``zeroshard/checkpoint.py``). The tensors are
+        copies: loading into them never touches the optimizer until :meth:`load_state_dict`.
+        A freshly built optimizer returns zero-filled entries to load into (no dummy step).
+
+        Raises:
+            ValueError: the wrapped optimizer keeps scalar state other than ``step``.
+        """
+        if self._consolidated is not None:
+            state_dict, self._consolidated = self._consolidated, None
+            return state_dict
+        state_dict = checkpoint.sharded_state_dict(self._checkpoint_view())
+        self._issued = {id(t): weakref.ref(t) for t in checkpoint.bucket_tensors(state_dict)}
+        return state_dict
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full optimizer state onto global rank ``to``, one bucket at a time.
+
+        A collective: call it on every rank. Afterwards :meth:`state_dict` on rank ``to``
+        returns the full state in plain ``torch.optim`` format — param-shaped state keyed by the
+        wrapped optimizer's param indices, every hyperparameter, and a ``"zeroshard"`` entry (param
+        shapes and dtypes, fp32 masters of 16-bit params) that plain torch ignores — once, which loads
+        into an unsharded optimizer of the same class, or into a ``ShardedOptimizer`` at any world
+        size. Mirrors ``ZeroRedundancyOptimizer.consolidate_state_dict``.
+
+        Raises:
+            ValueError: ``to`` is not a rank of the world.
+        """
+        if not 0 <= to < dist.get_world_size():
+            raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
+        self._consolidated = checkpoint.consolidate(self._checkpoint_view(), to)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a sharded state dict (this layout, any world size via DCP) or a full one (any world size).
+
+        Accepts what :meth:`state_dict` returns — filled by ``dcp.load`` at any world size, or
+        saved with ``torch.save`` at this same world size — and full ``torch.optim``-format dicts:
+        from :meth:`consolidate_state_dict` or from an unsharded optimizer of the same class on
+        the same params. The checkpoint's hyperparameters win, as in ``torch.optim``. Runs no
+        collective. Everything is checked before anything is written, so on error the optimizer
+        is as it was.
+
+        Raises:
+            ValueError: anything else, or a state dict for another model (group count, param
+                count, shape or dtype: the param is named), another optimizer's state, another
+                ``bucket_size_mb``, or a sharded dict from another world size not loaded through DCP.
+        """
+        view = self._checkpoint_view()
+        meta = state_dict.get("zeroshard") if isinstance(state_dict, dict) else None
+        if isinstance(meta, dict) and meta.get("format") == checkpoint.SHARDED_FORMAT:
+            tensors = checkpoint.bucket_tensors(state_dict)
+            filled_in_place = bool(tensors) and all(self._issued.get(id(t), lambda: None)() is t for t in tensors)
+            inner, steps, masters = checkpoint.load_sharded(view, state_dict, filled_in_place)
+        elif isinstance(state_dict, dict) and (meta is None or (isinstance(meta, dict) and meta.get("format") == checkpoint.FULL_FORMAT)):
+            inner, steps, masters = checkpoint.load_full(view, state_dict)
+        else:
+            raise ValueError(f"state_dict is neither a zeroshard state dict nor a torch.optim one (zeroshard entry: {meta!r})")
+        self.optimizer.load_state_dict(inner)
+        with torch.no_grad():
+            for k, offset, values in masters:
+                self._shards[k].master[offset : offset + values.numel()].copy_(values)
+        self._param_steps[:] = steps
+        scaler_state = (state_dict.get("zeroshard") or {}).get("loss_scaler")
+        if self._scaler is not None and scaler_state is not None:
+            self._scaler.load_state_dict(scaler_state)
+        self._consolidated = None
+
