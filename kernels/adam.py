@@ -50,9 +50,10 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr,  # elements per program
     ):
         offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        mask = offsets < n_elements
-        if HAS_FOUND_INF:
-            mask = mask & (tl.load(found_inf_ptr) == 0)
+        limit = n_elements
+        if HAS_FOUND_INF:  # an overflow masks off every load and store: a no-op
+            limit = tl.where(tl.load(found_inf_ptr) == 0, n_elements, 0)
+        mask = offsets < limit
         p = tl.load(param_ptr + offsets, mask=mask)
         g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
         m = tl.load(exp_avg_ptr + offsets, mask=mask)

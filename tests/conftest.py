@@ -4,6 +4,12 @@ import os
 import sys
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter, which must be
+# switched on before Triton is imported (zeroshard.kernels imports it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(__file__))
 

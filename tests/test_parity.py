@@ -31,11 +31,14 @@ def _branch_used(rank: int, step: int) -> bool:
     return not (3 <= step <= 5 or (8 <= step <= 10 and rank == 0))
 
 
-def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.dtype = torch.float32, add_group_at: int | None = None, reduce_dtype: torch.dtype | None = None, process_group=None, ddp_group=None):
+def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.dtype = torch.float32, add_group_at: int | None = None, reduce_dtype: torch.dtype | None = None, process_group=None, ddp_group=None,
+                max_grad_norm: float | None = None, clip_api: bool = False, optimizer_class=torch.optim.AdamW):
     """Train DDP + AdamW and ShardedOptimizer(AdamW) side by side; yield after every step.
 
     ``process_group`` is what ShardedOptimizer shards over; ``ddp_group`` the group of the DDP
-    reference (default: the world).
+    reference (default: the world). With ``max_grad_norm`` the reference clips with
+    ``torch.nn.utils.clip_grad_norm_`` and ShardedOptimizer clips through its constructor argument,
+    or through ``clip_grad_norm_`` every step when ``clip_api``.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -45,14 +48,18 @@ def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.
     held_back = groups.pop() if add_group_at is not None else None
 
     ref = DDP(ref_model, find_unused_parameters=True, process_group=ddp_group) if world > 1 else ref_model
-    ref_opt = torch.optim.AdamW(groups, lr=1e-2, foreach=False)
+    extra = {"foreach": False} if optimizer_class is torch.optim.AdamW else {"momentum": 0.9}
+    ref_opt = optimizer_class(groups, lr=1e-2, **extra)
     # torch's LR schedulers do not follow groups added later, so that config runs without one.
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, _schedule) if add_group_at is None else None
 
     zgroups = param_groups(model)
     if add_group_at is not None:
         zgroups.pop()
-    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(zgroups, lr=1e-2, foreach=False), stage=stage, bucket_size_mb=200 * 4 / 2**20, overlap_comm=overlap_comm, reduce_dtype=reduce_dtype, process_group=process_group)
+    opt = zeroshard.ShardedOptimizer(
+        optimizer_class(zgroups, lr=1e-2, **extra), stage=stage, bucket_size_mb=200 * 4 / 2**20, overlap_comm=overlap_comm,
+        reduce_dtype=reduce_dtype, process_group=process_group, max_grad_norm=None if clip_api else max_grad_norm,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule) if add_group_at is None else None
 
     for step in range(STEPS):
@@ -70,6 +77,10 @@ def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.
             ctx = opt.no_sync() if (accumulation == "no_sync" and not last) else contextlib.nullcontext()
             with ctx:
                 (loss_fn(model, x, y, use_branch) / micro).backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_grad_norm)
+            if clip_api:
+                opt.clip_grad_norm_(max_grad_norm)
         ref_opt.step()
         ref_model.zero_grad()  # also the params of a group not added yet
         opt.step()
