@@ -6,11 +6,11 @@ import argparse
 import time
 from pathlib import Path
 
-from bench import memory, step
+from bench import kernel, memory, step
 from bench.harness import RESULTS_DIR, format_table, write_csv
 
-# name -> run(quick) -> rows. The kernel and offload suites plug in here.
-SUITES = {"step": step.run, "memory": memory.run}
+# name -> run(quick) -> rows. The offload suite plugs in here.
+SUITES = {"step": step.run, "memory": memory.run, "kernel": kernel.run}
 
 
 def main(argv: list[str] | None = None) -> None:

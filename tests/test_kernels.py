@@ -82,10 +82,11 @@ def test_low_precision_grad_and_param_out_within_twice_torch_error(low):
     adamw_reference_(*truth, step=2, **HYPER)  # float64 ground truth from the same low-precision grad
     param_out = torch.empty(n, dtype=low, device=DEVICE)
     fused_adamw_(param, grad, exp_avg, exp_avg_sq, step=2, param_out=param_out, backend=BACKEND, **HYPER)
-    # torch's own low-precision path: AdamW stepping the 16-bit param directly.
-    torch_param = torch.nn.Parameter(truth[0].new_tensor(_state(n, 3)[0].cpu()).to(low))
+    # torch's own low-precision path: AdamW stepping the 16-bit param directly, from the same state.
+    start, _, start_exp_avg, start_exp_avg_sq = [t.cpu() for t in _state(n, 3)]
+    torch_param = torch.nn.Parameter(start.to(low))
     torch_opt = torch.optim.AdamW([torch_param], lr=1e-2, weight_decay=0.1, foreach=False)
-    torch_opt.state[torch_param] = {"step": torch.tensor(1.0), "exp_avg": _state(n, 3)[2].cpu().to(low), "exp_avg_sq": _state(n, 3)[3].cpu().to(low)}
+    torch_opt.state[torch_param] = {"step": torch.tensor(1.0), "exp_avg": start_exp_avg.to(low), "exp_avg_sq": start_exp_avg_sq.to(low)}
     torch_param.grad = grad.cpu().clone()
     torch_opt.step()
 

@@ -152,3 +152,23 @@ def scaler_checkpoint_worker() -> tuple[float, float, float]:
 def test_loss_scale_survives_checkpoints(pools):
     for scale, from_sharded, from_full in pools[2].run(scaler_checkpoint_worker):
         assert scale == 512.0 and from_sharded == scale and from_full == scale
+
+
+def configured_implementation_worker(flag: str) -> bool:
+    """On CPU the flat shard is stepped by the torch implementation the user configured."""
+    torch.manual_seed(0)
+    model, ref_model = TinyNet(), TinyNet()
+    ref_model.load_state_dict(model.state_dict())
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, **{flag: True}))
+    ref = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, **{flag: True})
+    for step in range(5):
+        for m, o in ((model, opt), (ref_model, ref)):
+            loss_fn(m, *batch(0, step)).backward()
+            o.step()
+            m.zero_grad()
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+
+
+@pytest.mark.parametrize("flag", ["foreach", "fused"])
+def test_cpu_step_uses_the_configured_torch_implementation(pools, flag):
+    assert pools[1].run(configured_implementation_worker, flag) == [True]

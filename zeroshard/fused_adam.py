@@ -6,15 +6,18 @@ For ``torch.optim.Adam`` and ``AdamW`` without ``amsgrad``, ``capturable`` or ``
 ``exp_avg`` and ``exp_avg_sq`` live in one flat fp32 buffer per shard, and the wrapped optimizer's
 ``state[virtual_param]`` entries are views of them — so ``state_dict()``, checkpoints and LR
 schedulers see ordinary ``torch.optim`` state while the update runs over whole runs of pieces
-with :func:`zeroshard.kernels.fused_adamw_`. A run is a maximal sequence of adjacent pieces of one
-bucket that got a gradient and share a step count; 16-bit params receive the cast of the updated
-master in the same pass (``param_out``).
+with :func:`zeroshard.kernels.fused_adamw_` on CUDA (16-bit params receive the cast of the updated
+master in the same pass, ``param_out``), and with torch's own functional Adam/AdamW elsewhere
+(the ``foreach``/``fused`` implementation the user configured). A run is a maximal sequence of
+adjacent pieces of one bucket that got a gradient and share a step count.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.optim.adam import adam as functional_adam
+from torch.optim.adamw import adamw as functional_adamw
 
 from zeroshard.kernels import fused_adamw_
 from zeroshard.local_shard import LocalShard
@@ -65,6 +68,11 @@ class FusedAdam:
     def step(self, shards: list[LocalShard], group_of_shard: list[int], used: list[list[bool]], grad_scale: Tensor | None) -> None:
         """Update every used piece of every shard; unused pieces and their state stay untouched.
 
+        CUDA shards take the Triton kernel, one launch per run. Other devices take torch's own
+        functional Adam/AdamW with the wrapped optimizer's ``foreach``/``fused`` flags, one call
+        per param group and step count with the runs as its tensor list: the implementation the
+        user configured, on the flat shard.
+
         Args:
             shards: this rank's shards.
             group_of_shard: for each shard, the index of its param group (hyperparameters).
@@ -74,21 +82,39 @@ class FusedAdam:
         for k, shard in enumerate(shards):
             self._bind(k, shard)
             group = self.optimizer.param_groups[group_of_shard[k]]
-            for start, end, step in self._runs(k, shard, used[k]):
-                first = shard.pieces[start]
-                last = shard.pieces[end - 1]
-                lo, hi = first.shard_offset, last.shard_offset + last.numel
-                flat_lo = first.flat_offset
-                if shard.master is None:
-                    param, param_out = shard.buffer.data[flat_lo : flat_lo + hi - lo], None
-                else:
-                    param, param_out = shard.master[lo:hi], shard.buffer.data[flat_lo : flat_lo + hi - lo]
-                fused_adamw_(
-                    param, shard.grad_shard[lo:hi], self.exp_avg[k][lo:hi], self.exp_avg_sq[k][lo:hi],
-                    lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-                    weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale, param_out=param_out,
-                    maximize=group.get("maximize", False), adamw=self.adamw,
+            runs = [self._run_tensors(k, shard, *run) for run in self._runs(k, shard, used[k])]
+            if shard.grad_shard.device.type == "cuda":
+                for param, grad, exp_avg, exp_avg_sq, param_out, step in runs:
+                    fused_adamw_(
+                        param, grad, exp_avg, exp_avg_sq, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                        eps=group["eps"], weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale,
+                        param_out=param_out, maximize=group.get("maximize", False), adamw=self.adamw,
+                    )
+                continue
+            for step in sorted({run[-1] for run in runs}):
+                batch = [run for run in runs if run[-1] == step]
+                if grad_scale is not None:
+                    for run in batch:
+                        run[1].mul_(grad_scale)
+                functional = functional_adamw if self.adamw else functional_adam
+                functional(
+                    [r[0] for r in batch], [r[1] for r in batch], [r[2] for r in batch], [r[3] for r in batch], [],
+                    [torch.tensor(float(step - 1)) for _ in batch],  # torch advances them to ``step``
+                    foreach=group.get("foreach"), fused=group.get("fused"), amsgrad=False, beta1=group["betas"][0],
+                    beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                    maximize=group.get("maximize", False),
                 )
+                for param, _, _, _, param_out, _ in batch:
+                    if param_out is not None:
+                        param_out.copy_(param)
+
+    def _run_tensors(self, k: int, shard: LocalShard, start: int, end: int, step: int):
+        """(param, grad, exp_avg, exp_avg_sq, param_out or None, step) views for pieces ``[start, end)``."""
+        first, last = shard.pieces[start], shard.pieces[end - 1]
+        lo, hi = first.shard_offset, last.shard_offset + last.numel
+        flat = shard.buffer.data[first.flat_offset : first.flat_offset + hi - lo]
+        param, param_out = (flat, None) if shard.master is None else (shard.master[lo:hi], flat)
+        return param, shard.grad_shard[lo:hi], self.exp_avg[k][lo:hi], self.exp_avg_sq[k][lo:hi], param_out, step
 
     def _runs(self, k: int, shard: LocalShard, used: list[bool]):
         """(first piece, end piece, step) of each run; advances the step of every used piece."""
