@@ -90,3 +90,16 @@ def test_step_suite_runs_end_to_end(tmp_path):
     # Counted bytes are at least what the collectives must move (ring algorithms, 4 ranks, fp32):
     # DDP's all-reduce 2*(3/4)*4 bytes per param; flat sharding's all-gather alone (3/4)*4.
     assert sent["ddp"] >= 6.0 and sent["zeroshard_flat"] >= 3.0 and sent["zeroshard_hybrid"] > 0
+
+
+def test_kernel_suite_runs_end_to_end(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "bench", "kernel", "--quick", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (path,) = tmp_path.glob("kernel-*.csv")
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    times = {r["method"]: float(r["median_us"]) for r in rows if r["kind"] == "time"}
+    assert all(t > 0 for t in times.values()) and len(times) == 4
+    for r in (r for r in rows if r["kind"] == "ratio"):  # baseline time over zeroshard's, same run
+        assert float(r["ratio"]) == pytest.approx(times[r["baseline"]] / times[r["method"]], rel=1e-6)
