@@ -45,7 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="param dtype")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="param dtype (float16 turns on dynamic loss scaling)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     p.add_argument("--log-interval", type=int, default=100, help="steps between progress lines")
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches per rank for the validation loss")
     p.add_argument("--seed", type=int, default=0)
@@ -204,7 +205,7 @@ def main() -> None:
     adamw = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95)
     )
-    opt = zeroshard.ShardedOptimizer(adamw, stage=args.stage)
+    opt = zeroshard.ShardedOptimizer(adamw, stage=args.stage, max_grad_norm=args.max_grad_norm or None)
     warmup = max(1, args.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
@@ -221,7 +222,7 @@ def main() -> None:
     first_loss = loss_value = None
     for step in range(first_step, args.steps + 1):
         loss = model(*get_batch(train, args.batch_size, args.seq_len, generator, device))
-        loss.backward()
+        opt.backward(loss)  # scales the loss when a loss scale is active (fp16), else loss.backward()
         opt.step()
         schedule.step()
         model.zero_grad()
@@ -239,7 +240,8 @@ def main() -> None:
             first_loss = loss_value if first_loss is None else first_loss
             now = time.perf_counter()
             steps_done = args.log_interval if step % args.log_interval == 0 else 1
-            log(f"step {step:5d} | loss {loss_value:.4f} | lr {schedule.get_last_lr()[0]:.2e} | "
+            scale = f" | loss scale {opt.loss_scale:g}" if opt.loss_scale else ""
+            log(f"step {step:5d} | loss {loss_value:.4f} | grad norm {float(opt.grad_norm):.3f}{scale} | lr {schedule.get_last_lr()[0]:.2e} | "
                 f"{steps_done * tokens_per_step / (now - last):,.0f} tokens/s")
             last = now
     elapsed = time.perf_counter() - start
