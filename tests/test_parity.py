@@ -32,7 +32,7 @@ def _branch_used(rank: int, step: int) -> bool:
 
 
 def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.dtype = torch.float32, add_group_at: int | None = None, reduce_dtype: torch.dtype | None = None, process_group=None, ddp_group=None,
-                max_grad_norm: float | None = None, clip_api: bool = False, optimizer_class=torch.optim.AdamW):
+                max_grad_norm: float | None = None, clip_api: bool = False, optimizer_class=torch.optim.AdamW, offload: str | None = None):
     """Train DDP + AdamW and ShardedOptimizer(AdamW) side by side; yield after every step.
 
     ``process_group`` is what ShardedOptimizer shards over; ``ddp_group`` the group of the DDP
@@ -58,7 +58,7 @@ def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.
         zgroups.pop()
     opt = zeroshard.ShardedOptimizer(
         optimizer_class(zgroups, lr=1e-2, **extra), stage=stage, bucket_size_mb=200 * 4 / 2**20, overlap_comm=overlap_comm,
-        reduce_dtype=reduce_dtype, process_group=process_group, max_grad_norm=None if clip_api else max_grad_norm,
+        reduce_dtype=reduce_dtype, process_group=process_group, max_grad_norm=None if clip_api else max_grad_norm, offload=offload,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule) if add_group_at is None else None
 

@@ -8,7 +8,8 @@ from zeroshard.checkpoint_dir import latest_checkpoint, verify_checkpoint
 from zeroshard.groups import hybrid_mesh
 from zeroshard.loss_scaler import DynamicLossScaler
 from zeroshard.memory import MemoryUsage
+from zeroshard.memory_tracer import MemoryTracer
 from zeroshard.optimizer import ShardedOptimizer
 
-__all__ = ["DynamicLossScaler", "MemoryUsage", "ShardedOptimizer", "hybrid_mesh", "latest_checkpoint", "verify_checkpoint"]
+__all__ = ["DynamicLossScaler", "MemoryTracer", "MemoryUsage", "ShardedOptimizer", "hybrid_mesh", "latest_checkpoint", "verify_checkpoint"]
 __version__ = "0.1.0"

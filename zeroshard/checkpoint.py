@@ -129,6 +129,13 @@ def layout_signature(view: CheckpointView) -> list[tuple[Any, ...]]:
     ]
 
 
+def _saves_master(shard: LocalShard) -> bool:
+    """Whether checkpoints carry this shard's master: only 16-bit params have one that differs from
+    the params (an fp32 master kept in host memory by offload equals them), so the formats do not
+    depend on where the master lives."""
+    return shard.master is not None and shard.buffer.dtype.itemsize < 4
+
+
 def _param_names(view: CheckpointView) -> list[str]:
     return [f"param_groups[{g}]['params'][{j}]" for g, params in enumerate(view.group_params) for j in range(len(params))]
 
@@ -175,7 +182,7 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
                     if value is not None:
                         local[offset : offset + piece.numel] = value.reshape(-1)
                 entry[key] = _dtensor(view, local, bucket.numel)
-            if shard.master is not None:  # this rank's slice starts the bucket's part of the master shard
+            if _saves_master(shard):  # this rank's slice starts the bucket's part of the master shard
                 start = bucket.shard_offset
                 entry["master"] = _dtensor(view, shard.master[start : start + hi - lo].clone(), bucket.numel)
             buckets[f"{k}.{bucket.index}"] = entry
@@ -214,7 +221,7 @@ def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], keys: list[
     for k, shard in enumerate(view.shards):
         for bucket in shard.buffer.layout.buckets:
             entry = state_dict["buckets"].get(f"{k}.{bucket.index}")
-            wanted = keys + (["master"] if shard.master is not None else [])
+            wanted = keys + (["master"] if _saves_master(shard) else [])
             if entry is None or sorted(entry) != sorted(wanted):
                 raise ValueError(f"state_dict bucket {k}.{bucket.index} holds {None if entry is None else sorted(entry)}, expected {sorted(wanted)}")
             lo, hi = _local_range(view, k, bucket.index)
@@ -295,7 +302,7 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
         layout = shard.buffer.layout
         for bucket in layout.buckets:
             size = bucket.shard_numel(view.world_size)
-            for key in keys + (["master"] if shard.master is not None else []):
+            for key in keys + (["master"] if _saves_master(shard) else []):
                 local = torch.zeros(size, dtype=dtype, device=shard.buffer.device)
                 if key == "master":
                     local.copy_(shard.master[bucket.shard_offset : bucket.shard_offset + size])
@@ -383,7 +390,7 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[st
                 if has_step:
                     state[vparam]["step"] = torch.tensor(float(steps[ours]))
             master = saved_masters.get(order[ours])
-            if shard.master is not None and master is not None:
+            if _saves_master(shard) and master is not None:
                 masters.append((k, piece.shard_offset, master.reshape(-1)[piece.param_offset : piece.param_offset + piece.numel]))
     return _inner_state_dict(view, state, saved_groups), steps, masters
 

@@ -3,7 +3,8 @@
 See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py``.
 
 For ``torch.optim.Adam`` and ``AdamW`` without ``amsgrad``, ``capturable`` or ``differentiable``,
-``exp_avg`` and ``exp_avg_sq`` live in one flat fp32 buffer per shard, and the wrapped optimizer's
+``exp_avg`` and ``exp_avg_sq`` live in one flat fp32 buffer per shard (in host memory, beside the
+host master, with ``offload="cpu"``, where every update runs torch's fused CPU AdamW), and the wrapped optimizer's
 ``state[virtual_param]`` entries are views of them — so ``state_dict()``, checkpoints and LR
 schedulers see ordinary ``torch.optim`` state while the update runs over whole runs of pieces
 with :func:`zeroshard.kernels.fused_adamw_` on CUDA (16-bit params receive the cast of the updated
@@ -43,17 +44,20 @@ class FusedAdam:
         exp_avg, exp_avg_sq: per shard, 1-D fp32 ``shard_numel`` elements (allocated on first use).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, kind: str) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, kind: str, offload: bool = False) -> None:
         self.optimizer = optimizer
         self.adamw = kind == "adamw"
+        self.offload = offload
         self.exp_avg: dict[int, Tensor] = {}
         self.exp_avg_sq: dict[int, Tensor] = {}
+        self.host_grad: dict[int, Tensor] = {}  # offload: 1-D master dtype, the grad shard's host copy
 
     def _bind(self, k: int, shard: LocalShard) -> None:
         """Make every piece's ``exp_avg``/``exp_avg_sq`` a view of the flat buffers (copying loaded state in)."""
         if k not in self.exp_avg:
-            self.exp_avg[k] = torch.zeros_like(shard.grad_shard, dtype=torch.float32)
-            self.exp_avg_sq[k] = torch.zeros_like(shard.grad_shard, dtype=torch.float32)
+            home = shard.master.device if self.offload else shard.grad_shard.device
+            self.exp_avg[k] = torch.zeros(shard.grad_shard.numel(), dtype=torch.float32, device=home)
+            self.exp_avg_sq[k] = torch.zeros(shard.grad_shard.numel(), dtype=torch.float32, device=home)
         for piece, vparam in zip(shard.pieces, shard.virtual_params):
             state = self.optimizer.state.get(vparam)
             if not state:
@@ -81,9 +85,11 @@ class FusedAdam:
         """
         for k, shard in enumerate(shards):
             self._bind(k, shard)
+            if self.offload:
+                self._copy_grads_to_host(k, shard)
             group = self.optimizer.param_groups[group_of_shard[k]]
             runs = [self._run_tensors(k, shard, *run) for run in self._runs(k, shard, used[k])]
-            if shard.grad_shard.device.type == "cuda":
+            if shard.grad_shard.device.type == "cuda" and not self.offload:
                 for param, grad, exp_avg, exp_avg_sq, param_out, step in runs:
                     fused_adamw_(
                         param, grad, exp_avg, exp_avg_sq, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
@@ -100,7 +106,9 @@ class FusedAdam:
                 functional(
                     [r[0] for r in batch], [r[1] for r in batch], [r[2] for r in batch], [r[3] for r in batch], [],
                     [torch.tensor(float(step - 1)) for _ in batch],  # torch advances them to ``step``
-                    foreach=group.get("foreach"), fused=group.get("fused"), amsgrad=False, beta1=group["betas"][0],
+                    # Offload always takes torch's fused CPU kernel; otherwise the user's implementation.
+                    foreach=None if self.offload else group.get("foreach"), fused=True if self.offload else group.get("fused"),
+                    amsgrad=False, beta1=group["betas"][0],
                     beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                     maximize=group.get("maximize", False),
                 )
@@ -114,7 +122,18 @@ class FusedAdam:
         lo, hi = first.shard_offset, last.shard_offset + last.numel
         flat = shard.buffer.data[first.flat_offset : first.flat_offset + hi - lo]
         param, param_out = (flat, None) if shard.master is None else (shard.master[lo:hi], flat)
-        return param, shard.grad_shard[lo:hi], self.exp_avg[k][lo:hi], self.exp_avg_sq[k][lo:hi], param_out, step
+        grad = (self.host_grad[k] if self.offload else shard.grad_shard)[lo:hi]
+        return param, grad, self.exp_avg[k][lo:hi], self.exp_avg_sq[k][lo:hi], param_out, step
+
+    def _copy_grads_to_host(self, k: int, shard: LocalShard) -> None:
+        """Offload: bring the reduced grad shard to host memory (pinned, asynchronous, when on CUDA)."""
+        if k not in self.host_grad:
+            pin = shard.grad_shard.device.type == "cuda"
+            self.host_grad[k] = torch.empty(shard.grad_shard.numel(), dtype=shard.grad_shard.dtype, device="cpu", pin_memory=pin)
+        self.host_grad[k].copy_(shard.grad_shard, non_blocking=True)
+        if shard.grad_shard.device.type == "cuda":
+            # The CPU update reads the host copy: the device-to-host copy must have landed.
+            torch.cuda.current_stream(shard.grad_shard.device).synchronize()
 
     def _runs(self, k: int, shard: LocalShard, used: list[bool]):
         """(first piece, end piece, step) of each run; advances the step of every used piece."""
@@ -147,3 +166,7 @@ class FusedAdam:
     def state_tensors(self) -> list[Tensor]:
         """The flat moment buffers (for memory accounting)."""
         return list(self.exp_avg.values()) + list(self.exp_avg_sq.values())
+
+    def host_grad_tensors(self) -> list[Tensor]:
+        """Offload: the host copies of the grad shards (for memory accounting)."""
+        return list(self.host_grad.values())

@@ -25,25 +25,33 @@ class LocalShard:
     Args:
         buffer: the flat param buffer this shard belongs to.
         rank: this rank's index in the sharding group.
+        host_master: keep the master weights in host memory as a separate copy, whatever the
+            param dtype (CPU offload; pinned when the params are on CUDA).
 
     Attributes:
         pieces: the (param ∩ slice) pieces this rank owns, in flat order.
-        master: 1-D fp32, ``layout.shard_numel`` elements, for bf16/fp16 params; ``None`` when the
-            params are fp32/fp64, whose flat-buffer slices are the master weights.
+        master: 1-D fp32, ``layout.shard_numel`` elements, for bf16/fp16 params or with
+            ``host_master``; ``None`` when the params are fp32/fp64 on their own device, whose
+            flat-buffer slices are the master weights.
         grad_shard: 1-D master dtype, ``layout.shard_numel`` elements: this rank's reduced,
             averaged gradient (padding positions stay zero).
         virtual_params: one 1-D ``nn.Parameter`` per piece, a view of the master weights; what
             the wrapped optimizer steps.
     """
 
-    def __init__(self, buffer: FlatParamBuffer, rank: int) -> None:
+    def __init__(self, buffer: FlatParamBuffer, rank: int, host_master: bool = False) -> None:
         self.buffer = buffer
         self.rank = rank
         layout = buffer.layout
         self.pieces: list[ShardPiece] = layout.pieces(rank)
         dtype = master_dtype_for(buffer.dtype)
         self.master: Tensor | None = None
-        if dtype != buffer.dtype:
+        if host_master:
+            pin = buffer.device.type == "cuda"
+            self.master = torch.empty(layout.shard_numel, dtype=dtype, device="cpu", pin_memory=pin)
+            for b in layout.buckets:
+                self._master_slice(b.index).copy_(buffer.slice_view(b.index, rank))
+        elif dtype != buffer.dtype:
             self.master = torch.empty(layout.shard_numel, dtype=dtype, device=buffer.device)
             for b in layout.buckets:
                 self._master_slice(b.index).copy_(buffer.slice_view(b.index, rank))
@@ -91,7 +99,7 @@ class LocalShard:
         for piece in self.pieces:
             if piece.param in changed:
                 master = self._master_piece(piece)
-                current = self.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel]
+                current = self.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel].to(master.device)
                 stale = current != master.to(current.dtype)
                 master[stale] = current[stale].to(master.dtype)
         for i in changed:

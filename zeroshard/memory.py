@@ -18,7 +18,8 @@ class MemoryUsage:
             wrapped optimizer's CPU ``step`` counters); 0 on a CPU-only run.
         by_kind: bytes per kind wherever they live: ``"params"`` (flat param buffers),
             ``"grads"`` (stage 1 flat grad buffers, stage 2 staging buckets in flight),
-            ``"grad_shard"``, ``"master"`` (fp32 copies for 16-bit params) and
+            ``"grad_shard"`` (with offload, its host copy too), ``"master"`` (fp32 copies for
+            16-bit params, or every master weight with offload) and
             ``"optimizer_state"`` (the wrapped optimizer's state, e.g. ``exp_avg``,
             ``exp_avg_sq``, ``step``).
     """

@@ -73,6 +73,10 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         reduce_dtype: dtype of the gradient reduce-scatter; ``None`` reduces in each param's dtype.
         max_grad_norm: clip every step's gradients to this global 2-norm (``None``: no clipping;
             :meth:`clip_grad_norm_` clips one step).
+        offload: ``"cpu"`` keeps the fp32 master weights, ``exp_avg`` and ``exp_avg_sq`` in host
+            memory (pinned with CUDA): each step copies the grad shard to the host, runs torch's
+            fused CPU AdamW on it and copies the updated params back (ZeRO-Offload, Ren et al.,
+            USENIX ATC 2021). Adam/AdamW only. ``None``: everything on the params' device.
         loss_scale: ``"dynamic"`` (a :class:`~zeroshard.DynamicLossScaler`), a fixed positive
             number, a ``DynamicLossScaler`` instance, or ``None``: dynamic when any trainable
             param is fp16, else none. With a loss scale active, call :meth:`backward` (or
@@ -83,7 +87,8 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             ``process_group`` is neither a ``ProcessGroup`` nor a ``DeviceMesh``, or
             ``reduce_dtype`` is not a floating-point ``torch.dtype``.
         ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` or ``max_grad_norm`` not positive;
-            a ``loss_scale`` of another kind; torch.distributed
+            a ``loss_scale`` of another kind; ``offload`` not ``None``/``"cpu"``, or with an
+            optimizer other than Adam/AdamW; torch.distributed
             not initialized, this rank not in ``process_group``, or a 2-D mesh whose dims are not
             ("replicate", "shard"); no trainable params; params on
             several devices, sparse or complex params; an optimizer that already holds state;
@@ -102,8 +107,13 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         reduce_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
         loss_scale: str | float | DynamicLossScaler | None = None,
+        offload: str | None = None,
     ) -> None:
         check_arguments(optimizer, stage, bucket_size_mb, reduce_dtype)
+        if offload not in (None, "cpu"):
+            raise ValueError(f"offload={offload!r} must be None or 'cpu'")
+        if offload is not None and fused_adam_kind(optimizer) is None:
+            raise ValueError(f"offload='cpu' runs torch's fused CPU Adam/AdamW: it needs torch.optim.Adam or AdamW without amsgrad, capturable or differentiable, got {type(optimizer).__name__}")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or a positive number")
         if not (loss_scale is None or loss_scale == "dynamic" or isinstance(loss_scale, DynamicLossScaler)
@@ -116,6 +126,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self.world_size = self.groups.shard_size
         self.rank = dist.get_rank(self.process_group)
         self.bucket_size_mb = float(bucket_size_mb)
+        self.offload = offload
         self.overlap_comm = overlap_comm
         self.reduce_dtype = reduce_dtype
         self._init_optimizer_hooks()
@@ -136,7 +147,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self._clip_norm: float | None = None  # max_norm of a clip_grad_norm_ call, for the coming step
         self._group_of_shard: list[int] = []  # per shard: its param group
         self._shard_groups(range(len(optimizer.param_groups)))
-        self._fused = FusedAdam(optimizer, kind) if (kind := fused_adam_kind(optimizer)) else None
+        self._fused = FusedAdam(optimizer, kind, offload=offload is not None) if (kind := fused_adam_kind(optimizer)) else None
         fp16 = any(s.buffer.dtype == torch.float16 for s in self._shards)
         self._scaler = loss_scale if isinstance(loss_scale, DynamicLossScaler) else (
             DynamicLossScaler() if loss_scale == "dynamic" or (loss_scale is None and fp16) else None)
@@ -193,7 +204,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         """Shard param groups ``indices`` (see :func:`~zeroshard.sharding.shard_param_groups`) and hook them up."""
         new = shard_param_groups(
             self.optimizer, indices, self.groups, bucket_size_mb=self.bucket_size_mb, device=self._device,
-            first_shard=len(self._shards), first_param_index=len(self._param_steps),
+            first_shard=len(self._shards), first_param_index=len(self._param_steps), host_master=self.offload is not None,
         )
         self._device = new.device
         self._groups.extend(new.groups)
@@ -398,11 +409,12 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         fused_keys = ("exp_avg", "exp_avg_sq") if self._fused is not None else ()
         state = [v for s in self.optimizer.state.values() for k, v in s.items() if isinstance(v, Tensor) and k not in fused_keys]
         state += self._fused.state_tensors() if self._fused is not None else []
+        host_grads = self._fused.host_grad_tensors() if self._fused is not None else []
         return measure(
             {
                 "params": [s.buffer.data for s in self._shards],
                 "grads": self._reducer.grad_buffers(),
-                "grad_shard": [s.grad_shard for s in self._shards],
+                "grad_shard": [s.grad_shard for s in self._shards] + host_grads,
                 "master": [s.master for s in self._shards if s.master is not None],
                 "optimizer_state": state,
             },

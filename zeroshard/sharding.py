@@ -64,6 +64,7 @@ def shard_param_groups(
     device: torch.device | None,
     first_shard: int,
     first_param_index: int,
+    host_master: bool = False,
 ) -> NewShards:
     """Flatten, broadcast and shard param groups ``indices`` of ``optimizer``.
 
@@ -80,6 +81,7 @@ def shard_param_groups(
         first_shard: how many shards the optimizer already has.
         first_param_index: how many params the groups before ``indices`` hold (``torch.optim``
             numbers params across groups in order).
+        host_master: keep master weights in host memory (CPU offload).
 
     Raises:
         ValueError: from :func:`~zeroshard.validation.check_params`, or params that differ
@@ -117,7 +119,7 @@ def shard_param_groups(
         if dist.get_world_size(group) > 1:
             collectives.broadcast_from_first_([b.data for b in buffers] + frozen, group)
 
-    shards = [LocalShard(buffer, dist.get_rank(groups.shard)) for buffer in buffers]
+    shards = [LocalShard(buffer, dist.get_rank(groups.shard), host_master) for buffer in buffers]
     for g, record in zip(indices, records):
         optimizer.param_groups[g]["params"] = [v for k in record.shards for v in shards[k - first_shard].virtual_params]
     return NewShards(records, shards, param_index, group_of_shard, device)
