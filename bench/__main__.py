@@ -6,11 +6,11 @@ import argparse
 import time
 from pathlib import Path
 
-from bench import kernel, memory, step
+from bench import kernel, memory, offload, step
 from bench.harness import RESULTS_DIR, format_table, write_csv
 
-# name -> run(quick) -> rows. The offload suite plugs in here.
-SUITES = {"step": step.run, "memory": memory.run, "kernel": kernel.run}
+# name -> run(quick) -> rows.
+SUITES = {"step": step.run, "memory": memory.run, "kernel": kernel.run, "offload": offload.run}
 
 
 def main(argv: list[str] | None = None) -> None:
