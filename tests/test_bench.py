@@ -103,3 +103,16 @@ def test_kernel_suite_runs_end_to_end(tmp_path):
     assert all(t > 0 for t in times.values()) and len(times) == 4
     for r in (r for r in rows if r["kind"] == "ratio"):  # baseline time over zeroshard's, same run
         assert float(r["ratio"]) == pytest.approx(times[r["baseline"]] / times[r["method"]], rel=1e-6)
+
+
+def test_offload_suite_runs_end_to_end(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "bench", "offload", "--quick", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (path,) = tmp_path.glob("offload-*.csv")
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    times = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "time"}
+    assert set(times) == {"zeroshard_offload", "zeroshard_on_device", "torch_adamw_fused"}
+    for r in (r for r in rows if r["kind"] == "ratio"):
+        assert float(r["ratio"]) == pytest.approx(times["torch_adamw_fused"] / times[r["method"]], rel=1e-6)
