@@ -71,13 +71,18 @@ def test_csv_is_stamped_and_keeps_every_column(tmp_path):
     assert "1.5" in format_table([{"method": "a", "ms": 1.5}])
 
 
-def test_step_suite_runs_end_to_end(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "bench", "step", "--quick", "--out", str(tmp_path)],
+def _run_suite(name: str, out) -> list[dict]:
+    """Run ``python -m bench <name> --quick`` into ``out``; the rows of the CSV it wrote."""
+    result = subprocess.run([sys.executable, "-m", "bench", name, "--quick", "--out", str(out)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    (path,) = tmp_path.glob("step-*.csv")
+    (path,) = out.glob(f"{name}-*.csv")
     with open(path) as f:
-        rows = list(csv.DictReader(f))
+        return list(csv.DictReader(f))
+
+
+def test_step_suite_runs_end_to_end(tmp_path):
+    rows = _run_suite("step", tmp_path)
     times = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "time"}
     assert set(times) == {"ddp", "torch_zero", "fsdp2", "zeroshard_stage1", "zeroshard_stage2"}
     assert all(t > 0 for t in times.values())
@@ -93,12 +98,7 @@ def test_step_suite_runs_end_to_end(tmp_path):
 
 
 def test_kernel_suite_runs_end_to_end(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "bench", "kernel", "--quick", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    (path,) = tmp_path.glob("kernel-*.csv")
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
+    rows = _run_suite("kernel", tmp_path)
     times = {r["method"]: float(r["median_us"]) for r in rows if r["kind"] == "time"}
     assert all(t > 0 for t in times.values()) and len(times) == 4
     for r in (r for r in rows if r["kind"] == "ratio"):  # baseline time over zeroshard's, same run
@@ -106,12 +106,7 @@ def test_kernel_suite_runs_end_to_end(tmp_path):
 
 
 def test_offload_suite_runs_end_to_end(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "bench", "offload", "--quick", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    (path,) = tmp_path.glob("offload-*.csv")
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
+    rows = _run_suite("offload", tmp_path)
     times = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "time"}
     assert set(times) == {"zeroshard_offload", "zeroshard_on_device", "torch_adamw_fused"}
     for r in (r for r in rows if r["kind"] == "ratio"):

@@ -80,8 +80,10 @@ def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
     values = both.tolist()  # the one host-device synchronization of the step
-    norm = math.sqrt(values[0]) if norm_type == 2.0 and math.isfinite(values[0]) else (values[0] if norm_type == 2.0 else float(local))
-    flat = values[1:] if norm_type == 2.0 else values
+    if norm_type == 2.0:
+        norm, flat = (math.sqrt(values[0]) if math.isfinite(values[0]) else values[0]), values[1:]
+    else:
+        norm, flat = float(local), values
     used, start = [], 0
     for per_shard in local_used:
         used.append([v > 0 for v in flat[start : start + len(per_shard)]])
