@@ -174,3 +174,35 @@ def test_reduce_dtype_float32_for_bf16_params(pools, stage):
     sharded_err, ddp_err, dtypes = pools[2].run(reduce_dtype_worker, stage)[0]
     assert dtypes == {torch.float32}
     assert sharded_err <= 2 * ddp_err, f"bf16 error {sharded_err:.3g} vs DDP + AdamW bf16 {ddp_err:.3g}"
+
+
+def delayed_collectives_worker(stage: int) -> float:
+    """Overlap must not race: with every reduce-scatter and all-gather started late on rank 1
+    (ranks then run out of step), results still match DDP + AdamW."""
+    import time
+
+    from zeroshard import collectives
+
+    originals = collectives.reduce_scatter, collectives.all_gather
+
+    def late(fn):
+        def wrapper(*args, **kwargs):
+            if dist.get_rank() == 1:
+                time.sleep(0.002)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    # Every module calls the collectives through zeroshard.collectives, so patching it reaches them all.
+    collectives.reduce_scatter, collectives.all_gather = late(originals[0]), late(originals[1])
+    try:
+        worst = 0.0
+        for ref_model, model, _ in _train_pair(stage, "backward", True):
+            worst = max(worst, tolerance_ratio(model, ref_model))
+    finally:
+        collectives.reduce_scatter, collectives.all_gather = originals
+    return worst
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_delayed_collectives_do_not_race(pools, stage):
+    assert all(r <= 1.0 for r in pools[2].run(delayed_collectives_worker, stage))
