@@ -69,7 +69,7 @@ class FusedAdam:
                     state[key] = view
 
     @torch.no_grad()
-    def step(self, shards: list[LocalShard], group_of_shard: list[int], used: list[list[bool]], grad_scale: Tensor | None) -> None:
+    def step(self, shards: list[LocalShard], group_of_shard: list[int], steps: list[list[int]], grad_scale: Tensor | None) -> None:
         """Update every used piece of every shard; unused pieces and their state stay untouched.
 
         CUDA shards take the Triton kernel, one launch per run. Other devices take torch's own
@@ -80,7 +80,8 @@ class FusedAdam:
         Args:
             shards: this rank's shards.
             group_of_shard: for each shard, the index of its param group (hyperparameters).
-            used: per shard, per param: whether it got a gradient on some rank.
+            steps: per shard, per param: its step number after this update (the optimizer's
+                replicated host count), or 0 when it got no gradient on any rank.
             grad_scale: 1-element fp32 tensor multiplied into the gradients, or ``None``.
         """
         for k, shard in enumerate(shards):
@@ -88,7 +89,7 @@ class FusedAdam:
             if self.offload:
                 self._copy_grads_to_host(k, shard)
             group = self.optimizer.param_groups[group_of_shard[k]]
-            runs = [self._run_tensors(k, shard, *run) for run in self._runs(k, shard, used[k])]
+            runs = [self._run_tensors(k, shard, *run) for run in self._runs(k, shard, steps[k])]
             if shard.grad_shard.device.type == "cuda" and not self.offload:
                 for param, grad, exp_avg, exp_avg_sq, param_out, step in runs:
                     fused_adamw_(
@@ -135,12 +136,17 @@ class FusedAdam:
             # The CPU update reads the host copy: the device-to-host copy must have landed.
             torch.cuda.current_stream(shard.grad_shard.device).synchronize()
 
-    def _runs(self, k: int, shard: LocalShard, used: list[bool]):
-        """(first piece, end piece, step) of each run; advances the step of every used piece."""
+    def _runs(self, k: int, shard: LocalShard, steps: list[int]):
+        """(first piece, end piece, step) of each run; records the new step of every used piece.
+
+        Steps come from the host counts in ``steps``, never from reading ``state["step"]`` (which
+        torch may keep on the device): no host-device synchronization per piece.
+        """
         layout = shard.buffer.layout
         run_start, run_step, run_bucket = None, None, None
         for i, (piece, vparam) in enumerate(zip(shard.pieces, shard.virtual_params)):
-            if not used[piece.param]:
+            step = steps[piece.param]
+            if not step:
                 if run_start is not None:
                     yield run_start, i, run_step
                 run_start = None
@@ -151,8 +157,7 @@ class FusedAdam:
                 state["step"] = torch.tensor(0.0)
                 state["exp_avg"] = self.exp_avg[k][lo : lo + piece.numel]
                 state["exp_avg_sq"] = self.exp_avg_sq[k][lo : lo + piece.numel]
-            state["step"] += 1
-            step = int(state["step"].item())
+            state["step"].fill_(float(step))
             bucket = layout.slots[piece.param].bucket
             adjacent = run_start is not None and shard.pieces[i - 1].shard_offset + shard.pieces[i - 1].numel == piece.shard_offset
             if run_start is not None and (step != run_step or bucket != run_bucket or not adjacent):

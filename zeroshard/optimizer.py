@@ -361,11 +361,12 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
     def _update(self, stats: GradStats, scale: float) -> None:
         max_norm = self._clip_norm if self._clip_norm is not None else self.max_grad_norm
         multiplier = grad_multiplier(stats.norm, scale, max_norm)
-        apply_update(self.optimizer, self._shards, self._fused, self._group_of_shard, stats.used, multiplier)
-        self._all_gather_params()
         for k, flags in enumerate(stats.used):
             for i, stepped in enumerate(flags):
                 self._param_steps[self._param_index[k][i]] += stepped
+        steps = [[self._param_steps[index] if flag else 0 for index, flag in zip(self._param_index[k], flags)] for k, flags in enumerate(stats.used)]
+        apply_update(self.optimizer, self._shards, self._fused, self._group_of_shard, stats.used, steps, multiplier)
+        self._all_gather_params()
 
     def _log_skip(self) -> None:
         self._skipped_steps += 1

@@ -28,20 +28,22 @@ def apply_update(
     fused: FusedAdam | None,
     group_of_shard: list[int],
     used: list[list[bool]],
+    steps: list[list[int]],
     multiplier: float,
 ) -> None:
     """Update every used piece of every shard and cast 16-bit masters into the flat param buffers.
 
     Adam/AdamW (``fused``) take one kernel pass per run with the multiplier folded in; any other
     optimizer gets the multiplier applied to the grad shards and its own ``step()`` on the
-    virtual params, whose ``.grad`` is ``None`` for params unused on every rank.
+    virtual params, whose ``.grad`` is ``None`` for params unused on every rank. ``steps``: per
+    shard, per param, its step number after this update (0 where unused), for the fused path.
     """
     device = shards[0].grad_shard.device
     grad_scale = None if multiplier == 1.0 else torch.full((1,), multiplier, device=device)
     for shard in shards:
         shard.refresh_master()
     if fused is not None:
-        fused.step(shards, group_of_shard, used, grad_scale)
+        fused.step(shards, group_of_shard, steps, grad_scale)
         return
     for shard, flags in zip(shards, used):
         if grad_scale is not None:
