@@ -133,7 +133,7 @@ def _saves_master(shard: LocalShard) -> bool:
     """Whether checkpoints carry this shard's master: only 16-bit params have one that differs from
     the params (an fp32 master kept in host memory by offload equals them), so the formats do not
     depend on where the master lives."""
-    return shard.master is not None and shard.buffer.dtype.itemsize < 4
+    return shard.has_master and shard.buffer.dtype.itemsize < 4
 
 
 def _param_names(view: CheckpointView) -> list[str]:
@@ -184,7 +184,7 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
                 entry[key] = _dtensor(view, local, bucket.numel)
             if _saves_master(shard):  # this rank's slice starts the bucket's part of the master shard
                 start = bucket.shard_offset
-                entry["master"] = _dtensor(view, shard.master[start : start + hi - lo].clone(), bucket.numel)
+                entry["master"] = _dtensor(view, shard.master_view(start, hi - lo).to(shard.buffer.device, copy=True), bucket.numel)
             buckets[f"{k}.{bucket.index}"] = entry
     return {
         "zeroshard": {
@@ -305,7 +305,7 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
             for key in keys + (["master"] if _saves_master(shard) else []):
                 local = torch.zeros(size, dtype=dtype, device=shard.buffer.device)
                 if key == "master":
-                    local.copy_(shard.master[bucket.shard_offset : bucket.shard_offset + size])
+                    local.copy_(shard.master_slice(bucket.index))
                 else:
                     for piece, vparam, offset in _bucket_pieces(view, k, bucket.index):
                         value = view.optimizer.state.get(vparam, {}).get(key)

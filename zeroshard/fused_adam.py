@@ -1,19 +1,26 @@
-"""The fused Adam/AdamW step on this rank's flat shards (one kernel pass per contiguous run).
+"""The fused Adam/AdamW step on this rank's chunks, on the device or (offloaded) on the host.
 
-See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py``.
+See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py`` for chunks, masters and shards.
 
 For ``torch.optim.Adam`` and ``AdamW`` without ``amsgrad``, ``capturable`` or ``differentiable``,
-``exp_avg`` and ``exp_avg_sq`` live in one flat fp32 buffer per shard (in host memory, beside the
-host master, with ``offload="cpu"``, where every update runs torch's fused CPU AdamW), and the wrapped optimizer's
-``state[virtual_param]`` entries are views of them — so ``state_dict()``, checkpoints and LR
-schedulers see ordinary ``torch.optim`` state while the update runs over whole runs of pieces
-with :func:`zeroshard.kernels.fused_adamw_` on CUDA (16-bit params receive the cast of the updated
-master in the same pass, ``param_out``), and with torch's own functional Adam/AdamW elsewhere
-(the ``foreach``/``fused`` implementation the user configured). A run is a maximal sequence of
-adjacent pieces of one bucket that got a gradient and share a step count.
+``exp_avg`` and ``exp_avg_sq`` live in one flat fp32 buffer per chunk (this rank's slice of one
+bucket), and the wrapped optimizer's ``state[virtual_param]`` entries are views of them — so
+``state_dict()``, checkpoints and LR schedulers see ordinary ``torch.optim`` state while the
+update runs over whole runs of pieces. A run is a maximal sequence of adjacent pieces of one
+chunk that got a gradient and share a step count.
+
+A chunk is either on the device or, with ``offload="cpu"``, in host memory (master, moments and a
+host copy of its gradient together). Device chunks take :func:`zeroshard.kernels.fused_adamw_` on
+CUDA (16-bit params receive the cast of the updated master in the same pass) and torch's own
+functional Adam/AdamW elsewhere (the ``foreach``/``fused`` implementation the user configured).
+Host chunks take torch's fused CPU Adam/AdamW, chunk by chunk, with the copies pipelined around
+it on CUDA streams (:meth:`FusedAdam._host_step`). ``gpu_margin_mem_ratio`` moves chunks from
+the host to the device once, after the first iteration (:meth:`FusedAdam.place_on_device`).
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 from torch import Tensor
@@ -22,6 +29,9 @@ from torch.optim.adamw import adamw as functional_adamw
 
 from zeroshard.kernels import fused_adamw_
 from zeroshard.local_shard import LocalShard
+
+Chunk = tuple[int, int]  # (shard index, bucket index)
+Run = tuple[Tensor, Tensor, Tensor, Tensor, "Tensor | None", int]  # param, grad, exp_avg, exp_avg_sq, param_out, step
 
 
 def fused_adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
@@ -37,104 +47,240 @@ def fused_adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
     return "adamw" if decoupled else "adam"
 
 
+def chunk_state_bytes(shard: LocalShard, bucket: int) -> int:
+    """Device bytes chunk ``bucket`` of ``shard`` takes when kept on the device: its fp32
+    ``exp_avg`` and ``exp_avg_sq`` and, for 16-bit params, its fp32 master."""
+    numel = shard.buffer.layout.buckets[bucket].shard_numel(shard.buffer.layout.world_size)
+    master = shard.master_dtype.itemsize if shard.master_dtype != shard.buffer.dtype else 0
+    return numel * (8 + master)
+
+
 class FusedAdam:
-    """Flat moment buffers for every shard, and the fused update over them.
+    """Flat moment buffers for every chunk, and the fused update over them.
+
+    Args:
+        optimizer: the wrapped ``torch.optim.Adam``/``AdamW``.
+        kind: ``"adam"`` or ``"adamw"`` (see :func:`fused_adam_kind`).
+        offload: chunks start in host memory (``offload="cpu"``) instead of on the device.
 
     Attributes:
-        exp_avg, exp_avg_sq: per shard, 1-D fp32 ``shard_numel`` elements (allocated on first use).
+        exp_avg, exp_avg_sq: per chunk, 1-D fp32 (allocated on first use, on the chunk's side).
+        host_grad: per host chunk, 1-D master dtype: the host copy of its gradient (pinned on CUDA).
+        host_param: per host chunk of 16-bit params on CUDA, 1-D param dtype: pinned staging for
+            the cast of the updated master on its way to the device.
+        on_device: the chunks moved to the device by :meth:`place_on_device`.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, kind: str, offload: bool = False) -> None:
         self.optimizer = optimizer
         self.adamw = kind == "adamw"
         self.offload = offload
-        self.exp_avg: dict[int, Tensor] = {}
-        self.exp_avg_sq: dict[int, Tensor] = {}
-        self.host_grad: dict[int, Tensor] = {}  # offload: 1-D master dtype, the grad shard's host copy
+        self.exp_avg: dict[Chunk, Tensor] = {}
+        self.exp_avg_sq: dict[Chunk, Tensor] = {}
+        self.host_grad: dict[Chunk, Tensor] = {}
+        self.host_param: dict[Chunk, Tensor] = {}
+        self.on_device: set[Chunk] = set()
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # (device->host, host->device)
+
+    def on_host(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s master and moments are in host memory and it takes the CPU update."""
+        return self.offload and chunk not in self.on_device
 
     def _bind(self, k: int, shard: LocalShard) -> None:
-        """Make every piece's ``exp_avg``/``exp_avg_sq`` a view of the flat buffers (copying loaded state in)."""
-        if k not in self.exp_avg:
-            home = shard.master.device if self.offload else shard.grad_shard.device
-            self.exp_avg[k] = torch.zeros(shard.grad_shard.numel(), dtype=torch.float32, device=home)
-            self.exp_avg_sq[k] = torch.zeros(shard.grad_shard.numel(), dtype=torch.float32, device=home)
+        """Allocate shard ``k``'s moment buffers; make every piece's state a view of them (copying loaded state in)."""
+        for bucket in shard.buffer.layout.buckets:
+            chunk = (k, bucket.index)
+            if chunk not in self.exp_avg:
+                home = torch.device("cpu") if self.on_host(chunk) else shard.grad_shard.device
+                numel = bucket.shard_numel(shard.buffer.layout.world_size)
+                self.exp_avg[chunk] = torch.zeros(numel, dtype=torch.float32, device=home)
+                self.exp_avg_sq[chunk] = torch.zeros(numel, dtype=torch.float32, device=home)
         for piece, vparam in zip(shard.pieces, shard.virtual_params):
             state = self.optimizer.state.get(vparam)
             if not state:
                 continue
-            for key, flat in (("exp_avg", self.exp_avg[k]), ("exp_avg_sq", self.exp_avg_sq[k])):
-                view = flat[piece.shard_offset : piece.shard_offset + piece.numel]
+            for key in ("exp_avg", "exp_avg_sq"):
+                view = self._state_view(key, k, shard, piece)
                 if state[key].data_ptr() != view.data_ptr():  # fresh from load_state_dict
                     view.copy_(state[key].reshape(-1))
                     state[key] = view
 
+    def _state_view(self, key: str, k: int, shard: LocalShard, piece) -> Tensor:
+        bucket = shard.bucket_of(piece)
+        start = piece.shard_offset - shard.buffer.layout.buckets[bucket].shard_offset
+        flat = (self.exp_avg if key == "exp_avg" else self.exp_avg_sq)[(k, bucket)]
+        return flat[start : start + piece.numel]
+
     @torch.no_grad()
-    def step(self, shards: list[LocalShard], group_of_shard: list[int], steps: list[list[int]], grad_scale: Tensor | None) -> None:
+    def place_on_device(self, shards: list[LocalShard], chunks: list[Chunk]) -> list[Chunk]:
+        """Move ``chunks`` (master, moments) from host memory to the params' device, in order.
+
+        Stops at the first chunk the device has no room for (``torch.cuda.OutOfMemoryError``),
+        leaving it and the rest on the host, so placing never fails a step. Returns the chunks moved.
+        """
+        moved = []
+        for k, b in chunks:
+            shard = shards[k]
+            self._bind(k, shard)
+            device = shard.grad_shard.device
+            try:
+                shard.place_master(b, device)
+                exp_avg, exp_avg_sq = self.exp_avg[(k, b)].to(device), self.exp_avg_sq[(k, b)].to(device)
+            except torch.cuda.OutOfMemoryError:
+                shard.place_master(b, torch.device("cpu"))  # back where it was, if it had moved
+                break
+            self.exp_avg[(k, b)], self.exp_avg_sq[(k, b)] = exp_avg, exp_avg_sq
+            self.host_grad.pop((k, b), None)
+            self.host_param.pop((k, b), None)
+            self.on_device.add((k, b))
+            moved.append((k, b))
+            self._bind(k, shard)  # the state entries become views of the device buffers
+        return moved
+
+    @torch.no_grad()
+    def step(self, shards: list[LocalShard], group_of_shard: list[int], steps: list[list[int]], multiplier: float) -> None:
         """Update every used piece of every shard; unused pieces and their state stay untouched.
 
-        CUDA shards take the Triton kernel, one launch per run. Other devices take torch's own
-        functional Adam/AdamW with the wrapped optimizer's ``foreach``/``fused`` flags, one call
-        per param group and step count with the runs as its tensor list: the implementation the
-        user configured, on the flat shard.
+        Device chunks are launched first (on CUDA they run while the host works), then the host
+        chunks take the pipelined CPU update.
 
         Args:
             shards: this rank's shards.
             group_of_shard: for each shard, the index of its param group (hyperparameters).
             steps: per shard, per param: its step number after this update (the optimizer's
                 replicated host count), or 0 when it got no gradient on any rank.
-            grad_scale: 1-element fp32 tensor multiplied into the gradients, or ``None``.
+            multiplier: what the gradients are multiplied by (``1/loss_scale`` times the clip
+                coefficient), folded into the update.
         """
+        device_runs: dict[int, list[Run]] = defaultdict(list)  # per shard
+        host_runs: dict[Chunk, list[Run]] = defaultdict(list)
         for k, shard in enumerate(shards):
             self._bind(k, shard)
-            if self.offload:
-                self._copy_grads_to_host(k, shard)
-            group = self.optimizer.param_groups[group_of_shard[k]]
-            runs = [self._run_tensors(k, shard, *run) for run in self._runs(k, shard, steps[k])]
-            if shard.grad_shard.device.type == "cuda" and not self.offload:
-                for param, grad, exp_avg, exp_avg_sq, param_out, step in runs:
-                    fused_adamw_(
-                        param, grad, exp_avg, exp_avg_sq, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                        eps=group["eps"], weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale,
-                        param_out=param_out, maximize=group.get("maximize", False), adamw=self.adamw,
-                    )
-                continue
-            for step in sorted({run[-1] for run in runs}):
-                batch = [run for run in runs if run[-1] == step]
-                if grad_scale is not None:
-                    for run in batch:
-                        run[1].mul_(grad_scale)
-                functional = functional_adamw if self.adamw else functional_adam
-                functional(
-                    [r[0] for r in batch], [r[1] for r in batch], [r[2] for r in batch], [r[3] for r in batch], [],
-                    [torch.tensor(float(step - 1)) for _ in batch],  # torch advances them to ``step``
-                    # Offload always takes torch's fused CPU kernel; otherwise the user's implementation.
-                    foreach=None if self.offload else group.get("foreach"), fused=True if self.offload else group.get("fused"),
-                    amsgrad=False, beta1=group["betas"][0],
-                    beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                    maximize=group.get("maximize", False),
+            for start, end, step in self._runs(k, shard, steps[k]):
+                chunk = (k, shard.bucket_of(shard.pieces[start]))
+                if self.on_host(chunk):
+                    host_runs[chunk].append(self._run_tensors(k, shard, start, end, step, self.host_grad_of(chunk, shard)))
+                else:
+                    device_runs[k].append(self._run_tensors(k, shard, start, end, step, shard.grad_shard))
+        for k, runs in device_runs.items():
+            self._device_step(runs, self.optimizer.param_groups[group_of_shard[k]], multiplier, shards[k].grad_shard.device)
+        if host_runs:
+            self._host_step(shards, group_of_shard, host_runs, multiplier)
+
+    def _device_step(self, runs: list[Run], group: dict, multiplier: float, device: torch.device) -> None:
+        grad_scale = None if multiplier == 1.0 else torch.full((1,), multiplier, device=device)
+        if device.type == "cuda":
+            for param, grad, exp_avg, exp_avg_sq, param_out, step in runs:
+                fused_adamw_(
+                    param, grad, exp_avg, exp_avg_sq, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                    eps=group["eps"], weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale,
+                    param_out=param_out, maximize=group.get("maximize", False), adamw=self.adamw,
                 )
-                for param, _, _, _, param_out, _ in batch:
-                    if param_out is not None:
-                        param_out.copy_(param)
+            return
+        if grad_scale is not None:
+            for run in runs:
+                run[1].mul_(grad_scale)
+        self._functional(runs, group, foreach=group.get("foreach"), fused=group.get("fused"))
+        for param, _, _, _, param_out, _ in runs:
+            if param_out is not None:
+                param_out.copy_(param)
 
-    def _run_tensors(self, k: int, shard: LocalShard, start: int, end: int, step: int):
-        """(param, grad, exp_avg, exp_avg_sq, param_out or None, step) views for pieces ``[start, end)``."""
-        first, last = shard.pieces[start], shard.pieces[end - 1]
-        lo, hi = first.shard_offset, last.shard_offset + last.numel
-        flat = shard.buffer.data[first.flat_offset : first.flat_offset + hi - lo]
-        param, param_out = (flat, None) if shard.master is None else (shard.master[lo:hi], flat)
-        grad = (self.host_grad[k] if self.offload else shard.grad_shard)[lo:hi]
-        return param, grad, self.exp_avg[k][lo:hi], self.exp_avg_sq[k][lo:hi], param_out, step
+    def _functional(self, runs: list[Run], group: dict, foreach: bool | None, fused: bool | None, grad_scale: Tensor | None = None) -> None:
+        """torch's functional Adam/AdamW over ``runs``, one call per step count."""
+        for step in sorted({run[-1] for run in runs}):
+            batch = [run for run in runs if run[-1] == step]
+            (functional_adamw if self.adamw else functional_adam)(
+                [r[0] for r in batch], [r[1] for r in batch], [r[2] for r in batch], [r[3] for r in batch], [],
+                [torch.tensor(float(step - 1)) for _ in batch],  # torch advances them to ``step``
+                foreach=foreach, fused=fused, grad_scale=grad_scale, found_inf=None, amsgrad=False,
+                beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"],
+                eps=group["eps"], maximize=group.get("maximize", False),
+            )
 
-    def _copy_grads_to_host(self, k: int, shard: LocalShard) -> None:
-        """Offload: bring the reduced grad shard to host memory (pinned, asynchronous, when on CUDA)."""
-        if k not in self.host_grad:
+    def _host_step(self, shards: list[LocalShard], group_of_shard: list[int], host_runs: dict[Chunk, list[Run]], multiplier: float) -> None:
+        """The offloaded update: gradients device → host, torch's fused CPU Adam/AdamW, params host → device.
+
+        On CUDA the work is pipelined chunk by chunk on two copy streams, so that while the CPU
+        updates chunk i, chunk i+1's gradient is on its way to the host and chunk i-1's params
+        on their way back to the device. On a CPU-only machine the same steps run in order, the
+        copies being plain memcpys between separate buffers.
+        """
+        device = shards[0].grad_shard.device
+        cuda = device.type == "cuda"
+        # torch's fused kernel divides the gradients by grad_scale as it reads them: no extra pass.
+        grad_scale = None if multiplier == 1.0 else torch.tensor(1.0 / multiplier)
+        arrived: dict[Chunk, torch.cuda.Event] = {}
+        if cuda:
+            if self._streams is None:
+                self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            d2h, h2d = self._streams
+            compute = torch.cuda.current_stream(device)
+            # Hand-off 1: the grad shards are complete (reduce-scatter, norm) once the compute
+            # stream reaches this point; the params are no longer read by the backward either.
+            d2h.wait_stream(compute)
+            h2d.wait_stream(compute)
+            with torch.cuda.stream(d2h):
+                for k, b in host_runs:
+                    self.host_grad[(k, b)].copy_(shards[k].grad_slice(b), non_blocking=True)
+                    arrived[(k, b)] = torch.cuda.Event()
+                    arrived[(k, b)].record(d2h)
+        for (k, b), runs in host_runs.items():
+            shard = shards[k]
+            if cuda:
+                # Hand-off 2: the CPU reads the host copy of chunk (k, b) only once it has landed;
+                # the copies of the following chunks continue meanwhile.
+                arrived[(k, b)].synchronize()
+            else:
+                self.host_grad[(k, b)].copy_(shard.grad_slice(b))
+            self._functional(runs, self.optimizer.param_groups[group_of_shard[k]], foreach=None, fused=True, grad_scale=grad_scale)
+            self._copy_params_to_device(k, b, shard, h2d if cuda else None)
+        if cuda:
+            # Hand-off 4: the all-gather reads the params and the next backward's reset writes
+            # the grad shards: the compute stream waits for every copy. The host buffers are
+            # next written after the next step's hand-off 2, which follows these copies.
+            compute.wait_stream(d2h)
+            compute.wait_stream(h2d)
+
+    def _copy_params_to_device(self, k: int, b: int, shard: LocalShard, h2d: torch.cuda.Stream | None) -> None:
+        """Write chunk (k, b)'s updated master into the flat param buffer, cast to the param dtype."""
+        master, target = shard.master_slice(b), shard.buffer.slice_view(b, shard.rank)
+        if h2d is None:
+            target.copy_(master)
+            return
+        source = master
+        if master.dtype != target.dtype:  # cast on the host, into pinned memory, then one DMA copy
+            if (k, b) not in self.host_param:
+                self.host_param[(k, b)] = torch.empty(master.numel(), dtype=target.dtype, pin_memory=True)
+            source = self.host_param[(k, b)].copy_(master)
+        with torch.cuda.stream(h2d):
+            # Hand-off 3: the source is written by the CPU above, before this copy is queued.
+            target.copy_(source, non_blocking=True)
+
+    def host_grad_of(self, chunk: Chunk, shard: LocalShard) -> Tensor:
+        """The host copy of ``chunk``'s gradient (allocated on first use)."""
+        if chunk not in self.host_grad:
+            numel = shard.grad_slice(chunk[1]).numel()
             pin = shard.grad_shard.device.type == "cuda"
-            self.host_grad[k] = torch.empty(shard.grad_shard.numel(), dtype=shard.grad_shard.dtype, device="cpu", pin_memory=pin)
-        self.host_grad[k].copy_(shard.grad_shard, non_blocking=True)
-        if shard.grad_shard.device.type == "cuda":
-            # The CPU update reads the host copy: the device-to-host copy must have landed.
-            torch.cuda.current_stream(shard.grad_shard.device).synchronize()
+            self.host_grad[chunk] = torch.empty(numel, dtype=shard.grad_shard.dtype, pin_memory=pin)
+        return self.host_grad[chunk]
+
+    def _run_tensors(self, k: int, shard: LocalShard, start: int, end: int, step: int, grads: Tensor) -> Run:
+        """(param, grad, exp_avg, exp_avg_sq, param_out or None, step) views for pieces ``[start, end)``.
+
+        ``grads``: the grad shard, or a host chunk's gradient copy (indexed from the chunk's start).
+        """
+        first, last = shard.pieces[start], shard.pieces[end - 1]
+        bucket = shard.bucket_of(first)
+        chunk_start = shard.buffer.layout.buckets[bucket].shard_offset
+        lo, hi = first.shard_offset - chunk_start, last.shard_offset + last.numel - chunk_start
+        flat = shard.buffer.data[first.flat_offset : first.flat_offset + hi - lo]
+        master = shard.masters[bucket]
+        param, param_out = (flat, None) if master is None else (master[lo:hi], flat)
+        if self.on_host((k, bucket)):
+            param_out = None  # copied back chunk by chunk by _copy_params_to_device
+        else:
+            grads = grads[chunk_start:]
+        return param, grads[lo:hi], self.exp_avg[(k, bucket)][lo:hi], self.exp_avg_sq[(k, bucket)][lo:hi], param_out, step
 
     def _runs(self, k: int, shard: LocalShard, steps: list[int]):
         """(first piece, end piece, step) of each run; records the new step of every used piece.
@@ -142,7 +288,6 @@ class FusedAdam:
         Steps come from the host counts in ``steps``, never from reading ``state["step"]`` (which
         torch may keep on the device): no host-device synchronization per piece.
         """
-        layout = shard.buffer.layout
         run_start, run_step, run_bucket = None, None, None
         for i, (piece, vparam) in enumerate(zip(shard.pieces, shard.virtual_params)):
             step = steps[piece.param]
@@ -153,12 +298,11 @@ class FusedAdam:
                 continue
             state = self.optimizer.state[vparam]
             if not state:
-                lo = piece.shard_offset
                 state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = self.exp_avg[k][lo : lo + piece.numel]
-                state["exp_avg_sq"] = self.exp_avg_sq[k][lo : lo + piece.numel]
+                state["exp_avg"] = self._state_view("exp_avg", k, shard, piece)
+                state["exp_avg_sq"] = self._state_view("exp_avg_sq", k, shard, piece)
             state["step"].fill_(float(step))
-            bucket = layout.slots[piece.param].bucket
+            bucket = shard.bucket_of(piece)
             adjacent = run_start is not None and shard.pieces[i - 1].shard_offset + shard.pieces[i - 1].numel == piece.shard_offset
             if run_start is not None and (step != run_step or bucket != run_bucket or not adjacent):
                 yield run_start, i, run_step
@@ -175,3 +319,7 @@ class FusedAdam:
     def host_grad_tensors(self) -> list[Tensor]:
         """Offload: the host copies of the grad shards (for memory accounting)."""
         return list(self.host_grad.values())
+
+    def staging_tensors(self) -> list[Tensor]:
+        """Offload on CUDA with 16-bit params: the pinned param-dtype staging buffers (for memory accounting)."""
+        return list(self.host_param.values())

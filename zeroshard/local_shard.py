@@ -5,6 +5,7 @@ See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py``.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +23,10 @@ def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
 class LocalShard:
     """Rank ``rank``'s master weights, gradient shard and virtual params for one flat buffer.
 
+    The master weights are kept per *chunk*: this rank's slice of one bucket. Each chunk's master
+    is a tensor of its own, so :meth:`place_master` can move one chunk between host and device
+    memory (``gpu_margin_mem_ratio``) without touching the others.
+
     Args:
         buffer: the flat param buffer this shard belongs to.
         rank: this rank's index in the sharding group.
@@ -30,9 +35,9 @@ class LocalShard:
 
     Attributes:
         pieces: the (param ∩ slice) pieces this rank owns, in flat order.
-        master: 1-D fp32, ``layout.shard_numel`` elements, for bf16/fp16 params or with
-            ``host_master``; ``None`` when the params are fp32/fp64 on their own device, whose
-            flat-buffer slices are the master weights.
+        masters: per bucket, 1-D fp32 (or the param dtype for fp32/fp64 params with
+            ``host_master``) with ``bucket.shard_numel(N)`` elements; ``None`` where the
+            flat-buffer slice itself holds the master weights (fp32/fp64 params on their device).
         grad_shard: 1-D master dtype, ``layout.shard_numel`` elements: this rank's reduced,
             averaged gradient (padding positions stay zero).
         virtual_params: one 1-D ``nn.Parameter`` per piece, a view of the master weights; what
@@ -44,35 +49,70 @@ class LocalShard:
         self.rank = rank
         layout = buffer.layout
         self.pieces: list[ShardPiece] = layout.pieces(rank)
-        dtype = master_dtype_for(buffer.dtype)
-        self.master: Tensor | None = None
-        if host_master:
-            pin = buffer.device.type == "cuda"
-            self.master = torch.empty(layout.shard_numel, dtype=dtype, device="cpu", pin_memory=pin)
-            for b in layout.buckets:
-                self._master_slice(b.index).copy_(buffer.slice_view(b.index, rank))
-        elif dtype != buffer.dtype:
-            self.master = torch.empty(layout.shard_numel, dtype=dtype, device=buffer.device)
-            for b in layout.buckets:
-                self._master_slice(b.index).copy_(buffer.slice_view(b.index, rank))
-        self.grad_shard: Tensor = torch.zeros(layout.shard_numel, dtype=dtype, device=buffer.device)
+        self.master_dtype = master_dtype_for(buffer.dtype)
+        self.masters: list[Tensor | None] = [None] * len(layout.buckets)
+        self._bucket_starts = [b.shard_offset for b in layout.buckets]
+        for b in layout.buckets:
+            if host_master:
+                self._set_master(b.index, torch.device("cpu"))
+            elif self.master_dtype != buffer.dtype:
+                self._set_master(b.index, buffer.device)
+        self.grad_shard: Tensor = torch.zeros(layout.shard_numel, dtype=self.master_dtype, device=buffer.device)
         self.virtual_params: list[nn.Parameter] = [
-            nn.Parameter(self._master_piece(piece), requires_grad=True) for piece in self.pieces
+            nn.Parameter(self.master_view(piece.shard_offset, piece.numel), requires_grad=True) for piece in self.pieces
         ]
         self._seen_versions = [p._version for p in buffer.params]
 
-    def _master_slice(self, bucket: int) -> Tensor:
-        """1-D view of this rank's master weights for bucket ``bucket``."""
-        if self.master is None:
-            return self.buffer.slice_view(bucket, self.rank)
-        b = self.buffer.layout.buckets[bucket]
-        size = b.shard_numel(self.buffer.layout.world_size)
-        return self.master[b.shard_offset : b.shard_offset + size]
+    @property
+    def has_master(self) -> bool:
+        """Whether any chunk keeps master weights apart from the flat param buffer."""
+        return any(m is not None for m in self.masters)
 
-    def _master_piece(self, piece: ShardPiece) -> Tensor:
-        if self.master is None:
-            return self.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel]
-        return self.master[piece.shard_offset : piece.shard_offset + piece.numel]
+    def _set_master(self, bucket: int, device: torch.device) -> None:
+        """Give chunk ``bucket`` a master of its own on ``device``, holding the current master values."""
+        pin = device.type == "cpu" and self.buffer.device.type == "cuda"
+        size = self.buffer.layout.buckets[bucket].shard_numel(self.buffer.layout.world_size)
+        master = torch.empty(size, dtype=self.master_dtype, device=device, pin_memory=pin)
+        master.copy_(self.master_slice(bucket))
+        self.masters[bucket] = master
+
+    @torch.no_grad()
+    def place_master(self, bucket: int, device: torch.device) -> None:
+        """Move chunk ``bucket``'s master weights to ``device`` and re-point its virtual params.
+
+        On the params' own device, fp32/fp64 params drop the separate master (the flat-buffer
+        slice, which holds the same values after every step, takes its place). The virtual
+        params stay the same objects (the wrapped optimizer's state is keyed by them); their
+        ``.data`` becomes a view of the new storage.
+
+        Raises:
+            torch.OutOfMemoryError: no room on ``device``; the chunk is left as it was.
+        """
+        current = self.masters[bucket]
+        if device == self.buffer.device and self.master_dtype == self.buffer.dtype:
+            if current is not None:
+                self.buffer.slice_view(bucket, self.rank).copy_(current)
+            self.masters[bucket] = None
+        elif current is None or current.device != device:
+            self._set_master(bucket, device)
+        for piece, vparam in zip(self.pieces, self.virtual_params):
+            if self.bucket_of(piece) == bucket:
+                vparam.data = self.master_view(piece.shard_offset, piece.numel)
+
+    def bucket_of(self, piece: ShardPiece) -> int:
+        """The bucket (chunk) holding ``piece``."""
+        return self.buffer.layout.slots[piece.param].bucket
+
+    def master_slice(self, bucket: int) -> Tensor:
+        """1-D view of this rank's master weights for bucket ``bucket`` (its chunk)."""
+        master = self.masters[bucket]
+        return self.buffer.slice_view(bucket, self.rank) if master is None else master
+
+    def master_view(self, offset: int, numel: int) -> Tensor:
+        """1-D view of master elements ``[offset, offset + numel)`` of the shard, which must lie in one chunk."""
+        bucket = bisect.bisect_right(self._bucket_starts, offset) - 1
+        start = offset - self.buffer.layout.buckets[bucket].shard_offset
+        return self.master_slice(bucket)[start : start + numel]
 
     def grad_slice(self, bucket: int) -> Tensor:
         """1-D view of the grad shard for this rank's slice of bucket ``bucket``."""
@@ -85,20 +125,20 @@ class LocalShard:
         """Re-copy master elements of params written outside the optimizer (e.g. ``load_state_dict``).
 
         A param's version counter moves on every in-place write to it (``p.copy_``, ``p.mul_``),
-        while the optimizer writes only to the flat buffer, which has its own counter. Only 16-bit
-        params have a separate master, and of those only the elements whose value no longer
+        while the optimizer writes only to the flat buffer, which has its own counter. Only chunks
+        with a separate master (16-bit params, offload) need it, and of those only the elements whose value no longer
         equals the master rounded to the param dtype are refreshed, so loading a checkpoint's
         params and its fp32 master (in either order) keeps the master's precision.
         """
-        if self.master is None:
+        if not self.has_master:
             return
         params = self.buffer.params
         changed = {i for i, p in enumerate(params) if p._version != self._seen_versions[i]}
         if not changed:
             return
         for piece in self.pieces:
-            if piece.param in changed:
-                master = self._master_piece(piece)
+            if piece.param in changed and self.masters[self.bucket_of(piece)] is not None:
+                master = self.master_view(piece.shard_offset, piece.numel)
                 current = self.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel].to(master.device)
                 stale = current != master.to(current.dtype)
                 master[stale] = current[stale].to(master.dtype)
@@ -125,7 +165,6 @@ class LocalShard:
     @torch.no_grad()
     def write_back(self) -> None:
         """Cast the updated master slices into this rank's slices of the flat param buffer."""
-        if self.master is None:
-            return
-        for b in self.buffer.layout.buckets:
-            self.buffer.slice_view(b.index, self.rank).copy_(self._master_slice(b.index))
+        for b, master in enumerate(self.masters):
+            if master is not None:
+                self.buffer.slice_view(b, self.rank).copy_(master)

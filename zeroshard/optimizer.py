@@ -416,7 +416,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
                 "params": [s.buffer.data for s in self._shards],
                 "grads": self._reducer.grad_buffers(),
                 "grad_shard": [s.grad_shard for s in self._shards] + host_grads,
-                "master": [s.master for s in self._shards if s.master is not None],
+                "master": [m for s in self._shards for m in s.masters if m is not None],
                 "optimizer_state": state,
             },
             self._device,

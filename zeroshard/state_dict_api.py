@@ -92,7 +92,7 @@ class StateDictMixin:
         self.optimizer.load_state_dict(inner)
         with torch.no_grad():
             for k, offset, values in masters:
-                self._shards[k].master[offset : offset + values.numel()].copy_(values)
+                self._shards[k].master_view(offset, values.numel()).copy_(values)
         self._param_steps[:] = steps
         scaler_state = (state_dict.get("zeroshard") or {}).get("loss_scaler")
         if self._scaler is not None and scaler_state is not None:

@@ -38,16 +38,14 @@ def apply_update(
     virtual params, whose ``.grad`` is ``None`` for params unused on every rank. ``steps``: per
     shard, per param, its step number after this update (0 where unused), for the fused path.
     """
-    device = shards[0].grad_shard.device
-    grad_scale = None if multiplier == 1.0 else torch.full((1,), multiplier, device=device)
     for shard in shards:
         shard.refresh_master()
     if fused is not None:
-        fused.step(shards, group_of_shard, steps, grad_scale)
+        fused.step(shards, group_of_shard, steps, multiplier)
         return
     for shard, flags in zip(shards, used):
-        if grad_scale is not None:
-            shard.grad_shard.mul_(grad_scale)
+        if multiplier != 1.0:
+            shard.grad_shard.mul_(multiplier)
         shard.attach_grads(flags)
     optimizer.step()
     for shard in shards:
