@@ -5,16 +5,27 @@ On a CPU-only machine offload keeps separate host buffers, so the device -> host
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from models import (
+    TinyNet,
+    batch,
+    loss_fn,
+    param_groups,
+    relative_error,
+    tolerance_ratio,
+)
+from test_parity import _train_pair
 
 import zeroshard
-from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolerance_ratio
-from test_parity import _train_pair
+from zeroshard.fused_adam import chunk_state_bytes
+from zeroshard.offload import MarginMeasurement, measure_margin, plan_placement
 
 
 def offload_parity_worker(stage: int, accumulation: str, max_grad_norm: float | None) -> float:
@@ -82,12 +93,26 @@ def test_offload_memory_usage_counts_host_buffers(pools):
         assert state >= 8 * shard_numel  # flat exp_avg + exp_avg_sq (+ step counters)
 
 
+def _with_margin_of(opt: zeroshard.ShardedOptimizer, keep: int) -> None:
+    """Inject a first-iteration margin that holds exactly the first ``keep`` chunks (ratio 1)."""
+    sizes = [chunk_state_bytes(s, b.index) for s in opt._shards for b in s.buffer.layout.buckets]
+    margin = sum(sizes[:keep])
+    opt._measure_margin = lambda tracer: MarginMeasurement(margin, 0, 0, 0)
+
+
 def across_offload_worker(directory: str) -> list[float]:
-    """Saved with offload, loaded without (DCP), and back (full dict): training continues alike."""
+    """Saved with offload, loaded without, and back, and with part of the state placed on the
+    device by gpu_margin_mem_ratio (through DCP): training continues alike."""
     def build(offload, seed):
         torch.manual_seed(seed)
         model = TinyNet()
-        return model, zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), offload=offload)
+        opt = zeroshard.ShardedOptimizer(
+            torch.optim.AdamW(param_groups(model), lr=1e-2), offload=offload and "cpu", bucket_size_mb=200 * 4 / 2**20,
+            gpu_margin_mem_ratio=1.0 if offload == "mixed" else 0.0,
+        )
+        if offload == "mixed":
+            _with_margin_of(opt, 2)
+        return model, opt
 
     def train(model, opt, steps):
         for step in steps:
@@ -96,7 +121,7 @@ def across_offload_worker(directory: str) -> list[float]:
             model.zero_grad()
 
     results = []
-    for saver, loader in (("cpu", None), (None, "cpu")):
+    for saver, loader in (("cpu", None), (None, "cpu"), ("mixed", None), (None, "mixed")):
         model, opt = build(saver, 0)
         train(model, opt, range(3))
         dcp.save({"model": model.state_dict(), "optim": opt}, checkpoint_id=f"{directory}/{saver}")
@@ -107,6 +132,8 @@ def across_offload_worker(directory: str) -> list[float]:
         train(model, opt, range(3, 6))
         train(resumed, ropt, range(3, 6))
         results.append(tolerance_ratio(resumed, model))
+        for o in (opt, ropt):  # the chunks placed on the device are the planned ones
+            assert o.gpu_margin_mem_ratio == 0 or len(o._fused.on_device) == 2, o._fused.on_device
     return results
 
 
@@ -139,3 +166,93 @@ def test_memory_tracer_sees_what_the_region_allocates():
     assert "peak" in tracer.summary(model_data_bytes=0)
     with pytest.raises(ValueError, match="sample_interval_s=0"):
         zeroshard.MemoryTracer(sample_interval_s=0)
+
+
+# -- gpu_margin_mem_ratio: placement ------------------------------------------------------------
+
+CHUNKS = [100, 200, 50, 300]
+
+
+@pytest.mark.parametrize("margin, ratio, expected", [
+    (10_000, 0.0, [False, False, False, False]),  # 0.0: classic full offload
+    (10_000, 1.0, [True, True, True, True]),  # everything fits
+    (400, 1.0, [True, True, True, False]),  # 100 + 200 + 50 = 350 <= 400; 300 does not fit in 50
+    (400, 0.5, [True, False, True, False]),  # budget 200: 100, then 200 > 100 left, then 50
+    (40, 1.0, [False, False, False, False]),  # a margin smaller than any chunk
+    (0, 1.0, [False, False, False, False]),
+])
+def test_plan_placement_keeps_whole_chunks_within_ratio_times_margin(margin, ratio, expected):
+    plan = plan_placement(CHUNKS, margin, ratio)
+    assert plan == expected
+    assert sum(size for size, keep in zip(CHUNKS, plan) if keep) <= ratio * margin
+
+
+def test_margin_is_capacity_less_peak_model_data_and_headroom():
+    assert MarginMeasurement(10_000, 3_000, 2_000, 500).margin_bytes == 4_500
+    assert MarginMeasurement(10_000, 6_000, 4_000, 500).margin_bytes == 0  # never negative
+    tracer = zeroshard.MemoryTracer(device="cpu")
+    tracer.device_peak_bytes, tracer.device_available_bytes = 7_000, 20_000
+    measurement = measure_margin(tracer, model_data_bytes=3_000, headroom=0.05)
+    assert measurement == MarginMeasurement(20_000, 4_000, 3_000, 1_000)
+    with pytest.raises(ValueError, match="gpu_margin_mem_ratio=1.5"):
+        plan_placement(CHUNKS, 100, 1.5)
+
+
+def placement_worker(keep: int | None, ratio: float, dtype: torch.dtype) -> tuple[list[bool], list[bool], float, list[str]]:
+    """Train with offload and an injected margin worth the first ``keep`` chunks at ``ratio``
+    (``None``: the tracer's real measurement) next to the same run without offload."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("zeroshard").addHandler(handler)
+    logging.getLogger("zeroshard").setLevel(logging.INFO)
+    models, opts = {}, {}
+    for offload in (None, "cpu"):
+        torch.manual_seed(0)
+        model = TinyNet().to(dtype)
+        opt = zeroshard.ShardedOptimizer(
+            torch.optim.AdamW(param_groups(model), lr=1e-2), stage=2, bucket_size_mb=200 * 4 / 2**20, offload=offload,
+            gpu_margin_mem_ratio=ratio if offload else 0.0,
+        )
+        if offload and keep is not None:
+            sizes = [chunk_state_bytes(s, b.index) for s in opt._shards for b in s.buffer.layout.buckets]
+            margin = math.ceil(sum(sizes[:keep]) / ratio)  # ratio x margin: the first ``keep`` chunks, give or take a byte
+            # capacity - non-model peak - model data - headroom = margin
+            opt._measure_margin = lambda tracer, margin=margin: MarginMeasurement(margin + 900, 500, 300, 100)
+        for step in range(20):
+            loss_fn(model, *batch(dist.get_rank(), step)).backward()
+            opt.step()
+            model.zero_grad()
+        models[offload], opts[offload] = model, opt
+    logging.getLogger("zeroshard").removeHandler(handler)
+    opt = opts["cpu"]
+    chunks = [(k, b.index) for k, s in enumerate(opt._shards) for b in s.buffer.layout.buckets]
+    placed = [c in opt._fused.on_device for c in chunks]
+    for shard in opt._shards:  # the optimizer's params (virtual params) follow their chunk and hold its values
+        for piece, vparam in zip(shard.pieces, shard.virtual_params):
+            values = shard.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel]
+            assert vparam.data_ptr() == shard.master_view(piece.shard_offset, piece.numel).data_ptr()
+            assert torch.equal(vparam.detach().to(values.dtype), values)
+    host_grads = [c in opt._fused.host_grad for c in chunks]
+    error = tolerance_ratio(models["cpu"], models[None]) if dtype == torch.float32 else relative_error(models["cpu"], models[None])
+    return placed, host_grads, error, [r for r in records if "gpu_margin_mem_ratio" in r]
+
+
+@pytest.mark.parametrize("keep, ratio, dtype", [
+    (2, 1.0, torch.float32), (3, 0.5, torch.float32), (0, 1.0, torch.float32),  # 0: a margin smaller than one chunk
+    (2, 0.25, torch.bfloat16), (None, 1.0, torch.float32),  # None: the tracer's own measurement
+])
+def test_margin_placement_moves_whole_chunks_and_training_matches(pools, keep, ratio, dtype):
+    results = pools[2].run(placement_worker, keep, ratio, dtype)
+    for rank, (placed, host_grads, error, lines) in enumerate(results):
+        assert len(placed) >= 4, "the test model must span several chunks"
+        # The CPU "device" has gigabytes free, so the real measurement keeps everything there.
+        expected = [True] * len(placed) if keep is None else [i < keep for i in range(len(placed))]
+        assert placed == expected
+        assert not any(p and h for p, h in zip(placed, host_grads)), "a chunk on the device keeps no host gradient copy"
+        if dtype == torch.float32:
+            assert error <= 1.0, f"{error:.3g}x the tolerance (rtol 1e-6) against the same run without offload"
+        else:
+            assert error <= 1e-3, error
+        assert len(lines) == (1 if rank == 0 else 0), lines  # logged once, by rank 0
+    assert f"{sum(results[0][0])} of {len(results[0][0])} chunks" in results[0][3][0]

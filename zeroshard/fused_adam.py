@@ -119,6 +119,8 @@ class FusedAdam:
         leaving it and the rest on the host, so placing never fails a step. Returns the chunks moved.
         """
         moved = []
+        for shard in shards:
+            shard.refresh_master()  # params loaded or written since the last step reach the masters first
         for k, b in chunks:
             shard = shards[k]
             self._bind(k, shard)

@@ -30,6 +30,9 @@ class MemoryTracer:
     Attributes (bytes, set on exit):
         device_baseline_bytes, device_peak_bytes: allocated on entry, and the most at any point.
         device_capacity_bytes: the device's total memory (the machine's for the CPU).
+        device_available_bytes: what this process could hold on the device on exit: CUDA's free
+            memory plus what torch's caching allocator has reserved; on the CPU, the available
+            memory plus the process's RSS.
         host_baseline_bytes, host_peak_bytes: the process's RSS on entry, and the most sampled.
 
     Raises:
@@ -42,7 +45,7 @@ class MemoryTracer:
         default = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = torch.device(device) if device is not None else default
         self.sample_interval_s = sample_interval_s
-        self.device_baseline_bytes = self.device_peak_bytes = self.device_capacity_bytes = 0
+        self.device_baseline_bytes = self.device_peak_bytes = self.device_capacity_bytes = self.device_available_bytes = 0
         self.host_baseline_bytes = self.host_peak_bytes = 0
         self._process = psutil.Process()
         self._stop = threading.Event()
@@ -72,10 +75,13 @@ class MemoryTracer:
         self.host_peak_bytes = max(self.host_peak_bytes, self._process.memory_info().rss)
         if self.device.type == "cuda":
             self.device_peak_bytes = torch.cuda.max_memory_allocated(self.device)
-            self.device_capacity_bytes = torch.cuda.mem_get_info(self.device)[1]
+            free, self.device_capacity_bytes = torch.cuda.mem_get_info(self.device)
+            self.device_available_bytes = free + torch.cuda.memory_reserved(self.device)
         else:
             self.device_baseline_bytes, self.device_peak_bytes = self.host_baseline_bytes, self.host_peak_bytes
-            self.device_capacity_bytes = psutil.virtual_memory().total
+            memory = psutil.virtual_memory()
+            self.device_capacity_bytes = memory.total
+            self.device_available_bytes = memory.available + self._process.memory_info().rss
 
     def non_model_peak_bytes(self, model_data_bytes: int) -> int:
         """Peak device memory not taken by model data: ``device_peak_bytes - model_data_bytes`` (>= 0).

@@ -26,10 +26,12 @@ from zeroshard.groups import ShardingGroups, resolve_groups
 from zeroshard.local_shard import LocalShard
 from zeroshard.loss_scaler import DynamicLossScaler
 from zeroshard.memory import MemoryUsage, measure
+from zeroshard.memory_tracer import MemoryTracer
+from zeroshard.offload import MarginMeasurement, measure_margin, place_chunks
 from zeroshard.sharding import ShardedGroup, shard_param_groups
 from zeroshard.state_dict_api import StateDictMixin
 from zeroshard.step_path import apply_update, grad_multiplier
-from zeroshard.validation import check_arguments
+from zeroshard.validation import check_arguments, check_options
 
 logger = logging.getLogger("zeroshard")
 
@@ -77,6 +79,12 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             memory (pinned with CUDA): each step copies the grad shard to the host, runs torch's
             fused CPU AdamW on it and copies the updated params back (ZeRO-Offload, Ren et al.,
             USENIX ATC 2021). Adam/AdamW only. ``None``: everything on the params' device.
+        gpu_margin_mem_ratio: with ``offload="cpu"``, the fraction (0.0 to 1.0) of the device
+            memory the first iteration leaves unused (measured by a :class:`~zeroshard.MemoryTracer`
+            from construction to the first ``step()``) that offloaded state may take back: that
+            many bytes of chunks move to the device at the first step and take the device kernel
+            from then on (PatrickStar; ColossalAI's ``ShardedOptimizerV2``). 0.0 is full offload.
+            See ``zeroshard/offload.py``. On CUDA the tracer resets the allocator's peak statistics.
         loss_scale: ``"dynamic"`` (a :class:`~zeroshard.DynamicLossScaler`), a fixed positive
             number, a ``DynamicLossScaler`` instance, or ``None``: dynamic when any trainable
             param is fp16, else none. With a loss scale active, call :meth:`backward` (or
@@ -88,7 +96,8 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             ``reduce_dtype`` is not a floating-point ``torch.dtype``.
         ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` or ``max_grad_norm`` not positive;
             a ``loss_scale`` of another kind; ``offload`` not ``None``/``"cpu"``, or with an
-            optimizer other than Adam/AdamW; torch.distributed
+            optimizer other than Adam/AdamW; ``gpu_margin_mem_ratio`` outside [0, 1] or set
+            without offload; torch.distributed
             not initialized, this rank not in ``process_group``, or a 2-D mesh whose dims are not
             ("replicate", "shard"); no trainable params; params on
             several devices, sparse or complex params; an optimizer that already holds state;
@@ -108,17 +117,10 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         loss_scale: str | float | DynamicLossScaler | None = None,
         offload: str | None = None,
+        gpu_margin_mem_ratio: float = 0.0,
     ) -> None:
         check_arguments(optimizer, stage, bucket_size_mb, reduce_dtype)
-        if offload not in (None, "cpu"):
-            raise ValueError(f"offload={offload!r} must be None or 'cpu'")
-        if offload is not None and fused_adam_kind(optimizer) is None:
-            raise ValueError(f"offload='cpu' runs torch's fused CPU Adam/AdamW: it needs torch.optim.Adam or AdamW without amsgrad, capturable or differentiable, got {type(optimizer).__name__}")
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or a positive number")
-        if not (loss_scale is None or loss_scale == "dynamic" or isinstance(loss_scale, DynamicLossScaler)
-                or (isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0)):
-            raise ValueError(f"loss_scale={loss_scale!r} must be None, 'dynamic', a positive number or a DynamicLossScaler")
+        check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio)
         self.optimizer = optimizer
         self.stage = stage
         self.groups: ShardingGroups = resolve_groups(process_group)
@@ -148,6 +150,9 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self._group_of_shard: list[int] = []  # per shard: its param group
         self._shard_groups(range(len(optimizer.param_groups)))
         self._fused = FusedAdam(optimizer, kind, offload=offload is not None) if (kind := fused_adam_kind(optimizer)) else None
+        self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
+        # Measures the first iteration, up to the first step(), for the placement (see _place_chunks).
+        self._margin_tracer = MemoryTracer(self._device, sample_interval_s=0.01).__enter__() if gpu_margin_mem_ratio > 0 else None
         fp16 = any(s.buffer.dtype == torch.float16 for s in self._shards)
         self._scaler = loss_scale if isinstance(loss_scale, DynamicLossScaler) else (
             DynamicLossScaler() if loss_scale == "dynamic" or (loss_scale is None and fp16) else None)
@@ -345,6 +350,8 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
                 loss = closure()
         with torch.no_grad():
             stats = self._stats or self._gather_stats(2.0)
+            if self._margin_tracer is not None:
+                self._place_chunks()
             scale = self.loss_scale or 1.0
             self.grad_norm = torch.tensor(stats.norm / scale)
             self.step_was_skipped = stats.found_inf
@@ -367,6 +374,18 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         steps = [[self._param_steps[index] if flag else 0 for index, flag in zip(self._param_index[k], flags)] for k, flags in enumerate(stats.used)]
         apply_update(self.optimizer, self._shards, self._fused, self._group_of_shard, stats.used, steps, multiplier)
         self._all_gather_params()
+
+    def _place_chunks(self) -> None:
+        """End the first iteration's tracer and move that margin's share of chunks to the device (logged once)."""
+        tracer, self._margin_tracer = self._margin_tracer, None
+        tracer.__exit__(None, None, None)
+        line = place_chunks(self._shards, self._fused, self._measure_margin(tracer), self.gpu_margin_mem_ratio, self._device)
+        if self.rank == 0:
+            logger.info("%s", line)
+
+    def _measure_margin(self, tracer: MemoryTracer) -> MarginMeasurement:
+        """What the first iteration left free on the device, from ``tracer`` and the model data now."""
+        return measure_margin(tracer, self.memory_usage().device_bytes)
 
     def _log_skip(self) -> None:
         self._skipped_steps += 1
@@ -411,9 +430,10 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         state = [v for s in self.optimizer.state.values() for k, v in s.items() if isinstance(v, Tensor) and k not in fused_keys]
         state += self._fused.state_tensors() if self._fused is not None else []
         host_grads = self._fused.host_grad_tensors() if self._fused is not None else []
+        staging = self._fused.staging_tensors() if self._fused is not None else []
         return measure(
             {
-                "params": [s.buffer.data for s in self._shards],
+                "params": [s.buffer.data for s in self._shards] + staging,
                 "grads": self._reducer.grad_buffers(),
                 "grad_shard": [s.grad_shard for s in self._shards] + host_grads,
                 "master": [m for s in self._shards for m in s.masters if m is not None],

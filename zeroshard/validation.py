@@ -38,6 +38,33 @@ def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, reduce_dtyp
         raise ValueError(f"optimizer already holds state for {len(optimizer.state)} params; wrap it before its first step and load checkpoints through ShardedOptimizer.load_state_dict")
 
 
+def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_scale: Any, offload: Any, gpu_margin_mem_ratio: Any) -> None:
+    """Raise on a step option ``ShardedOptimizer`` cannot use.
+
+    Raises:
+        ValueError: ``max_grad_norm`` neither ``None`` nor positive; ``loss_scale`` not ``None``,
+            ``"dynamic"``, a positive number or a ``DynamicLossScaler``; ``offload`` not
+            ``None``/``"cpu"``, or ``"cpu"`` with an optimizer other than Adam/AdamW;
+            ``gpu_margin_mem_ratio`` outside [0, 1], or above 0 without ``offload="cpu"``.
+    """
+    from zeroshard.fused_adam import fused_adam_kind
+    from zeroshard.loss_scaler import DynamicLossScaler
+
+    if offload not in (None, "cpu"):
+        raise ValueError(f"offload={offload!r} must be None or 'cpu'")
+    if offload is not None and fused_adam_kind(optimizer) is None:
+        raise ValueError(f"offload='cpu' runs torch's fused CPU Adam/AdamW: it needs torch.optim.Adam or AdamW without amsgrad, capturable or differentiable, got {type(optimizer).__name__}")
+    if isinstance(gpu_margin_mem_ratio, bool) or not isinstance(gpu_margin_mem_ratio, (int, float)) or not 0.0 <= gpu_margin_mem_ratio <= 1.0:
+        raise ValueError(f"gpu_margin_mem_ratio={gpu_margin_mem_ratio!r} must be a number between 0.0 and 1.0")
+    if gpu_margin_mem_ratio > 0 and offload is None:
+        raise ValueError(f"gpu_margin_mem_ratio={gpu_margin_mem_ratio!r} places offloaded state: it needs offload='cpu' (without offload all state is on the device)")
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or a positive number")
+    if not (loss_scale is None or loss_scale == "dynamic" or isinstance(loss_scale, DynamicLossScaler)
+            or (isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0)):
+        raise ValueError(f"loss_scale={loss_scale!r} must be None, 'dynamic', a positive number or a DynamicLossScaler")
+
+
 def check_params(params: list[nn.Parameter], groups: range, device: torch.device | None, first: bool) -> torch.device:
     """Raise on params that cannot be sharded; return the one device they (and ``device``) share.
 
