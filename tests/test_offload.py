@@ -13,17 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from models import (
-    TinyNet,
-    batch,
-    loss_fn,
-    param_groups,
-    relative_error,
-    tolerance_ratio,
-)
-from test_parity import _train_pair
 
 import zeroshard
+from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolerance_ratio
+from test_parity import _train_pair
 from zeroshard.fused_adam import chunk_state_bytes
 from zeroshard.offload import MarginMeasurement, measure_margin, plan_placement
 
