@@ -31,6 +31,7 @@ from zeroshard.kernels import fused_adamw_
 from zeroshard.local_shard import LocalShard
 
 Chunk = tuple[int, int]  # (shard index, bucket index)
+CPU_ADAM_RANGE = "zeroshard.offload.cpu_adam"  # torch.profiler range of each host chunk's CPU update
 Run = tuple[Tensor, Tensor, Tensor, Tensor, "Tensor | None", int]  # param, grad, exp_avg, exp_avg_sq, param_out, step
 
 
@@ -234,7 +235,8 @@ class FusedAdam:
                 arrived[(k, b)].synchronize()
             else:
                 self.host_grad[(k, b)].copy_(shard.grad_slice(b))
-            self._functional(runs, self.optimizer.param_groups[group_of_shard[k]], foreach=None, fused=True, grad_scale=grad_scale)
+            with torch.profiler.record_function(CPU_ADAM_RANGE):
+                self._functional(runs, self.optimizer.param_groups[group_of_shard[k]], foreach=None, fused=True, grad_scale=grad_scale)
             self._copy_params_to_device(k, b, shard, h2d if cuda else None)
         if cuda:
             # Hand-off 4: the all-gather reads the params and the next backward's reset writes
