@@ -15,8 +15,15 @@ gradients (as in training):
   update (both sides pay the profiler's per-op cost).
 
 Figures: elements updated per second and the ratio baseline time / subject time (goal for the CPU
-update: >= 1.0). The GPU comparison (offloaded and partly offloaded steps against the on-device
-step) needs a GPU run: see docs/benchmarks.md.
+update: >= 1.0).
+
+The suite also times whole training steps of the example GPT (bf16 params, one rank; on CUDA a
+compute-bound batch) without offload, with full offload (``gpu_margin_mem_ratio=0``) and with
+half of the optimizer state's chunks kept on the GPU (a margin injected to hold exactly that, as
+the tracer would measure on a fuller GPU). Ratios: full offload / no offload (goal <= 1.2) and
+half / max(GPU part, CPU part) (goal <= 1.1), where the GPU part is the no-offload step and the
+CPU part the half run's CPU update (profiler ranges). On a CPU-only machine the "GPU" is the host
+too, so these figures only show the cost of the extra copies.
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ import torch
 from torch import nn
 
 import zeroshard
+from bench import gpt
 from bench.harness import Timing, ratio, run_ranks
-from zeroshard.fused_adam import CPU_ADAM_RANGE
+from zeroshard.fused_adam import CPU_ADAM_RANGE, chunk_state_bytes
+from zeroshard.offload import MarginMeasurement
 
 STEP_RANGE = "bench.offload.step"
 
@@ -90,6 +99,54 @@ def rank_main(numel: int, repeats: int) -> dict[str, Timing]:
     return timings
 
 
+GPU_METHODS = {"on_device": (None, None), "offload": ("cpu", None), "offload_half": ("cpu", 0.5)}  # (offload, share of chunk bytes on the GPU)
+
+
+def training_rank_main(config: gpt.GPTConfig, steps: int) -> dict[str, Timing]:
+    """Step times of the example GPT in bf16 per method, and the half-offloaded run's CPU update."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    x, y = gpt.batch(config, 0, device)
+    timings = {}
+    for name, (offload, share) in GPU_METHODS.items():
+        model = gpt.build(config, device).to(torch.bfloat16)
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(gpt.decay_groups(model), lr=1e-4), offload=offload,
+                                         gpu_margin_mem_ratio=1.0 if share else 0.0)
+        if share:
+            sizes = [chunk_state_bytes(s, b.index) for s in opt._shards for b in s.buffer.layout.buckets]
+            opt._measure_margin = lambda tracer, margin=int(share * sum(sizes)): MarginMeasurement(margin, 0, 0, 0)
+
+        def train_step(model=model, opt=opt) -> None:
+            opt.backward(model(x, y))
+            opt.step()
+            opt.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        timings[name] = _time(lambda: None, train_step, steps)
+        if share:
+            timings[f"{name}_cpu_adam"] = _profiled(lambda: None, train_step, steps, CPU_ADAM_RANGE)
+        del model, opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return timings
+
+
+def training_rows(quick: bool, log: Callable[[str], None]) -> list[dict]:
+    """Rows of the training-step comparison (GPU part and CPU part: see the module docstring)."""
+    config = gpt.QUICK if quick else (gpt.FULL_GPU if torch.cuda.is_available() else gpt.FULL_CPU)
+    log(f"offload: training steps of the example GPT {config}, bf16, 1 rank")
+    timings = run_ranks(training_rank_main, 1, config, 3 if quick else 20)[0]
+    rows = [{"kind": "train_time", "elements": "", "method": name, "baseline": "", "median_ms": t.median * 1e3, "elements_per_s": "", "ratio": ""}
+            for name, t in timings.items()]
+    gpu_part, cpu_part = timings["on_device"], timings["offload_half_cpu_adam"]
+    rows.append({"kind": "train_ratio", "elements": "", "method": "offload", "baseline": "on_device", "median_ms": "", "elements_per_s": "",
+                 "ratio": timings["offload"].median / gpu_part.median})
+    slower = gpu_part if gpu_part.median >= cpu_part.median else cpu_part
+    rows.append({"kind": "train_ratio", "elements": "", "method": "offload_half", "baseline": "max(on_device, offload_half_cpu_adam)",
+                 "median_ms": "", "elements_per_s": "", "ratio": timings["offload_half"].median / slower.median})
+    return rows
+
+
 def run(quick: bool, log: Callable[[str], None] = print) -> list[dict]:
     """Rows per shard size: elements/s per method, then ratios to torch's fused CPU AdamW."""
     sizes = [2**20] if quick else [2**20, 2**22, 2**24]
@@ -104,4 +161,4 @@ def run(quick: bool, log: Callable[[str], None] = print) -> list[dict]:
                                ("zeroshard_on_device", "torch_adamw_fused")):
             rows.append({"kind": "ratio", "elements": numel, "method": name, "baseline": baseline, "median_ms": "",
                          "elements_per_s": numel / timings[name].median, "ratio": ratio(timings[baseline], timings[name])})
-    return rows
+    return rows + training_rows(quick, log)

@@ -112,3 +112,8 @@ def test_offload_suite_runs_end_to_end(tmp_path):
     assert times["zeroshard_offload_cpu_adam"] > 0  # the CPU-update ranges were found in the profile
     for r in (r for r in rows if r["kind"] == "ratio"):
         assert float(r["ratio"]) == pytest.approx(times[r["baseline"]] / times[r["method"]], rel=1e-6)
+    train = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "train_time"}
+    assert set(train) == {"on_device", "offload", "offload_half", "offload_half_cpu_adam"}
+    ratios = {r["method"]: float(r["ratio"]) for r in rows if r["kind"] == "train_ratio"}
+    assert ratios["offload"] == pytest.approx(train["offload"] / train["on_device"], rel=1e-6)
+    assert ratios["offload_half"] == pytest.approx(train["offload_half"] / max(train["on_device"], train["offload_half_cpu_adam"]), rel=1e-6)
