@@ -165,10 +165,13 @@ class FusedAdam:
                     host_runs[chunk].append(self._run_tensors(k, shard, start, end, step, self.host_grad_of(chunk, shard)))
                 else:
                     device_runs[k].append(self._run_tensors(k, shard, start, end, step, shard.grad_shard))
+        # The host chunks' gradient copies are queued before the device chunks' kernels, so the
+        # first host chunk can be updated without waiting for those kernels.
+        arrived = self._queue_grads_to_host(shards, host_runs) if host_runs else {}
         for k, runs in device_runs.items():
             self._device_step(runs, self.optimizer.param_groups[group_of_shard[k]], multiplier, shards[k].grad_shard.device)
         if host_runs:
-            self._host_step(shards, group_of_shard, host_runs, multiplier)
+            self._host_step(shards, group_of_shard, host_runs, multiplier, arrived)
 
     def _device_step(self, runs: list[Run], group: dict, multiplier: float, device: torch.device) -> None:
         grad_scale = None if multiplier == 1.0 else torch.full((1,), multiplier, device=device)
@@ -200,33 +203,44 @@ class FusedAdam:
                 eps=group["eps"], maximize=group.get("maximize", False),
             )
 
-    def _host_step(self, shards: list[LocalShard], group_of_shard: list[int], host_runs: dict[Chunk, list[Run]], multiplier: float) -> None:
-        """The offloaded update: gradients device → host, torch's fused CPU Adam/AdamW, params host → device.
+    def _queue_grads_to_host(self, shards: list[LocalShard], host_runs: dict[Chunk, list[Run]]) -> dict[Chunk, torch.cuda.Event]:
+        """On CUDA: queue every host chunk's device → host gradient copy on the copy stream; one event each.
 
-        On CUDA the work is pipelined chunk by chunk on two copy streams, so that while the CPU
-        updates chunk i, chunk i+1's gradient is on its way to the host and chunk i-1's params
-        on their way back to the device. On a CPU-only machine the same steps run in order, the
-        copies being plain memcpys between separate buffers.
+        Returns the events (empty on a CPU-only machine, where :meth:`_host_step` copies in turn).
         """
         device = shards[0].grad_shard.device
-        cuda = device.type == "cuda"
+        if device.type != "cuda":
+            return {}
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        d2h, h2d = self._streams
+        compute = torch.cuda.current_stream(device)
+        # Hand-off 1: the grad shards are complete (reduce-scatter, norm) once the compute stream
+        # reaches this point, and the backward no longer reads the params: both copy streams
+        # start from here (not after the device chunks' kernels, queued next on the compute stream).
+        d2h.wait_stream(compute)
+        h2d.wait_stream(compute)
+        arrived = {}
+        with torch.cuda.stream(d2h):
+            for k, b in host_runs:
+                self.host_grad[(k, b)].copy_(shards[k].grad_slice(b), non_blocking=True)
+                arrived[(k, b)] = torch.cuda.Event()
+                arrived[(k, b)].record(d2h)
+        return arrived
+
+    def _host_step(self, shards: list[LocalShard], group_of_shard: list[int], host_runs: dict[Chunk, list[Run]], multiplier: float,
+                   arrived: dict[Chunk, torch.cuda.Event]) -> None:
+        """The offloaded update: torch's fused CPU Adam/AdamW per host chunk, params host → device.
+
+        On CUDA the work is pipelined chunk by chunk on two copy streams (``arrived``: the
+        gradient copies queued by :meth:`_queue_grads_to_host`), so that while the CPU updates
+        chunk i, chunk i+1's gradient is on its way to the host and chunk i-1's params on their
+        way back to the device. On a CPU-only machine the same steps run in order, the copies
+        being plain memcpys between separate buffers.
+        """
+        cuda = bool(arrived)
         # torch's fused kernel divides the gradients by grad_scale as it reads them: no extra pass.
         grad_scale = None if multiplier == 1.0 else torch.tensor(1.0 / multiplier)
-        arrived: dict[Chunk, torch.cuda.Event] = {}
-        if cuda:
-            if self._streams is None:
-                self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-            d2h, h2d = self._streams
-            compute = torch.cuda.current_stream(device)
-            # Hand-off 1: the grad shards are complete (reduce-scatter, norm) once the compute
-            # stream reaches this point; the params are no longer read by the backward either.
-            d2h.wait_stream(compute)
-            h2d.wait_stream(compute)
-            with torch.cuda.stream(d2h):
-                for k, b in host_runs:
-                    self.host_grad[(k, b)].copy_(shards[k].grad_slice(b), non_blocking=True)
-                    arrived[(k, b)] = torch.cuda.Event()
-                    arrived[(k, b)].record(d2h)
         for (k, b), runs in host_runs.items():
             shard = shards[k]
             if cuda:
@@ -237,13 +251,14 @@ class FusedAdam:
                 self.host_grad[(k, b)].copy_(shard.grad_slice(b))
             with torch.profiler.record_function(CPU_ADAM_RANGE):
                 self._functional(runs, self.optimizer.param_groups[group_of_shard[k]], foreach=None, fused=True, grad_scale=grad_scale)
-            self._copy_params_to_device(k, b, shard, h2d if cuda else None)
+            self._copy_params_to_device(k, b, shard, self._streams[1] if cuda else None)
         if cuda:
+            compute = torch.cuda.current_stream(shards[0].grad_shard.device)
             # Hand-off 4: the all-gather reads the params and the next backward's reset writes
             # the grad shards: the compute stream waits for every copy. The host buffers are
             # next written after the next step's hand-off 2, which follows these copies.
-            compute.wait_stream(d2h)
-            compute.wait_stream(h2d)
+            compute.wait_stream(self._streams[0])
+            compute.wait_stream(self._streams[1])
 
     def _copy_params_to_device(self, k: int, b: int, shard: LocalShard, h2d: torch.cuda.Stream | None) -> None:
         """Write chunk (k, b)'s updated master into the flat param buffer, cast to the param dtype."""
