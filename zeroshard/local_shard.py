@@ -126,9 +126,10 @@ class LocalShard:
 
         A param's version counter moves on every in-place write to it (``p.copy_``, ``p.mul_``),
         while the optimizer writes only to the flat buffer, which has its own counter. Only chunks
-        with a separate master (16-bit params, offload) need it, and of those only the elements whose value no longer
-        equals the master rounded to the param dtype are refreshed, so loading a checkpoint's
-        params and its fp32 master (in either order) keeps the master's precision.
+        with a separate master (16-bit params, offload) need it, and of those only the elements
+        whose value no longer equals the master rounded to the param dtype are refreshed, so
+        loading a checkpoint's params and its fp32 master (in either order) keeps the master's
+        precision.
         """
         if not self.has_master:
             return
