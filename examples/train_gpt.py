@@ -47,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="param dtype (float16 turns on dynamic loss scaling)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
+    p.add_argument("--offload", choices=("cpu",), default=None, help="keep the fp32 master and Adam state in host memory")
+    p.add_argument("--gpu-margin-mem-ratio", type=float, default=0.0,
+                   help="with --offload: share of the first iteration's unused device memory that state may take back")
     p.add_argument("--log-interval", type=int, default=100, help="steps between progress lines")
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches per rank for the validation loss")
     p.add_argument("--seed", type=int, default=0)
@@ -205,7 +208,8 @@ def main() -> None:
     adamw = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95)
     )
-    opt = zeroshard.ShardedOptimizer(adamw, stage=args.stage, max_grad_norm=args.max_grad_norm or None)
+    opt = zeroshard.ShardedOptimizer(adamw, stage=args.stage, max_grad_norm=args.max_grad_norm or None, offload=args.offload,
+                                     gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
     warmup = max(1, args.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
