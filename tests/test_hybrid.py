@@ -11,12 +11,12 @@ from models import TinyNet, param_groups
 from test_parity import _same_on_all_ranks, _train_pair
 
 
-def hybrid_parity_worker(shard_size: int, stage: int, accumulation: str) -> tuple[float, bool, int, int]:
+def hybrid_parity_worker(shard_size: int, stage: int, accumulation: str, offload: str | None = None) -> tuple[float, bool, int, int]:
     """Worst tolerance ratio against DDP over the world, params equal on all 4 ranks after every
     step, and this rank's exp_avg + exp_avg_sq bytes next to DDP's."""
     mesh = zeroshard.hybrid_mesh(shard_size)
     worst, identical = 0.0, True
-    for ref_model, model, opt in _train_pair(stage, accumulation, True, process_group=mesh):
+    for ref_model, model, opt in _train_pair(stage, accumulation, True, process_group=mesh, offload=offload):
         from models import tolerance_ratio
 
         worst = max(worst, tolerance_ratio(model, ref_model))
@@ -26,9 +26,11 @@ def hybrid_parity_worker(shard_size: int, stage: int, accumulation: str) -> tupl
     return worst, identical, moments, unsharded
 
 
-@pytest.mark.parametrize("shard_size, stage, accumulation", [(1, 2, "none"), (2, 1, "none"), (2, 2, "none"), (2, 2, "no_sync"), (4, 2, "backward")])
-def test_hybrid_parity_with_ddp(pools, shard_size, stage, accumulation):
-    results = pools[4].run(hybrid_parity_worker, shard_size, stage, accumulation)
+@pytest.mark.parametrize("shard_size, stage, accumulation, offload", [
+    (1, 2, "none", None), (2, 1, "none", None), (2, 2, "none", None), (2, 2, "no_sync", None), (4, 2, "backward", None), (2, 2, "none", "cpu"),
+])
+def test_hybrid_parity_with_ddp(pools, shard_size, stage, accumulation, offload):
+    results = pools[4].run(hybrid_parity_worker, shard_size, stage, accumulation, offload)
     for worst, identical, _, _ in results:
         assert identical, "params differ between ranks"
         assert worst <= 1.0, f"params off DDP + AdamW by {worst:.3g}x the tolerance (rtol 1e-6, atol 1e-7)"

@@ -5,8 +5,10 @@ On a CPU-only machine offload keeps separate host buffers, so the device -> host
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
+import threading
 import time
 
 import pytest
@@ -253,3 +255,27 @@ def test_margin_placement_moves_whole_chunks_and_training_matches(pools, keep, r
             assert error <= 1e-3, error
         assert len(lines) == (1 if rank == 0 else 0), lines  # logged once, by rank 0
     assert f"{sum(results[0][0])} of {len(results[0][0])} chunks" in results[0][3][0]
+
+
+def tracer_thread_worker() -> tuple[int, int, int]:
+    """Sampler threads alive: while the first iteration is traced, after the first step, after
+    dropping an optimizer that never stepped."""
+    def samplers() -> int:
+        time.sleep(0.05)  # a stopped sampler wakes from its wait first
+        return sum(t.name == "zeroshard-memory-tracer" for t in threading.enumerate())
+
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters()), offload="cpu", gpu_margin_mem_ratio=0.5)
+    tracing = samplers()
+    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    opt.step()
+    after_step = samplers()
+    never_stepped = zeroshard.ShardedOptimizer(torch.optim.AdamW(TinyNet().parameters()), offload="cpu", gpu_margin_mem_ratio=0.5)
+    del never_stepped
+    gc.collect()
+    return tracing, after_step, samplers()
+
+
+def test_first_iteration_tracer_stops(pools):
+    for counts in pools[2].run(tracer_thread_worker):
+        assert counts == (1, 0, 0), counts

@@ -67,6 +67,10 @@ class MemoryTracer:
         self._sampler.start()
         return self
 
+    def stop(self) -> None:
+        """Stop the RSS sampler without taking the final figures (idempotent)."""
+        self._stop.set()
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

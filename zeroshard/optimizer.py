@@ -153,6 +153,8 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
         # Measures the first iteration, up to the first step(), for the placement (see _place_chunks).
         self._margin_tracer = MemoryTracer(self._device, sample_interval_s=0.01).__enter__() if gpu_margin_mem_ratio > 0 else None
+        if self._margin_tracer is not None:  # an optimizer dropped before its first step stops the sampler too
+            weakref.finalize(self, self._margin_tracer.stop)
         fp16 = any(s.buffer.dtype == torch.float16 for s in self._shards)
         self._scaler = loss_scale if isinstance(loss_scale, DynamicLossScaler) else (
             DynamicLossScaler() if loss_scale == "dynamic" or (loss_scale is None and fp16) else None)
