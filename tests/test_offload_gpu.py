@@ -63,7 +63,8 @@ def test_cuda_offload_matches_torch_adamw(nccl_group, offload, ratio, keep):
         assert on_device == expected  # ratio 1.0 measured on a GPU with gigabytes free: everything
         for (k, b), here in zip(chunks, on_device):
             assert opt._fused.exp_avg[(k, b)].device.type == ("cuda" if here else "cpu")
-            assert here or opt._shards[k].master_slice(b).is_pinned()
+            assert here or opt._shards[k].master_slice(b).is_pinned()  # fp32: the master is the DMA source
+            assert here or opt._fused.host_grad[(k, b)].is_pinned()
 
 
 def test_cuda_offload_bf16_and_memory_usage(nccl_group):

@@ -31,7 +31,7 @@ class LocalShard:
         buffer: the flat param buffer this shard belongs to.
         rank: this rank's index in the sharding group.
         host_master: keep the master weights in host memory as a separate copy, whatever the
-            param dtype (CPU offload; pinned when the params are on CUDA).
+            param dtype (CPU offload; pinned when the params are fp32 on CUDA, for the DMA copy).
 
     Attributes:
         pieces: the (param ∩ slice) pieces this rank owns, in flat order.
@@ -70,7 +70,9 @@ class LocalShard:
 
     def _set_master(self, bucket: int, device: torch.device) -> None:
         """Give chunk ``bucket`` a master of its own on ``device``, holding the current master values."""
-        pin = device.type == "cpu" and self.buffer.device.type == "cuda"
+        # Pinned only where it is a DMA source: an fp32 master is copied to the device as it is;
+        # a 16-bit param's master is cast into a pinned staging buffer first (FusedAdam.host_param).
+        pin = device.type == "cpu" and self.buffer.device.type == "cuda" and self.master_dtype == self.buffer.dtype
         size = self.buffer.layout.buckets[bucket].shard_numel(self.buffer.layout.world_size)
         master = torch.empty(size, dtype=self.master_dtype, device=device, pin_memory=pin)
         master.copy_(self.master_slice(bucket))

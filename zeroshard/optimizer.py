@@ -76,9 +76,10 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         max_grad_norm: clip every step's gradients to this global 2-norm (``None``: no clipping;
             :meth:`clip_grad_norm_` clips one step).
         offload: ``"cpu"`` keeps the fp32 master weights, ``exp_avg`` and ``exp_avg_sq`` in host
-            memory (pinned with CUDA): each step copies the grad shard to the host, runs torch's
-            fused CPU AdamW on it and copies the updated params back (ZeRO-Offload, Ren et al.,
-            USENIX ATC 2021). Adam/AdamW only. ``None``: everything on the params' device.
+            memory: each step copies the grad shard to the host, runs torch's fused CPU AdamW on
+            it chunk by chunk and copies the updated params back, the copies (from and to pinned
+            buffers) overlapping the update (ZeRO-Offload, Ren et al., USENIX ATC 2021).
+            Adam/AdamW only. ``None``: everything on the params' device.
         gpu_margin_mem_ratio: with ``offload="cpu"``, the fraction (0.0 to 1.0) of the device
             memory the first iteration leaves unused (measured by a :class:`~zeroshard.MemoryTracer`
             from construction to the first ``step()``) that offloaded state may take back: that
