@@ -410,3 +410,26 @@ def frozen_later_worker(directory: str) -> list[bool]:
 def test_state_of_params_frozen_after_training_started_survives(pools, tmp_path):
     for results in pools[2].run(frozen_later_worker, str(tmp_path)):
         assert results == [True, True, True]
+
+
+def hooks_worker(directory: str) -> list[str]:
+    """torch.optim's state-dict hooks run around save and load, DCP's included, with their replacements."""
+    model, opt = _build()
+    _train(model, opt, range(2))
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append(f"save-pre {o is opt}"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append(f"save-post {sorted(sd)}") or {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append(f"load-pre {sd.get('extra')}") or {k: v for k, v in sd.items() if k != "extra"})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load-post"))
+    assert opt.state_dict()["extra"] == 1
+    opt.load_state_dict(opt.state_dict())  # the pre hook takes out what the post hook added
+    dcp.save({"optim": opt}, checkpoint_id=directory)
+    dcp.load({"optim": opt}, checkpoint_id=directory)
+    return calls
+
+
+def test_optimizer_state_dict_hooks_run(pools, tmp_path):
+    for calls in pools[2].run(hooks_worker, str(tmp_path)):
+        save = ["save-pre True", "save-post ['buckets', 'param_groups', 'param_steps', 'zeroshard']"]
+        assert calls[:6] == save + save + ["load-pre 1", "load-post"], calls
+        assert calls.count("load-post") == 2 and calls.count("save-pre True") >= 4, calls

@@ -37,14 +37,22 @@ class StateDictMixin:
         copies: loading into them never touches the optimizer until :meth:`load_state_dict`.
         A freshly built optimizer returns zero-filled entries to load into (no dummy step).
 
+        Hooks registered with ``register_state_dict_pre_hook``/``register_state_dict_post_hook``
+        run as in ``torch.optim.Optimizer.state_dict`` (a post hook may return a replacement).
+
         Raises:
             ValueError: the wrapped optimizer keeps scalar state other than ``step``.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         if self._consolidated is not None:
             state_dict, self._consolidated = self._consolidated, None
-            return state_dict
-        state_dict = checkpoint.sharded_state_dict(self._checkpoint_view())
-        self._issued = {id(t): weakref.ref(t) for t in checkpoint.bucket_tensors(state_dict)}
+        else:
+            state_dict = checkpoint.sharded_state_dict(self._checkpoint_view())
+            self._issued = {id(t): weakref.ref(t) for t in checkpoint.bucket_tensors(state_dict)}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         return state_dict
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -72,13 +80,18 @@ class StateDictMixin:
         from :meth:`consolidate_state_dict` or from an unsharded optimizer of the same class on
         the same params. The checkpoint's hyperparameters win, as in ``torch.optim``. Runs no
         collective. Everything is checked before anything is written, so on error the optimizer
-        is as it was.
+        is as it was. Hooks registered with ``register_load_state_dict_pre_hook`` (which may
+        return a replacement) and ``register_load_state_dict_post_hook`` run as in
+        ``torch.optim.Optimizer.load_state_dict``.
 
         Raises:
             ValueError: anything else, or a state dict for another model (group count, param
                 count, shape or dtype: the param is named), another optimizer's state, another
                 ``bucket_size_mb``, or a sharded dict from another world size not loaded through DCP.
         """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         view = self._checkpoint_view()
         meta = state_dict.get("zeroshard") if isinstance(state_dict, dict) else None
         if isinstance(meta, dict) and meta.get("format") == checkpoint.SHARDED_FORMAT:
@@ -98,4 +111,6 @@ class StateDictMixin:
         if self._scaler is not None and scaler_state is not None:
             self._scaler.load_state_dict(scaler_state)
         self._consolidated = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
