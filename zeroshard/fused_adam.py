@@ -21,6 +21,7 @@ the host to the device once, after the first iteration (:meth:`FusedAdam.place_o
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -141,7 +142,8 @@ class FusedAdam:
         return moved
 
     @torch.no_grad()
-    def step(self, shards: list[LocalShard], group_of_shard: list[int], steps: list[list[int]], multiplier: float) -> None:
+    def step(self, shards: list[LocalShard], group_of_shard: list[int], steps: list[list[int]], multiplier: float,
+             chunk_done: Callable[[int, int], None]) -> None:
         """Update every used piece of every shard; unused pieces and their state stay untouched.
 
         Device chunks are launched first (on CUDA they run while the host works), then the host
@@ -154,6 +156,8 @@ class FusedAdam:
                 replicated host count), or 0 when it got no gradient on any rank.
             multiplier: what the gradients are multiplied by (``1/loss_scale`` times the clip
                 coefficient), folded into the update.
+            chunk_done: called with (shard, bucket) for every chunk in layout order, once its
+                params are final (see :func:`~zeroshard.step_path.apply_update`).
         """
         device_runs: dict[int, list[Run]] = defaultdict(list)  # per shard
         host_runs: dict[Chunk, list[Run]] = defaultdict(list)
@@ -170,8 +174,7 @@ class FusedAdam:
         arrived = self._queue_grads_to_host(shards, host_runs) if host_runs else {}
         for k, runs in device_runs.items():
             self._device_step(runs, self.optimizer.param_groups[group_of_shard[k]], multiplier, shards[k].grad_shard.device)
-        if host_runs:
-            self._host_step(shards, group_of_shard, host_runs, multiplier, arrived)
+        self._host_step(shards, group_of_shard, host_runs, multiplier, arrived, chunk_done)
 
     def _device_step(self, runs: list[Run], group: dict, multiplier: float, device: torch.device) -> None:
         grad_scale = None if multiplier == 1.0 else torch.full((1,), multiplier, device=device)
@@ -229,19 +232,26 @@ class FusedAdam:
         return arrived
 
     def _host_step(self, shards: list[LocalShard], group_of_shard: list[int], host_runs: dict[Chunk, list[Run]], multiplier: float,
-                   arrived: dict[Chunk, torch.cuda.Event]) -> None:
+                   arrived: dict[Chunk, torch.cuda.Event], chunk_done: Callable[[int, int], None]) -> None:
         """The offloaded update: torch's fused CPU Adam/AdamW per host chunk, params host → device.
 
-        On CUDA the work is pipelined chunk by chunk on two copy streams (``arrived``: the
-        gradient copies queued by :meth:`_queue_grads_to_host`), so that while the CPU updates
-        chunk i, chunk i+1's gradient is on its way to the host and chunk i-1's params on their
-        way back to the device. On a CPU-only machine the same steps run in order, the copies
-        being plain memcpys between separate buffers.
+        Walks every chunk in layout order, calling ``chunk_done`` as each is final: device chunks
+        (already launched) and unused ones at once, host chunks after their update. On CUDA the
+        work is pipelined chunk by chunk on two copy streams (``arrived``: the gradient copies
+        queued by :meth:`_queue_grads_to_host`), so that while the CPU updates chunk i, chunk
+        i+1's gradient is on its way to the host and chunk i-1's params on their way back to the
+        device and into their all-gather. On a CPU-only machine the same steps run in order, the
+        copies being plain memcpys between separate buffers.
         """
         cuda = bool(arrived)
+        compute = torch.cuda.current_stream(shards[0].grad_shard.device) if cuda else None
         # torch's fused kernel divides the gradients by grad_scale as it reads them: no extra pass.
         grad_scale = None if multiplier == 1.0 else torch.tensor(1.0 / multiplier)
-        for (k, b), runs in host_runs.items():
+        for k, b in ((k, b.index) for k, shard in enumerate(shards) for b in shard.buffer.layout.buckets):
+            runs = host_runs.get((k, b))
+            if runs is None:
+                chunk_done(k, b)
+                continue
             shard = shards[k]
             if cuda:
                 # Hand-off 2: the CPU reads the host copy of chunk (k, b) only once it has landed;
@@ -252,13 +262,16 @@ class FusedAdam:
             with torch.profiler.record_function(CPU_ADAM_RANGE):
                 self._functional(runs, self.optimizer.param_groups[group_of_shard[k]], foreach=None, fused=True, grad_scale=grad_scale)
             self._copy_params_to_device(k, b, shard, self._streams[1] if cuda else None)
+            if cuda:
+                # Hand-off 4: the bucket's all-gather, queued by chunk_done behind the compute
+                # stream, reads the params just copied: the compute stream waits for the copy.
+                compute.wait_stream(self._streams[1])
+            chunk_done(k, b)
         if cuda:
-            compute = torch.cuda.current_stream(shards[0].grad_shard.device)
-            # Hand-off 4: the all-gather reads the params and the next backward's reset writes
-            # the grad shards: the compute stream waits for every copy. The host buffers are
-            # next written after the next step's hand-off 2, which follows these copies.
+            # Hand-off 5: the next backward's reset writes the grad shards the gradient copies
+            # read. The host buffers are next written after the next step's hand-off 2, which
+            # follows all of this step's copies.
             compute.wait_stream(self._streams[0])
-            compute.wait_stream(self._streams[1])
 
     def _copy_params_to_device(self, k: int, b: int, shard: LocalShard, h2d: torch.cuda.Stream | None) -> None:
         """Write chunk (k, b)'s updated master into the flat param buffer, cast to the param dtype."""

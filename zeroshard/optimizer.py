@@ -375,8 +375,17 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             for i, stepped in enumerate(flags):
                 self._param_steps[self._param_index[k][i]] += stepped
         steps = [[self._param_steps[index] if flag else 0 for index, flag in zip(self._param_index[k], flags)] for k, flags in enumerate(stats.used)]
-        apply_update(self.optimizer, self._shards, self._fused, self._group_of_shard, stats.used, steps, multiplier)
-        self._all_gather_params()
+        works = []
+
+        def all_gather(k: int, b: int) -> None:  # each bucket as soon as this rank's slice is final
+            if self.world_size > 1:
+                buffer = self._shards[k].buffer
+                works.append(collectives.all_gather(buffer.bucket_view(b), buffer.slice_view(b, self.rank), self.process_group))
+
+        apply_update(self.optimizer, self._shards, self._fused, self._group_of_shard, stats.used, steps, multiplier, all_gather)
+        for work in works:
+            # The params must hold every rank's update before the next forward reads them.
+            work.wait()
 
     def _place_chunks(self) -> None:
         """End the first iteration's tracer and move that margin's share of chunks to the device (logged once)."""
@@ -394,18 +403,6 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self._skipped_steps += 1
         if self.rank == 0 and self._skipped_steps & (self._skipped_steps - 1) == 0:  # 1, 2, 4, 8, ...
             logger.info("zeroshard: %d steps skipped so far for inf/NaN gradients; loss scale now %s", self._skipped_steps, self.loss_scale)
-
-    def _all_gather_params(self) -> None:
-        if self.world_size == 1:
-            return
-        works = [
-            collectives.all_gather(shard.buffer.bucket_view(b.index), shard.buffer.slice_view(b.index, self.rank), self.process_group)
-            for shard in self._shards
-            for b in shard.buffer.layout.buckets
-        ]
-        for work in works:
-            # The params must hold every rank's update before the next forward reads them.
-            work.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients, as ``torch.optim.Optimizer.zero_grad``, and zeroshard's gradient buffers.

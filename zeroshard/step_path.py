@@ -5,6 +5,8 @@ See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from zeroshard.fused_adam import FusedAdam
@@ -30,6 +32,7 @@ def apply_update(
     used: list[list[bool]],
     steps: list[list[int]],
     multiplier: float,
+    chunk_done: Callable[[int, int], None],
 ) -> None:
     """Update every used piece of every shard and cast 16-bit masters into the flat param buffers.
 
@@ -37,17 +40,24 @@ def apply_update(
     optimizer gets the multiplier applied to the grad shards and its own ``step()`` on the
     virtual params, whose ``.grad`` is ``None`` for params unused on every rank. ``steps``: per
     shard, per param, its step number after this update (0 where unused), for the fused path.
+
+    ``chunk_done(k, b)`` is called once per chunk (shard ``k``, bucket ``b``), in layout order on
+    every rank, as soon as this rank's slice of the bucket holds its final params (on CUDA: once
+    the current stream is ordered after them), so the caller can launch the bucket's all-gather
+    while later chunks are still being updated.
     """
     for shard in shards:
         shard.refresh_master()
     if fused is not None:
-        fused.step(shards, group_of_shard, steps, multiplier)
+        fused.step(shards, group_of_shard, steps, multiplier, chunk_done)
         return
     for shard, flags in zip(shards, used):
         if multiplier != 1.0:
             shard.grad_shard.mul_(multiplier)
         shard.attach_grads(flags)
     optimizer.step()
-    for shard in shards:
+    for k, shard in enumerate(shards):
         shard.detach_grads()
         shard.write_back()
+        for b in shard.buffer.layout.buckets:
+            chunk_done(k, b.index)
