@@ -20,6 +20,7 @@ import zeroshard
 from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolerance_ratio
 from test_parity import _train_pair
 from zeroshard.fused_adam import chunk_state_bytes
+from zeroshard.local_shard import LocalShard
 from zeroshard.offload import MarginMeasurement, measure_margin, plan_placement
 
 
@@ -279,3 +280,53 @@ def tracer_thread_worker() -> tuple[int, int, int]:
 def test_first_iteration_tracer_stops(pools):
     for counts in pools[2].run(tracer_thread_worker):
         assert counts == (1, 0, 0), counts
+
+
+def placement_oom_worker() -> tuple[list[bool], float, list[str]]:
+    """The device runs out of memory while the second of three planned chunks moves: that chunk
+    and the rest stay on the host, the step goes on, and training matches no offload."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("zeroshard").addHandler(handler)
+    logging.getLogger("zeroshard").setLevel(logging.INFO)
+    calls = []
+    original = LocalShard.place_master
+
+    def flaky_place_master(self, bucket, on_host):
+        calls.append(bucket)
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("injected: no room for this chunk")
+        original(self, bucket, on_host)
+
+    LocalShard.place_master = flaky_place_master
+    try:
+        models = {}
+        for offload in (None, "cpu"):
+            torch.manual_seed(0)
+            model = TinyNet()
+            opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), bucket_size_mb=200 * 4 / 2**20,
+                                             offload=offload, gpu_margin_mem_ratio=1.0 if offload else 0.0)
+            if offload:
+                _with_margin_of(opt, 3)
+            for step in range(10):
+                loss_fn(model, *batch(dist.get_rank(), step)).backward()
+                opt.step()
+                model.zero_grad()
+            models[offload] = (model, opt)
+    finally:
+        LocalShard.place_master = original
+        logging.getLogger("zeroshard").removeHandler(handler)
+    opt = models["cpu"][1]
+    placed = [(k, b.index) in opt._fused.on_device for k, s in enumerate(opt._shards) for b in s.buffer.layout.buckets]
+    separate = [s.masters[b.index] is not None for s in opt._shards for b in s.buffer.layout.buckets]
+    assert separate == [not p for p in placed], "chunks left on the host keep a master of their own"
+    return placed, tolerance_ratio(models["cpu"][0], models[None][0]), [r for r in records if "gpu_margin_mem_ratio" in r]
+
+
+def test_placement_stops_at_out_of_memory_and_training_goes_on(pools):
+    for rank, (placed, worst, lines) in enumerate(pools[2].run(placement_oom_worker)):
+        assert placed[:3] == [True, False, False] and not any(placed[3:]), placed
+        assert worst <= 1.0, worst
+        if rank == 0:
+            assert lines and lines[0].endswith("(the device ran out of memory after 1 of the 3 planned)"), lines

@@ -128,10 +128,10 @@ class FusedAdam:
             self._bind(k, shard)
             device = shard.grad_shard.device
             try:
-                shard.place_master(b, device)
+                shard.place_master(b, on_host=False)
                 exp_avg, exp_avg_sq = self.exp_avg[(k, b)].to(device), self.exp_avg_sq[(k, b)].to(device)
             except torch.cuda.OutOfMemoryError:
-                shard.place_master(b, torch.device("cpu"))  # back where it was, if it had moved
+                shard.place_master(b, on_host=True)  # back where it was, if it had moved
                 break
             self.exp_avg[(k, b)], self.exp_avg_sq[(k, b)] = exp_avg, exp_avg_sq
             self.host_grad.pop((k, b), None)

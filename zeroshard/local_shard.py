@@ -79,24 +79,28 @@ class LocalShard:
         self.masters[bucket] = master
 
     @torch.no_grad()
-    def place_master(self, bucket: int, device: torch.device) -> None:
-        """Move chunk ``bucket``'s master weights to ``device`` and re-point its virtual params.
+    def place_master(self, bucket: int, on_host: bool) -> None:
+        """Move chunk ``bucket``'s master weights to host memory or to the params' device; re-point its virtual params.
 
-        On the params' own device, fp32/fp64 params drop the separate master (the flat-buffer
-        slice, which holds the same values after every step, takes its place). The virtual
-        params stay the same objects (the wrapped optimizer's state is keyed by them); their
-        ``.data`` becomes a view of the new storage.
+        In host memory the chunk always has a separate master (pinned for fp32 params on CUDA).
+        On the params' device, fp32/fp64 params drop it: the flat-buffer slice, which holds the
+        same values after every step, takes its place. The virtual params stay the same objects
+        (the wrapped optimizer's state is keyed by them); their ``.data`` becomes a view of the
+        new storage.
 
         Raises:
-            torch.OutOfMemoryError: no room on ``device``; the chunk is left as it was.
+            torch.cuda.OutOfMemoryError: no room on the device; the chunk is left as it was.
         """
         current = self.masters[bucket]
-        if device == self.buffer.device and self.master_dtype == self.buffer.dtype:
+        if on_host:
+            if current is None or current.device.type != "cpu":
+                self._set_master(bucket, torch.device("cpu"))
+        elif self.master_dtype == self.buffer.dtype:
             if current is not None:
                 self.buffer.slice_view(bucket, self.rank).copy_(current)
             self.masters[bucket] = None
-        elif current is None or current.device != device:
-            self._set_master(bucket, device)
+        elif current is None or current.device != self.buffer.device:
+            self._set_master(bucket, self.buffer.device)
         for piece, vparam in zip(self.pieces, self.virtual_params):
             if self.bucket_of(piece) == bucket:
                 vparam.data = self.master_view(piece.shard_offset, piece.numel)
