@@ -146,8 +146,9 @@ class FusedAdam:
              chunk_done: Callable[[int, int], None]) -> None:
         """Update every used piece of every shard; unused pieces and their state stay untouched.
 
-        Device chunks are launched first (on CUDA they run while the host works), then the host
-        chunks take the pipelined CPU update.
+        The host chunks' gradient copies are queued, then the device chunks' updates launched
+        (on CUDA they run while the host works), then the host chunks take the pipelined CPU
+        update; each bucket is handed to ``chunk_done`` as soon as it is final.
 
         Args:
             shards: this rank's shards.
