@@ -37,7 +37,7 @@ from torch import nn
 import zeroshard
 from bench import gpt
 from bench.harness import Timing, ratio, run_ranks
-from zeroshard.fused_adam import CPU_ADAM_RANGE, chunk_state_bytes
+from zeroshard.fused_adam import CPU_ADAM_RANGE, chunk_state_bytes, chunks_of
 from zeroshard.offload import MarginMeasurement
 
 STEP_RANGE = "bench.offload.step"
@@ -112,7 +112,7 @@ def training_rank_main(config: gpt.GPTConfig, steps: int) -> dict[str, Timing]:
         opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(gpt.decay_groups(model), lr=1e-4), offload=offload,
                                          gpu_margin_mem_ratio=1.0 if share else 0.0)
         if share:
-            sizes = [chunk_state_bytes(s, b.index) for s in opt._shards for b in s.buffer.layout.buckets]
+            sizes = [chunk_state_bytes(opt._shards[k], b) for k, b in chunks_of(opt._shards)]
             opt._measure_margin = lambda tracer, margin=int(share * sum(sizes)): MarginMeasurement(margin, 0, 0, 0)
 
         def train_step(model=model, opt=opt) -> None:

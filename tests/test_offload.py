@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 import zeroshard
 from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolerance_ratio
 from test_parity import _train_pair
-from zeroshard.fused_adam import chunk_state_bytes
+from zeroshard.fused_adam import chunk_state_bytes, chunks_of
 from zeroshard.local_shard import LocalShard
 from zeroshard.offload import MarginMeasurement, measure_margin, plan_placement
 
@@ -91,7 +91,7 @@ def test_offload_memory_usage_counts_host_buffers(pools):
 
 def _with_margin_of(opt: zeroshard.ShardedOptimizer, keep: int) -> None:
     """Inject a first-iteration margin that holds exactly the first ``keep`` chunks (ratio 1)."""
-    sizes = [chunk_state_bytes(s, b.index) for s in opt._shards for b in s.buffer.layout.buckets]
+    sizes = [chunk_state_bytes(opt._shards[k], b) for k, b in chunks_of(opt._shards)]
     margin = sum(sizes[:keep])
     opt._measure_margin = lambda tracer: MarginMeasurement(margin, 0, 0, 0)
 
@@ -215,7 +215,7 @@ def placement_worker(keep: int | None, ratio: float, dtype: torch.dtype) -> tupl
             gpu_margin_mem_ratio=ratio if offload else 0.0,
         )
         if offload and keep is not None:
-            sizes = [chunk_state_bytes(s, b.index) for s in opt._shards for b in s.buffer.layout.buckets]
+            sizes = [chunk_state_bytes(opt._shards[k], b) for k, b in chunks_of(opt._shards)]
             margin = math.ceil(sum(sizes[:keep]) / ratio)  # ratio x margin: the first ``keep`` chunks, give or take a byte
             # capacity - non-model peak - model data - headroom = margin
             opt._measure_margin = lambda tracer, margin=margin: MarginMeasurement(margin + 900, 500, 300, 100)
@@ -226,7 +226,7 @@ def placement_worker(keep: int | None, ratio: float, dtype: torch.dtype) -> tupl
         models[offload], opts[offload] = model, opt
     logging.getLogger("zeroshard").removeHandler(handler)
     opt = opts["cpu"]
-    chunks = [(k, b.index) for k, s in enumerate(opt._shards) for b in s.buffer.layout.buckets]
+    chunks = chunks_of(opt._shards)
     placed = [c in opt._fused.on_device for c in chunks]
     for shard in opt._shards:  # the optimizer's params (virtual params) follow their chunk and hold its values
         for piece, vparam in zip(shard.pieces, shard.virtual_params):
@@ -318,8 +318,8 @@ def placement_oom_worker() -> tuple[list[bool], float, list[str]]:
         LocalShard.place_master = original
         logging.getLogger("zeroshard").removeHandler(handler)
     opt = models["cpu"][1]
-    placed = [(k, b.index) in opt._fused.on_device for k, s in enumerate(opt._shards) for b in s.buffer.layout.buckets]
-    separate = [s.masters[b.index] is not None for s in opt._shards for b in s.buffer.layout.buckets]
+    placed = [c in opt._fused.on_device for c in chunks_of(opt._shards)]
+    separate = [opt._shards[k].masters[b] is not None for k, b in chunks_of(opt._shards)]
     assert separate == [not p for p in placed], "chunks left on the host keep a master of their own"
     return placed, tolerance_ratio(models["cpu"][0], models[None][0]), [r for r in records if "gpu_margin_mem_ratio" in r]
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import zeroshard
 from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolerance_ratio
-from zeroshard.fused_adam import chunk_state_bytes
+from zeroshard.fused_adam import chunk_state_bytes, chunks_of
 from zeroshard.offload import MarginMeasurement
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -40,7 +40,7 @@ def _train(dtype: torch.dtype, offload: str | None, ratio: float = 0.0, keep: in
             torch.optim.AdamW(param_groups(model), lr=1e-2), bucket_size_mb=BUCKET_MB, offload=offload, gpu_margin_mem_ratio=ratio,
         )
         if keep is not None:
-            sizes = [chunk_state_bytes(s, b.index) for s in opt._shards for b in s.buffer.layout.buckets]
+            sizes = [chunk_state_bytes(opt._shards[k], b) for k, b in chunks_of(opt._shards)]
             opt._measure_margin = lambda tracer: MarginMeasurement(sum(sizes[:keep]), 0, 0, 0)
     for step in range(STEPS):
         x, y = (t.cuda() for t in batch(0, step))
@@ -56,7 +56,7 @@ def test_cuda_offload_matches_torch_adamw(nccl_group, offload, ratio, keep):
     reference, _ = _train(torch.float32, None, reference=True)
     model, opt = _train(torch.float32, offload, ratio, keep)
     assert tolerance_ratio(model, reference, rtol=1e-5, atol=1e-6) <= 1.0
-    chunks = [(k, b.index) for k, s in enumerate(opt._shards) for b in s.buffer.layout.buckets]
+    chunks = chunks_of(opt._shards)
     if offload:
         on_device = [c in opt._fused.on_device for c in chunks]
         expected = [i < keep for i in range(len(chunks))] if keep is not None else [ratio > 0] * len(chunks)

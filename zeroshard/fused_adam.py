@@ -49,6 +49,11 @@ def fused_adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
     return "adamw" if decoupled else "adam"
 
 
+def chunks_of(shards: list[LocalShard]) -> list[Chunk]:
+    """Every chunk of ``shards`` in layout order (shard by shard, bucket by bucket): the same on every rank."""
+    return [(k, b.index) for k, shard in enumerate(shards) for b in shard.buffer.layout.buckets]
+
+
 def chunk_state_bytes(shard: LocalShard, bucket: int) -> int:
     """Device bytes chunk ``bucket`` of ``shard`` takes when kept on the device: its fp32
     ``exp_avg`` and ``exp_avg_sq`` and, for 16-bit params, its fp32 master."""
@@ -248,7 +253,7 @@ class FusedAdam:
         compute = torch.cuda.current_stream(shards[0].grad_shard.device) if cuda else None
         # torch's fused kernel divides the gradients by grad_scale as it reads them: no extra pass.
         grad_scale = None if multiplier == 1.0 else torch.tensor(1.0 / multiplier)
-        for k, b in ((k, b.index) for k, shard in enumerate(shards) for b in shard.buffer.layout.buckets):
+        for k, b in chunks_of(shards):
             runs = host_runs.get((k, b))
             if runs is None:
                 chunk_done(k, b)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroshard.fused_adam import FusedAdam, chunk_state_bytes
+from zeroshard.fused_adam import FusedAdam, chunk_state_bytes, chunks_of
 from zeroshard.local_shard import LocalShard
 from zeroshard.memory_tracer import MemoryTracer
 
@@ -92,7 +92,7 @@ def place_chunks(shards: list[LocalShard], fused: FusedAdam, measurement: Margin
     Returns the log line (:func:`describe_placement`), which also says when the device ran out
     of memory before every planned chunk had moved (those stay on the host; nothing fails).
     """
-    chunks = [(k, b.index) for k, shard in enumerate(shards) for b in shard.buffer.layout.buckets]
+    chunks = chunks_of(shards)
     sizes = [chunk_state_bytes(shards[k], b) for k, b in chunks]
     plan = plan_placement(sizes, measurement.margin_bytes, ratio)
     moved = set(fused.place_on_device(shards, [c for c, keep in zip(chunks, plan) if keep]))

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from zeroshard.fused_adam import FusedAdam
+from zeroshard.fused_adam import FusedAdam, chunks_of
 from zeroshard.local_shard import LocalShard
 
 
@@ -56,8 +56,8 @@ def apply_update(
             shard.grad_shard.mul_(multiplier)
         shard.attach_grads(flags)
     optimizer.step()
-    for k, shard in enumerate(shards):
+    for shard in shards:
         shard.detach_grads()
         shard.write_back()
-        for b in shard.buffer.layout.buckets:
-            chunk_done(k, b.index)
+    for k, b in chunks_of(shards):
+        chunk_done(k, b)
