@@ -34,17 +34,18 @@ import zeroshard
 VOCAB = 256  # bytes
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: a bad value exits with argparse's usage error naming it."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--stage", type=int, default=2, choices=(1, 2), help="ZeRO stage")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the default takes about 3 minutes on 2 CPU ranks)")
-    p.add_argument("--data", type=Path, default=None, help="text file to train on (default: the stdlib sources)")
+    p.add_argument("--data", type=Path, default=None, help="text file to train on (None: the stdlib sources)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    p.add_argument("--n-embd", type=int, default=128, help="model width (a multiple of --n-head)")
+    p.add_argument("--n-head", type=int, default=4, help="attention heads")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="param dtype (float16 turns on dynamic loss scaling)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     p.add_argument("--offload", choices=("cpu",), default=None, help="keep the fp32 master and Adam state in host memory")
@@ -52,13 +53,33 @@ def parse_args() -> argparse.Namespace:
                    help="with --offload: share of the first iteration's unused device memory that state may take back")
     p.add_argument("--log-interval", type=int, default=100, help="steps between progress lines")
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches per rank for the validation loss")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initialization and of the batches")
     p.add_argument("--ckpt-dir", type=Path, default=None, help="save a checkpoint under this directory every --ckpt-every steps")
-    p.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--ckpt-every", type=int, default=None, help="steps between checkpoints (with --ckpt-dir; default there: 100)")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --ckpt-dir (any number of ranks)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "log_interval", "eval_batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    if args.n_embd % args.n_head:
+        p.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+    if not args.lr > 0:
+        p.error(f"--lr {args.lr}: must be positive")
+    if not args.max_grad_norm >= 0:
+        p.error(f"--max-grad-norm {args.max_grad_norm}: must be 0 (off) or positive")
+    if not 0.0 <= args.gpu_margin_mem_ratio <= 1.0:
+        p.error(f"--gpu-margin-mem-ratio {args.gpu_margin_mem_ratio}: must be between 0 and 1")
+    if args.gpu_margin_mem_ratio > 0 and args.offload is None:
+        p.error("--gpu-margin-mem-ratio needs --offload cpu")
+    if args.data is not None and not args.data.is_file():
+        p.error(f"--data {args.data}: no such file")
+    if args.ckpt_every is not None and args.ckpt_dir is None:
+        p.error("--ckpt-every needs --ckpt-dir (where the checkpoints go)")
+    if args.ckpt_every is not None and args.ckpt_every < 1:
+        p.error(f"--ckpt-every {args.ckpt_every}: must be at least 1")
     if args.resume and args.ckpt_dir is None:
         p.error("--resume needs --ckpt-dir")
+    args.ckpt_every = args.ckpt_every or 100
     return args
 
 
@@ -160,16 +181,21 @@ class GPT(nn.Module):
 
 
 def setup() -> torch.device:
-    """Join the torchrun group (or make a one-rank group when run with plain python)."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    """Join the torchrun group (or make a one-rank group, and say so, when run with plain python)."""
+    launched = "RANK" in os.environ
+    if not launched:
+        print("not launched by torchrun: training on 1 rank "
+              "(for 2: python -m torch.distributed.run --nproc_per_node 2 examples/train_gpt.py)", file=sys.stderr, flush=True)
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if launched:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return device
 
 
@@ -216,6 +242,9 @@ def main() -> None:
     )
 
     first_step = load_checkpoint(args.ckpt_dir, model, opt, schedule) + 1 if args.resume else 1
+    if first_step > args.steps:
+        dist.destroy_process_group()
+        raise SystemExit(f"the checkpoint in {args.ckpt_dir} is at step {first_step - 1}, --steps {args.steps}: nothing left to train")
     if first_step > 1:
         log(f"resumed from {zeroshard.latest_checkpoint(args.ckpt_dir)} (step {first_step - 1}) on {world} ranks")
     val_before = evaluate(model, val, args, device)

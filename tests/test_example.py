@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,3 +46,55 @@ def test_train_gpt_checkpoints_and_resumes_on_another_number_of_ranks(tmp_path):
     assert re.search(r"gpu_margin_mem_ratio=0.5 of a [\d,]+ MiB margin .*: (\d+) of \1 chunks", second.stderr), second.stderr[-3000:]
     assert f"resumed from {tmp_path / 'step_000010'} (step 10) on 3 ranks" in second.stdout
     assert "done: 5 steps" in second.stdout
+
+
+def _example_module():
+    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--steps", "-5"], "--steps -5: must be at least 1"),
+    (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+    (["--n-embd", "130"], "--n-embd 130 must be a multiple of --n-head 4"),
+    (["--ckpt-every", "5"], "--ckpt-every needs --ckpt-dir"),
+    (["--resume"], "--resume needs --ckpt-dir"),
+    (["--gpu-margin-mem-ratio", "0.5"], "--gpu-margin-mem-ratio needs --offload cpu"),
+    (["--lr", "0"], "--lr 0.0: must be positive"),
+    (["--data", "no/such/file.txt"], "--data no/such/file.txt: no such file"),
+])
+def test_train_gpt_refuses_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _example_module().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_train_gpt_help_shows_every_default(capsys):
+    module = _example_module()
+    with pytest.raises(SystemExit):
+        module.parse_args(["--help"])
+    entries: dict[str, str] = {}  # option -> its whole help entry
+    for line in capsys.readouterr().out.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            option = line.split()[0].rstrip(",")
+            entries[option] = line
+        elif entries:
+            entries[option] += " " + line.strip()
+    options = [o for o in entries if o not in ("-h", "--resume")]
+    assert len(options) >= 18, entries
+    for option in options:
+        assert "(default: " in entries[option], entries[option]
+
+
+def test_train_gpt_outside_torchrun_says_it_trains_on_one_rank():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--steps", "2", "--n-layer", "1", "--batch-size", "2",
+               "--seq-len", "16", "--eval-batches", "1", "--log-interval", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "not launched by torchrun: training on 1 rank" in result.stderr
+    assert "done: 2 steps" in result.stdout

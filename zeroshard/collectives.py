@@ -7,9 +7,11 @@ exist and fall back to the old ones on torch 2.4 - 2.12.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -65,9 +67,11 @@ def broadcast_from_first_(tensors: Sequence[Tensor], group: ProcessGroup) -> Non
 def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], group: ProcessGroup) -> None:
     """Raise on every rank if any rank's ``fingerprint`` differs from that of the group's rank 0.
 
-    One ``all_gather_object`` of small Python tuples. Run it before the first collective whose
-    tensor sizes depend on the fingerprint: gloo aborts the process (not an exception) when
-    ranks pass tensors of different sizes.
+    Each entry is hashed (64-bit BLAKE2b of its ``repr``) and the hashes are all-gathered as one
+    int64 tensor: no pickled object collective, which torch >= 2.13 runs through NumPy. Only on a
+    mismatch are the two differing entries broadcast, as UTF-8 bytes, to name them. Run it before
+    the first collective whose tensor sizes depend on the fingerprint: gloo aborts the process
+    (not an exception) when ranks pass tensors of different sizes.
 
     Args:
         what: a name for the entries, used in the error (e.g. ``"param"``).
@@ -78,14 +82,57 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
         ValueError: on every rank of ``group``, naming the first differing (global) rank, the
             entry and both values.
     """
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, list(fingerprint), group=group)
-    reference, first = gathered[0], dist.get_global_rank(group, 0)
-    for rank, theirs in enumerate(gathered[1:], start=1):
-        if theirs == reference:
-            continue
-        rank = dist.get_global_rank(group, rank)
-        for mine, other in zip(reference, theirs):
-            if mine != other:
-                raise ValueError(f"{what} {other[0]} on rank {rank} is {other[1:]}, on rank {first} {mine[1:]}; every rank must build the optimizer on the same params in the same order")
-        raise ValueError(f"rank {rank} has {len(theirs)} {what}s, rank {first} has {len(reference)}; every rank must build the optimizer on the same params in the same order")
+    device = _collective_device(group)
+    world = dist.get_world_size(group)
+    counts = _all_gather_int64(torch.tensor([len(fingerprint)], device=device), group)
+    longest = max(int(c) for c in counts)
+    hashes = torch.full((longest,), 0, dtype=torch.int64)
+    hashes[: len(fingerprint)] = torch.tensor([_digest(entry) for entry in fingerprint], dtype=torch.int64)
+    gathered = _all_gather_int64(hashes.to(device), group)
+    reference, n_reference = gathered[0].cpu(), int(counts[0])
+    for rank in range(1, world):
+        theirs, n_theirs = gathered[rank].cpu(), int(counts[rank])
+        common = min(n_reference, n_theirs)
+        differs = (theirs[:common] != reference[:common]).nonzero()
+        if len(differs):
+            index = int(differs[0])
+            mine = fingerprint[index] if index < len(fingerprint) else None
+            name = _broadcast_text(str(mine[0]) if mine is not None else None, rank, group, device)
+            other = _broadcast_text(repr(mine[1:]) if mine is not None else None, rank, group, device)
+            first_value = _broadcast_text(repr(mine[1:]) if mine is not None else None, 0, group, device)
+            raise ValueError(f"{what} {name} on rank {dist.get_global_rank(group, rank)} is {other}, on rank {dist.get_global_rank(group, 0)} {first_value}; "
+                             "every rank must build the optimizer on the same params in the same order, with the same options")
+        if n_theirs != n_reference:
+            raise ValueError(f"rank {dist.get_global_rank(group, rank)} has {n_theirs} {what}s, rank {dist.get_global_rank(group, 0)} has {n_reference}; "
+                             "every rank must build the optimizer on the same params in the same order, with the same options")
+
+
+def _digest(entry: tuple[Any, ...]) -> int:
+    """A signed 64-bit hash of ``repr(entry)``, the same in every process (unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(repr(entry).encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _collective_device(group: ProcessGroup) -> torch.device:
+    """Where small tensors for collectives on ``group`` must live: the current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather_int64(tensor: Tensor, group: ProcessGroup) -> list[Tensor]:
+    """Every rank's ``tensor`` (1-D int64, the same length on every rank), in group rank order (blocking)."""
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor, group=group)
+    return gathered
+
+
+def _broadcast_text(text: str | None, src: int, group: ProcessGroup, device: torch.device) -> str:
+    """``text`` from group rank ``src`` on every rank, sent as UTF-8 bytes (blocking; ``None`` sends "")."""
+    source = dist.get_global_rank(group, src)
+    payload = torch.tensor(list((text or "").encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=source, group=group)
+    if dist.get_rank(group) != src:
+        payload = torch.empty(int(size), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=source, group=group)
+    return bytes(payload.cpu().tolist()).decode()

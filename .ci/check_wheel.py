@@ -1,0 +1,29 @@
+"""Check an installed zeroshard wheel: ``python check_wheel.py WHEEL``, run outside the source tree.
+
+The wheel holds only ``zeroshard/`` (with ``zeroshard/kernels/``) and its dist-info; ``zeroshard``
+and ``zeroshard.kernels`` import from site-packages; no top-level ``kernels`` (which would shadow
+the distribution transformers imports), ``bench``, ``tests`` or ``examples`` package is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import zipfile
+from pathlib import Path
+
+wheel = Path(sys.argv[1])
+top_level = {name.split("/", 1)[0] for name in zipfile.ZipFile(wheel).namelist()}
+unexpected = sorted(name for name in top_level if name != "zeroshard" and not name.endswith(".dist-info"))
+if unexpected:
+    sys.exit(f"{wheel.name} installs unexpected top-level entries: {unexpected}")
+
+import zeroshard  # noqa: E402
+import zeroshard.kernels  # noqa: E402
+
+if "site-packages" not in Path(zeroshard.__file__).parts:
+    sys.exit(f"zeroshard imported from {zeroshard.__file__}, not from the installed wheel")
+stray = [name for name in ("kernels", "bench", "tests", "examples") if importlib.util.find_spec(name) is not None]
+if stray:
+    sys.exit(f"the wheel installed top-level packages {stray}")
+print(f"{wheel.name}: {sorted(top_level)}; zeroshard {zeroshard.__version__} imports from {Path(zeroshard.__file__).parent}")
