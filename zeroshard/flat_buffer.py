@@ -48,6 +48,7 @@ class FlatParamBuffer:
             passes reverse registration order). Their values are copied into the buffer.
         bucket_numel: soft cap on elements per bucket (see :func:`~zeroshard.partition.build_layout`).
         world_size: sharding degree N; every bucket is padded to a multiple of it.
+        names: per param, how errors name it (``param_groups[g]['params'][j]``).
 
     Attributes:
         params: the params, in layout order; ``params[i].data`` is ``param_view(i)``.
@@ -59,11 +60,12 @@ class FlatParamBuffer:
             the size checks).
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], bucket_numel: int, world_size: int) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], bucket_numel: int, world_size: int, names: Sequence[str] | None = None) -> None:
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) != 1:
             raise ValueError(f"a flat buffer needs params of one dtype and device; got {kinds}")
         self.params = list(params)
+        self.names = list(names) if names is not None else [f"param {i}" for i in range(len(self.params))]
         self.layout: FlatLayout = build_layout([p.numel() for p in params], bucket_numel, world_size)
         first = self.params[0]
         self.data: Tensor = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)
@@ -95,6 +97,33 @@ class FlatParamBuffer:
         """1-D view of bucket ``bucket`` (padding included) in ``of`` (default: the flat param buffer)."""
         b = self.layout.buckets[bucket]
         return (self.data if of is None else of)[b.offset : b.offset + b.padded_numel]
+
+    @torch.no_grad()
+    def follow(self, index: int) -> bool:
+        """Re-bind param ``index`` as a view of the buffer if its storage was replaced; whether it was.
+
+        ``model.to(...)``, ``.cpu()``, ``.to("cpu:0")`` under torchrun (what HF Trainer and
+        accelerate do) and ``param.data = ...`` keep the ``Parameter`` object but give it new
+        storage, which the buffer's updates would no longer reach. The param's current values
+        win: they are copied into the buffer, and the param becomes its view again.
+
+        Raises:
+            RuntimeError: the param now has another device, dtype or shape, which a buffer built
+                for the old ones cannot follow; names the param and says what to do.
+        """
+        param = self.params[index]
+        view = self.param_view(index)
+        if param.device == view.device and param.data_ptr() == view.data_ptr() and param.dtype == view.dtype and param.numel() == view.numel():
+            return False
+        if param.device != view.device or param.dtype != view.dtype or param.numel() != view.numel():
+            raise RuntimeError(
+                f"{self.names[index]} (shape {tuple(param.shape)}) is now {param.dtype} on {param.device}, but the optimizer was built "
+                f"for {view.dtype} on {view.device} with {view.numel()} elements: zeroshard cannot follow a change of device, dtype or size. "
+                "Move or cast the model first, then build the optimizer (model.to(...); opt = ShardedOptimizer(...))"
+            )
+        view.copy_(param.detach().reshape(-1))
+        param.data = view.view_as(param)
+        return True
 
     def slice_view(self, bucket: int, rank: int) -> Tensor:
         """1-D view of ``rank``'s slice of bucket ``bucket`` in the flat param buffer."""

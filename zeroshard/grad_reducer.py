@@ -142,6 +142,7 @@ class GradReducer:
     # -- backward ---------------------------------------------------------------------------
 
     def _on_grad_ready(self, k: int, i: int, param: nn.Parameter) -> None:
+        self.shards[k].follow(i)  # the model may have moved since the optimizer was built
         grad = param.grad
         if grad is None:
             return

@@ -126,6 +126,16 @@ class LocalShard:
         size = b.shard_numel(self.buffer.layout.world_size)
         return self.grad_shard[b.shard_offset : b.shard_offset + size]
 
+    def follow(self, index: int) -> None:
+        """Re-bind param ``index`` if its storage was replaced (:meth:`FlatParamBuffer.follow`); its master is then refreshed at the next step."""
+        if self.buffer.follow(index):
+            self._seen_versions[index] = -1
+
+    def follow_all(self) -> None:
+        """:meth:`follow` for every param of the buffer."""
+        for index in range(len(self.buffer.params)):
+            self.follow(index)
+
     @torch.no_grad()
     def refresh_master(self) -> None:
         """Re-copy master elements of params written outside the optimizer (e.g. ``load_state_dict``).

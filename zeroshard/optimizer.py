@@ -352,6 +352,8 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
+            for shard in self._shards:  # before any collective: raises alike on every rank
+                shard.follow_all()
             stats = self._stats or self._gather_stats(2.0)
             if self._margin_tracer is not None:
                 self._place_chunks()

@@ -103,13 +103,14 @@ def shard_param_groups(
     for g, params in zip(indices, params_of):
         trainable = [p for p in params if p.requires_grad]
         index_of = {id(p): index + j for j, p in enumerate(params)}
+        name_of = {id(p): f"param_groups[{g}]['params'][{j}]" for j, p in enumerate(params)}
         index += len(params)
         shard_ids = []
         for dtype in dict.fromkeys(p.dtype for p in trainable):
             # Reverse registration order approximates the order gradients become ready.
             same_dtype = [p for p in reversed(trainable) if p.dtype == dtype]
             shard_ids.append(first_shard + len(buffers))
-            buffers.append(FlatParamBuffer(same_dtype, bucket_numel(bucket_size_mb, dtype), groups.shard_size))
+            buffers.append(FlatParamBuffer(same_dtype, bucket_numel(bucket_size_mb, dtype), groups.shard_size, [name_of[id(p)] for p in same_dtype]))
             param_index.append([index_of[id(p)] for p in same_dtype])
             group_of_shard.append(g)
         records.append(ShardedGroup(params=params, shards=shard_ids))

@@ -1,0 +1,104 @@
+"""The torch contract at its edges: what ordinary PyTorch code does around the optimizer gives the
+same numbers as DDP + torch.optim.AdamW, or a clear error (never a silent difference)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zeroshard
+from models import TinyNet, batch, loss_fn, param_groups
+
+BUCKET_MB = 100 * 4 / 2**20  # several buckets in TinyNet
+
+
+def _pair(stage: int, dtype: torch.dtype = torch.float32, **kwargs):
+    """(DDP reference, its AdamW, a copy of the model, ShardedOptimizer over the copy), same seed."""
+    torch.manual_seed(0)
+    ref_model = TinyNet().to(dtype)
+    model = copy.deepcopy(ref_model)
+    ref = DDP(ref_model, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB, **kwargs)
+    return ref, ref_opt, model, opt
+
+
+def _train_step(net: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    loss_fn(net, *batch(dist.get_rank(), step)).backward()
+    opt.step()
+    net.zero_grad()
+
+
+def _same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+# -- 1. the model moves after the optimizer is built -------------------------------------------
+
+
+MOVES = {
+    "to('cpu:0')": lambda model: model.to("cpu:0"),  # copies every param (HF Trainer, accelerate)
+    "double().float()": lambda model: model.double().float(),
+    "param.data = clone": lambda model: [setattr(p, "data", p.data.clone()) for p in model.parameters()],
+}
+
+
+def moved_worker(stage: int, move: str, when: str) -> None:
+    ref, ref_opt, model, opt = _pair(stage)
+    for step in range(6):
+        if step == 2 and when == "before backward":
+            MOVES[move](model)
+        loss_fn(ref, *batch(dist.get_rank(), step)).backward()
+        loss_fn(model, *batch(dist.get_rank(), step)).backward()
+        if step == 2 and when == "before step":
+            MOVES[move](model)
+        ref_opt.step()
+        opt.step()
+        ref.zero_grad()
+        model.zero_grad()
+        assert _same(ref.module, model), f"step {step}: params differ from DDP after {move} {when}"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("move", list(MOVES))
+def test_model_moved_after_wrapping_keeps_training_like_ddp(pools, stage, move):
+    for when in ("before backward", "before step"):
+        pools[2].run(moved_worker, stage, move, when)
+
+
+def moved_bf16_worker() -> None:
+    # 16-bit params have fp32 masters: after the move the master must still be the one updated.
+    torch.manual_seed(0)
+    model, unmoved = TinyNet().bfloat16(), None
+    unmoved = copy.deepcopy(model)
+    opts = [zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(m), lr=1e-2), bucket_size_mb=BUCKET_MB) for m in (model, unmoved)]
+    for step in range(5):
+        if step == 2:
+            model.to("cpu:0")
+        for m, opt in zip((model, unmoved), opts):
+            _train_step(m, opt, step)
+    assert _same(model, unmoved)
+
+
+def test_bf16_model_moved_after_wrapping_equals_unmoved(pools):
+    pools[2].run(moved_bf16_worker)
+
+
+def cast_worker(stage: int) -> str:
+    _, _, model, opt = _pair(stage)
+    model.double()
+    with pytest.raises(RuntimeError) as error:
+        _train_step(model, opt, 0)
+    return str(error.value)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_model_cast_after_wrapping_raises_naming_the_param(pools, stage):
+    for message in pools[2].run(cast_worker, stage):
+        assert "param_groups[" in message and "torch.float64 on cpu" in message and "built for torch.float32" in message, message
+        assert "then build the optimizer" in message, message
