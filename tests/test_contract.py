@@ -102,3 +102,43 @@ def test_model_cast_after_wrapping_raises_naming_the_param(pools, stage):
     for message in pools[2].run(cast_worker, stage):
         assert "param_groups[" in message and "torch.float64 on cpu" in message and "built for torch.float32" in message, message
         assert "then build the optimizer" in message, message
+
+
+# -- 2. a second optimizer on the same model ---------------------------------------------------
+
+
+def rebuilt_worker(stage: int, how: str) -> None:
+    ref, ref_opt, model, opt = _pair(stage)
+    first = __import__("weakref").ref(opt._reducer)
+    for step in range(6):
+        if step == 2:  # both rebuild their optimizer, at a lower learning rate
+            ref_opt = torch.optim.AdamW(param_groups(ref.module), lr=5e-3, foreach=False)
+            if how == "close":
+                opt.close()
+            opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=5e-3, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB)
+            assert first() is None or first().closed, "the first optimizer's hooks outlived it"
+        _train_step(ref, ref_opt, step)
+        _train_step(model, opt, step)
+        assert _same(ref.module, model), f"step {step}: params differ from DDP after rebuilding the optimizer ({how})"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("how", ["drop", "close"])
+def test_rebuilt_optimizer_trains_like_ddp(pools, stage, how):
+    pools[2].run(rebuilt_worker, stage, how)
+
+
+def two_live_worker() -> None:
+    _, _, model, opt = _pair(2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # keeps the first optimizer alive
+    new = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2))
+    _train_step(model, new, 0)
+    with pytest.raises(RuntimeError, match=r"cannot step: param_groups\[0\]\['params'\]\[0\] \(shape \(37, 13\)\) was taken over by a ShardedOptimizer built later"):
+        scheduler.optimizer.step()
+    new.close()
+    with pytest.raises(RuntimeError, match="cannot step: it was closed"):
+        new.step()
+
+
+def test_second_live_optimizer_takes_the_params_over_and_the_first_raises(pools):
+    pools[2].run(two_live_worker)

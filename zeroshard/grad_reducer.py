@@ -16,7 +16,9 @@ the grad shards, as DDP's reducer finalizes at the end of backward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import gc
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,43 @@ from zeroshard.local_shard import LocalShard
 # ZeRO-2 does): launching one more first completes the oldest, so staging memory stays bounded at
 # about this many buckets plus the one being filled, instead of growing to a full gradient copy.
 MAX_BUCKETS_IN_FLIGHT = 2
+
+
+# id(param) -> (the param, the GradReducer whose hooks it carries), both held weakly: which live
+# optimizer owns a param's gradients. A param carries the hooks of one reducer at most.
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _owner(param: nn.Parameter) -> GradReducer | None:
+    entry = _OWNERS.get(id(param))
+    if entry is None:
+        return None
+    held, reducer = entry[0](), entry[1]()
+    if held is not param or reducer is None or reducer.closed:
+        del _OWNERS[id(param)]
+        return None
+    return reducer
+
+
+def take_over(params: Sequence[nn.Parameter], names: Sequence[str]) -> None:
+    """Close every live reducer that hooks one of ``params``: a new optimizer takes them over.
+
+    Two optimizers hooked on one param would both take its gradient (stage 2: the newer one would
+    never see one; stage 1: every backward reduced twice). Rebuilding an optimizer on the same
+    params (``opt = ShardedOptimizer(...)`` while the old ``opt`` is still bound) is ordinary
+    PyTorch, so the newer one wins, and the older one raises if it is stepped again.
+    """
+    for param, name in zip(params, names):
+        owner = _owner(param)
+        if owner is not None:
+            owner.close(f"{name} (shape {tuple(param.shape)}) was taken over by a ShardedOptimizer built later on the same params: "
+                        "step that one (two optimizers cannot both reduce one param's gradients)")
+
+
+def _remove_hooks(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 @dataclass
@@ -99,8 +138,22 @@ class GradReducer:
         self._reductions = 0  # backward passes reduced since reset
         self._index_of: dict[int, tuple[int, int]] = {}  # id(param) -> (shard, param index)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        # The hooks hold this reducer weakly, so they go with it (or with close()).
+        self._remove_hooks = weakref.finalize(self, _remove_hooks, self._hooks)
+        self.closed_because = ""
         for shard in shards:
             self.add_shard(shard)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran: no hooks, no claim on the params."""
+        return not self._remove_hooks.alive
+
+    def close(self, reason: str = "it was closed") -> None:
+        """Remove every hook and give up the params; ``reason`` says why, for later errors (idempotent)."""
+        if not self.closed:
+            self.closed_because = reason
+        self._remove_hooks()
 
     def add_shard(self, shard: LocalShard) -> None:
         """Register ``shard``'s params: hooks, launch order, and (stage 1) a flat grad buffer."""
@@ -118,10 +171,15 @@ class GradReducer:
         for i, param in enumerate(shard.buffer.params):
             self._index_of[id(param)] = (k, i)
             self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(k, i)))
+            _OWNERS[id(param)] = (weakref.ref(param), weakref.ref(self))
 
     def _make_hook(self, k: int, i: int):
+        reducer = weakref.ref(self)
+
         def hook(param: nn.Parameter) -> None:
-            self._on_grad_ready(k, i, param)
+            live = reducer()
+            if live is not None:
+                live._on_grad_ready(k, i, param)
 
         return hook
 

@@ -347,6 +347,8 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             The closure's loss, or ``None``.
         """
         self._refuse_grad_scaler()
+        if self._reducer.closed:
+            raise RuntimeError(f"this ShardedOptimizer cannot step: {self._reducer.closed_because}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -423,6 +425,15 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
                     p.grad.zero_()
         self._reducer.reset()
         self._stats = self._clip_norm = None
+
+    def close(self) -> None:
+        """Remove this optimizer's gradient hooks from the params and give the params up (idempotent).
+
+        Afterwards :meth:`step` raises. Dropping the last reference to the optimizer does the same
+        when it is garbage-collected, and so does building another ``ShardedOptimizer`` on the same
+        params (which takes them over). The params keep their values.
+        """
+        self._reducer.close()
 
     # -- introspection and state -------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from zeroshard import collectives
 from zeroshard.flat_buffer import FlatParamBuffer
+from zeroshard.grad_reducer import take_over
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
 from zeroshard.validation import check_params
@@ -89,6 +90,8 @@ def shard_param_groups(
     """
     params_of = [list(dict.fromkeys(optimizer.param_groups[g]["params"])) for g in indices]
     device = check_params([p for params in params_of for p in params], indices, device, first=first_shard == 0)
+    trainable = [(p, f"param_groups[{g}]['params'][{j}]") for g, params in zip(indices, params_of) for j, p in enumerate(params) if p.requires_grad]
+    take_over([p for p, _ in trainable], [name for _, name in trainable])
     fingerprint = [
         (f"param_groups[{g}]['params'][{j}]", tuple(p.shape), str(p.dtype), p.requires_grad)
         for g, params in zip(indices, params_of)
