@@ -9,22 +9,41 @@ from pathlib import Path
 from bench import kernel, memory, offload, step
 from bench.harness import RESULTS_DIR, format_table, write_csv
 
-# name -> run(quick) -> rows.
-SUITES = {"step": step.run, "memory": memory.run, "kernel": kernel.run, "offload": offload.run}
+# name -> module with SUMMARY (one line for --help), TABLES (what to print) and run(quick) -> rows.
+SUITES = {"step": step, "memory": memory, "kernel": kernel, "offload": offload}
+
+
+def suite_name(value: str) -> str:
+    """``value`` if it names a suite: an argparse ``type``, as ``choices`` would be checked against the empty default.
+
+    Raises:
+        argparse.ArgumentTypeError: on any other name, listing the suites.
+    """
+    if value not in SUITES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(map(repr, SUITES))})")
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("suites", nargs="*", choices=[[]] + list(SUITES), help="suites to run (default: all)")
+    width = max(map(len, SUITES))
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Run zeroshard's benchmark suites: each prints its tables, each with a one-line legend,\nand writes a CSV.",
+        epilog="suites:\n" + "\n".join(f"  {name.ljust(width)}  {suite.SUMMARY}" for name, suite in SUITES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("suites", nargs="*", type=suite_name, metavar="{" + ",".join(SUITES) + "}",
+                        help="suites to run, in the order given (default: all)")
     parser.add_argument("--quick", action="store_true", help="small sizes: each suite in under 2 minutes on 2 CPU cores")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"where the CSV files go (default: {RESULTS_DIR})")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help=f"where the CSV files go (default: {RESULTS_DIR})")
     args = parser.parse_args(argv)
     for name in args.suites or list(SUITES):
         start = time.perf_counter()
-        rows = SUITES[name](quick=args.quick)
-        print(format_table(rows))
+        rows = SUITES[name].run(quick=args.quick)
+        for table in SUITES[name].TABLES:
+            print(f"\n{format_table(table.select(rows))}\n{table.legend}")
         path = write_csv(name, rows, args.out)
-        print(f"{name}: {time.perf_counter() - start:.0f} s, wrote {path}\n")
+        print(f"\n{name}: {time.perf_counter() - start:.0f} s, wrote {path}\n")
 
 
 if __name__ == "__main__":

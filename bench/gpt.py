@@ -27,6 +27,10 @@ class GPTConfig:
     seq_len: int
     batch_size: int  # sequences per rank
 
+    def __str__(self) -> str:
+        return (f"GPT {self.n_layer} layers, {self.n_embd} wide, {self.n_head} heads, sequence {self.seq_len}, "
+                f"{self.batch_size} sequences per rank")
+
 
 QUICK = GPTConfig(n_layer=2, n_embd=128, n_head=4, seq_len=64, batch_size=8)
 FULL_CPU = GPTConfig(n_layer=4, n_embd=256, n_head=4, seq_len=128, batch_size=8)

@@ -59,8 +59,12 @@ def percentile(samples: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+# Every table's ``ratio`` column means this; its legend says so in these words.
+RATIO_LEGEND = "ratio = method's median time / baseline's (below 1.0: method faster)"
+
+
 def ratio(subject: Timing, baseline: Timing) -> float:
-    """``subject.median / baseline.median``: below 1.0 means the subject is faster."""
+    """``subject.median / baseline.median``: below 1.0 means the subject is faster (see ``RATIO_LEGEND``)."""
     return subject.median / baseline.median
 
 
@@ -107,9 +111,24 @@ def write_csv(suite: str, rows: list[dict[str, Any]], out_dir: Path = RESULTS_DI
     return path
 
 
+@dataclass(frozen=True)
+class Table:
+    """Which of a suite's rows print as one table, and the line under it that explains the columns."""
+
+    kinds: tuple[str, ...]  # the rows' ``kind`` values; () takes every row
+    legend: str
+
+    def select(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The rows of this table, in the suite's order."""
+        return [row for row in rows if not self.kinds or row.get("kind") in self.kinds]
+
+
 def format_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
-    """A plain-text table of ``rows`` (floats to 4 significant digits)."""
-    columns = list(columns or dict.fromkeys(k for row in rows for k in row))
+    """A plain-text table of ``rows`` (floats to 4 significant digits).
+
+    ``columns`` defaults to every key that has a value other than ``""`` in some row."""
+    if columns is None:
+        columns = [k for k in dict.fromkeys(k for row in rows for k in row) if any(row.get(k, "") != "" for row in rows)]
 
     def cell(value: Any) -> str:
         return f"{value:.4g}" if isinstance(value, float) else str(value)
@@ -119,6 +138,11 @@ def format_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = Non
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in body]
     return "\n".join(lines)
+
+
+def progress(suite: str, phase: str) -> None:
+    """Print ``<suite>: <phase> ...`` at once, so a long phase shows it has started."""
+    print(f"{suite}: {phase} ...", flush=True)
 
 
 def _free_port() -> int:

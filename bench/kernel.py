@@ -22,12 +22,17 @@ from collections.abc import Callable
 import torch
 import torch.utils.benchmark as benchmark
 
-from bench.harness import Timing, ratio
+from bench.harness import RATIO_LEGEND, Table, Timing, progress, ratio
 from zeroshard.kernels import adamw_reference_, fused_adamw_
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 GPU_BYTES_PER_ELEMENT = 4 * 3 + 2 + 4 * 3 + 2
 CPU_BYTES_PER_ELEMENT = 4 * 3 + 4 + 4 * 3
+SUMMARY = "the fused AdamW step on one flat shard vs torch's AdamW and a memory copy"
+TABLES = (
+    Table(("time", "ratio"), "median_us, p20_us, p80_us: one step; GB_per_s: bytes the step moves (bench/kernel.py) / median time, "
+                             f"on ratio rows zeroshard's; {RATIO_LEGEND}"),
+)
 
 
 def _torch_adamw(n: int, device: str, **flags) -> tuple[torch.optim.AdamW, torch.nn.Parameter]:
@@ -41,6 +46,7 @@ def _torch_adamw(n: int, device: str, **flags) -> tuple[torch.optim.AdamW, torch
 def _cpu_rows(sizes: list[int], min_run_time: float) -> list[dict]:
     rows = []
     for n in sizes:
+        progress("kernel", f"{n:,} elements on CPU: zeroshard's reference step, torch AdamW fused and foreach, memcpy")
         param, grad, exp_avg, exp_avg_sq = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
         fused, _ = _torch_adamw(n, "cpu", fused=True)
         foreach, _ = _torch_adamw(n, "cpu", foreach=True)
@@ -65,6 +71,8 @@ def _gpu_rows(sizes: list[int]) -> list[dict]:
 
     rows = []
     for n in sizes:
+        progress("kernel", f"{n:,} elements on {torch.cuda.get_device_name()}: zeroshard's Triton step, torch AdamW fused, "
+                           "the unfused chain, a device copy")
         master, exp_avg, exp_avg_sq = (torch.randn(n, device="cuda") for _ in range(3))
         exp_avg_sq.abs_()
         grad = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -100,16 +108,12 @@ def _rows(n: int, timings: dict[str, Timing], bytes_per_element: int, subject: s
              "p80_us": t.p80 * 1e6, "GB_per_s": bytes_per_element * n / t.median / 1e9, "ratio": ""} for m, t in timings.items()]
     for base in baselines:
         rows.append({"kind": "ratio", "elements": n, "method": subject, "baseline": base, "median_us": "", "p20_us": "", "p80_us": "",
-                     "GB_per_s": gbps, "ratio": ratio(timings[base], timings[subject])})
+                     "GB_per_s": gbps, "ratio": ratio(timings[subject], timings[base])})
     return rows
 
 
-def run(quick: bool, log: Callable[[str], None] = print) -> list[dict]:
-    """Rows per shard size: each method's time and GB/s, then ``ratio`` = baseline time / zeroshard time (> 1: zeroshard faster)."""
+def run(quick: bool) -> list[dict]:
+    """Rows per shard size: each method's time and GB/s, then ``ratio`` = zeroshard time / baseline time (< 1: zeroshard faster)."""
     if torch.cuda.is_available():
-        sizes = [2**20, 2**24] if quick else [2**20, 2**22, 2**24, 2**26, 2**28]
-        log(f"kernel: fused AdamW step on {torch.cuda.get_device_name()}, shards of {sizes} elements")
-        return _gpu_rows(sizes)
-    sizes = [2**20] if quick else [2**20, 2**22, 2**24]
-    log(f"kernel: CPU reference step vs torch CPU AdamW, shards of {sizes} elements")
-    return _cpu_rows(sizes, min_run_time=0.2 if quick else 1.0)
+        return _gpu_rows([2**20, 2**24] if quick else [2**20, 2**22, 2**24, 2**26, 2**28])
+    return _cpu_rows([2**20] if quick else [2**20, 2**22, 2**24], min_run_time=0.2 if quick else 1.0)

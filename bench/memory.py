@@ -11,8 +11,6 @@ gradients unless ``gradient_as_bucket_view=True``) are not in the tensor count.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import psutil
 import torch
 import torch.distributed as dist
@@ -21,9 +19,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import zeroshard
 from bench import gpt
 from bench.formulas import zero_bytes
-from bench.harness import run_ranks
+from bench.harness import Table, progress, run_ranks
 
 METHODS = (("ddp", 0), ("zeroshard_stage1", 1), ("zeroshard_stage2", 2))
+SUMMARY = "per-rank bytes of params, grads, optimizer state vs DDP and the ZeRO formula"
+TABLES = (
+    Table((), "MiB on rank 0 after one training step, counted tensor by tensor; formula_MiB: the ZeRO paper's count; measured/formula: "
+              "measured over it; vs_ddp: measured over DDP's in the same dtype; process_growth_MiB: RSS growth (GPU: allocated bytes), "
+              "activations included"),
+)
 
 
 def _tensor_bytes(tensors) -> int:
@@ -72,14 +76,14 @@ def rank_main(config: gpt.GPTConfig, method: str, stage: int, dtype: torch.dtype
     }
 
 
-def run(quick: bool, log: Callable[[str], None] = print) -> list[dict]:
+def run(quick: bool) -> list[dict]:
     """One row per (method, dtype), rank 0's bytes, with ``vs_ddp`` = measured / DDP's measured."""
     config = gpt.QUICK if quick else (gpt.FULL_GPU if torch.cuda.is_available() else gpt.FULL_CPU)
-    log(f"memory: GPT {config}, 2 ranks, bytes per rank after one step")
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         ddp = None
         for method, stage in METHODS:
+            progress("memory", f"{method}, {str(dtype).replace('torch.', '')}: one training step at 2 ranks")
             row = run_ranks(rank_main, 2, config, method, stage, dtype)[0]
             ddp = ddp or row["measured_MiB"]
             rows.append({**row, "vs_ddp": row["measured_MiB"] / ddp})

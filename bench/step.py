@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
 from bench import gpt
-from bench.harness import Timing, ratio, run_ranks
+from bench.harness import RATIO_LEGEND, Table, Timing, progress, ratio, run_ranks
 
 METHODS = ("ddp", "torch_zero", "fsdp2", "zeroshard_stage1", "zeroshard_stage2")
 RATIOS = (
@@ -36,6 +35,13 @@ RATIOS = (
     ("zeroshard_stage1", "ddp"),
 )
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95)}
+SUMMARY = "training step of the example GPT at 2 ranks vs DDP, torch ZeRO, FSDP2; bytes sent"
+TABLES = (
+    Table(("time", "ratio"), "median_ms, p20_ms, p80_ms: one training step, over all rounds; tokens_per_s: both ranks' tokens / median; "
+                             f"{RATIO_LEGEND}"),
+    Table(("bytes",), "bytes_sent_per_rank_MiB: what one rank writes to the collectives per training step at world size 4 (the busiest "
+                      "rank's median; zeroshard at stage 2); bytes_per_param: that / params; vs_flat: that / zeroshard_flat's"),
+)
 
 
 def _fully_shard():
@@ -102,11 +108,11 @@ def rank_main(config: gpt.GPTConfig, rounds: int, steps: int, warmup: int) -> di
     return samples
 
 
-def run(quick: bool, log: Callable[[str], None] = print) -> list[dict]:
-    """Time every method at world size 2; rows: one per method, then one per ratio."""
+def run(quick: bool) -> list[dict]:
+    """Time every method at world size 2; rows: one per method, one per ratio, then one per layout's bytes."""
     config = gpt.QUICK if quick else (gpt.FULL_GPU if torch.cuda.is_available() else gpt.FULL_CPU)
     rounds, steps, warmup = (3, 5, 2) if quick else (5, 10, 3)
-    log(f"step: GPT {config}, 2 ranks, {rounds} rounds x {steps} steps per method")
+    progress("step", f"timing {len(METHODS)} methods at 2 ranks, {rounds} rounds x {steps} steps each ({config})")
     samples = run_ranks(rank_main, 2, config, rounds, steps, warmup)[0]
     timings = {m: Timing(m, tuple(s)) for m, s in samples.items()}
     tokens = config.batch_size * config.seq_len * 2
@@ -120,7 +126,7 @@ def run(quick: bool, log: Callable[[str], None] = print) -> list[dict]:
          "ratio": ratio(timings[a], timings[b])}
         for a, b in RATIOS
     ]
-    log("step: bytes sent per rank per step at world size 4 (flat vs hybrid sharding)")
+    progress("step", f"counting bytes sent per rank per step at world size 4 ({', '.join(name for name, _ in COMM_LAYOUTS)})")
     return rows + comm_rows(config, steps=3 if quick else 5)
 
 
@@ -163,14 +169,14 @@ def comm_rank_main(config: gpt.GPTConfig, steps: int) -> dict[str, list[int]]:
 
 
 def comm_rows(config: gpt.GPTConfig, steps: int) -> list[dict]:
-    """One row per layout: the largest per-rank median of bytes sent per step, and its ratio to flat sharding."""
+    """One row per layout: the largest per-rank median of bytes sent per step, and that over flat sharding's."""
     if not PROC_IO.exists():
         return []
     per_rank = run_ranks(comm_rank_main, 4, config, steps)
     numel = sum(p.numel() for p in gpt.build(config, torch.device("cpu")).parameters())
     sent = {name: max(statistics.median(rank[name]) for rank in per_rank) for name, _ in COMM_LAYOUTS}
     return [
-        {"kind": "bytes", "method": name, "baseline": "zeroshard_flat", "world_size": 4, "shard_size": shard or "",
-         "bytes_sent_per_rank_MiB": sent[name] / 2**20, "bytes_per_param": sent[name] / numel, "ratio": sent[name] / sent["zeroshard_flat"]}
+        {"kind": "bytes", "method": name, "world_size": 4, "shard_size": shard or "",
+         "bytes_sent_per_rank_MiB": sent[name] / 2**20, "bytes_per_param": sent[name] / numel, "vs_flat": sent[name] / sent["zeroshard_flat"]}
         for name, shard in COMM_LAYOUTS
     ]

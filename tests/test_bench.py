@@ -1,20 +1,26 @@
-"""The benchmark harness pieces that compute, and one end-to-end run of the step suite. No timing is asserted."""
+"""The benchmark harness pieces that compute, the command line, and end-to-end runs of the step,
+kernel and offload suites (their output included). No timing is asserted."""
 
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import bench.__main__ as bench_main  # noqa: E402
 from bench.formulas import zero_bytes  # noqa: E402
-from bench.harness import Timing, format_table, percentile, ratio, write_csv  # noqa: E402
+from bench.harness import RATIO_LEGEND, Table, Timing, format_table, percentile, ratio, write_csv  # noqa: E402
+from bench.offload import without_profiler_noise  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -69,20 +75,89 @@ def test_csv_is_stamped_and_keeps_every_column(tmp_path):
     with pytest.raises(ValueError, match="no rows"):
         write_csv("demo", [], tmp_path)
     assert "1.5" in format_table([{"method": "a", "ms": 1.5}])
+    table = format_table([{"method": "a", "ratio": ""}, {"method": "b", "ms": 2.0, "ratio": ""}])
+    assert table.splitlines()[0].split() == ["method", "ms"]  # a column empty in every row is left out
 
 
-def _run_suite(name: str, out) -> list[dict]:
-    """Run ``python -m bench <name> --quick`` into ``out``; the rows of the CSV it wrote."""
+def test_help_lists_the_suites_and_what_each_measures(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "{step,memory,kernel,offload}" in out
+    assert "{," not in out and "[]" not in out  # no empty choice
+    for name, suite in bench_main.SUITES.items():
+        assert f"  {name}  " in out and suite.SUMMARY in out
+
+
+def test_an_unknown_suite_is_refused_before_any_runs(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main.main(["kernel", "stpe"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "invalid choice: 'stpe' (choose from 'step', 'memory', 'kernel', 'offload')" in captured.err
+    assert captured.out == ""
+
+
+def test_no_suite_runs_every_suite_and_prints_each_table_under_its_legend(monkeypatch, tmp_path, capsys):
+    def fake(name: str) -> types.SimpleNamespace:
+        rows = [{"kind": "time", "method": name, "median_ms": 1.0}, {"kind": "ratio", "method": name, "ratio": 0.5}]
+        tables = (Table(("time",), f"{name} times legend"), Table(("ratio",), f"{name} ratios legend"))
+        return types.SimpleNamespace(SUMMARY=name, TABLES=tables, run=lambda quick: rows)
+
+    monkeypatch.setattr(bench_main, "SUITES", {name: fake(name) for name in ("one", "two")})
+    bench_main.main(["--quick", "--out", str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()
+    for name in ("one", "two"):
+        times, ratios = lines.index(f"{name} times legend"), lines.index(f"{name} ratios legend")
+        assert lines[times - 3].split() == ["kind", "method", "median_ms"] and name in lines[times - 1]
+        assert lines[ratios - 3].split() == ["kind", "method", "ratio"] and name in lines[ratios - 1]
+        assert len(list(tmp_path.glob(f"{name}-*.csv"))) == 1
+
+
+def test_every_table_has_a_one_line_legend():
+    for suite in bench_main.SUITES.values():
+        assert suite.SUMMARY and "\n" not in suite.SUMMARY
+        for table in suite.TABLES:
+            assert table.legend and "\n" not in table.legend
+
+
+def test_profiler_notices_are_dropped_and_the_rest_of_stderr_kept(capfd):
+    with without_profiler_noise(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        torch.ones(3).add_(1)
+        os.write(2, b"USDT:2026-11-22 07:21:23 2785:2785 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning that stays\n")
+        os.write(2, b"STAGE:2026-11-22 07:22:02 3053:3053 SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\n")
+    assert capfd.readouterr().err == "a warning that stays\n"
+
+
+def _run_suite(name: str, out, phases: int) -> list[dict]:
+    """Run ``python -m bench <name> --quick`` into ``out``; the rows of the CSV it wrote.
+
+    Also checks what it printed: ``phases`` progress lines before the first table, each table's
+    legend under its last row (the shared ratio legend where it has a ``ratio`` column), and none
+    of the profiler's own notices."""
     result = subprocess.run([sys.executable, "-m", "bench", name, "--quick", "--out", str(out)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     (path,) = out.glob(f"{name}-*.csv")
     with open(path) as f:
-        return list(csv.DictReader(f))
+        rows = list(csv.DictReader(f))
+    lines = result.stdout.splitlines()
+    progress = [i for i, line in enumerate(lines) if line.startswith(f"{name}: ") and line.endswith(" ...")]
+    assert len(progress) == phases and progress == list(range(phases)), result.stdout
+    for table in bench_main.SUITES[name].TABLES:
+        legend = lines.index(table.legend)
+        header = lines[legend - len(table.select(rows)) - 2]
+        assert set(lines[legend - len(table.select(rows)) - 1]) == {"-", " "}, result.stdout
+        assert ("ratio" in header.split()) == (RATIO_LEGEND in table.legend), header
+    noise = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith(("USDT:", "STAGE:"))]
+    assert not noise, noise
+    return rows
 
 
 def test_step_suite_runs_end_to_end(tmp_path):
-    rows = _run_suite("step", tmp_path)
+    rows = _run_suite("step", tmp_path, phases=2)
     times = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "time"}
     assert set(times) == {"ddp", "torch_zero", "fsdp2", "zeroshard_stage1", "zeroshard_stage2"}
     assert all(t > 0 for t in times.values())
@@ -95,23 +170,25 @@ def test_step_suite_runs_end_to_end(tmp_path):
     # Counted bytes are at least what the collectives must move (ring algorithms, 4 ranks, fp32):
     # DDP's all-reduce 2*(3/4)*4 bytes per param; flat sharding's all-gather alone (3/4)*4.
     assert sent["ddp"] >= 6.0 and sent["zeroshard_flat"] >= 3.0 and sent["zeroshard_hybrid"] > 0
+    for r in (r for r in rows if r["kind"] == "bytes"):
+        assert float(r["vs_flat"]) == pytest.approx(sent[r["method"]] / sent["zeroshard_flat"], rel=1e-6)
 
 
 def test_kernel_suite_runs_end_to_end(tmp_path):
-    rows = _run_suite("kernel", tmp_path)
+    rows = _run_suite("kernel", tmp_path, phases=1)
     times = {r["method"]: float(r["median_us"]) for r in rows if r["kind"] == "time"}
     assert all(t > 0 for t in times.values()) and len(times) == 4
-    for r in (r for r in rows if r["kind"] == "ratio"):  # baseline time over zeroshard's, same run
-        assert float(r["ratio"]) == pytest.approx(times[r["baseline"]] / times[r["method"]], rel=1e-6)
+    for r in (r for r in rows if r["kind"] == "ratio"):  # zeroshard's time over the baseline's, same run
+        assert float(r["ratio"]) == pytest.approx(times[r["method"]] / times[r["baseline"]], rel=1e-6)
 
 
 def test_offload_suite_runs_end_to_end(tmp_path):
-    rows = _run_suite("offload", tmp_path)
+    rows = _run_suite("offload", tmp_path, phases=2)
     times = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "time"}
     assert set(times) == {"zeroshard_offload", "zeroshard_offload_cpu_adam", "zeroshard_on_device", "torch_adamw_fused", "torch_adamw_fused_profiled"}
     assert times["zeroshard_offload_cpu_adam"] > 0  # the CPU-update ranges were found in the profile
-    for r in (r for r in rows if r["kind"] == "ratio"):
-        assert float(r["ratio"]) == pytest.approx(times[r["baseline"]] / times[r["method"]], rel=1e-6)
+    for r in (r for r in rows if r["kind"] == "ratio"):  # zeroshard's time over the baseline's, as in every table
+        assert float(r["ratio"]) == pytest.approx(times[r["method"]] / times[r["baseline"]], rel=1e-6)
     train = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "train_time"}
     assert set(train) == {"on_device", "offload", "offload_half", "offload_half_cpu_adam"}
     ratios = {r["method"]: float(r["ratio"]) for r in rows if r["kind"] == "train_ratio"}
