@@ -142,3 +142,67 @@ def two_live_worker() -> None:
 
 def test_second_live_optimizer_takes_the_params_over_and_the_first_raises(pools):
     pools[2].run(two_live_worker)
+
+
+# -- 4, 8. gradients zeroed on the model ------------------------------------------------------
+
+
+def dropped_batch_worker(stage: int, set_to_none: bool) -> None:
+    ref, ref_opt, model, opt = _pair(stage)
+    for step in range(6):
+        for net in (ref, model):
+            if step == 2:  # a bad batch: backward, then dropped by zeroing the model's gradients
+                loss_fn(net, *batch(dist.get_rank(), 100)).backward()
+                net.zero_grad(set_to_none=set_to_none)
+            loss_fn(net, *batch(dist.get_rank(), step)).backward()
+        ref_opt.step()
+        opt.step()
+        for net in (ref, model):
+            net.zero_grad(set_to_none=set_to_none)
+        assert _same(ref.module, model), f"step {step}: params differ from DDP after dropping a batch (set_to_none={set_to_none})"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_batch_dropped_by_model_zero_grad_is_dropped(pools, stage, set_to_none):
+    pools[2].run(dropped_batch_worker, stage, set_to_none)
+
+
+def unused_zeroed_worker(stage: int) -> None:
+    # With zero_grad(set_to_none=False) a param keeps a zero gradient, and torch.optim steps it
+    # (weight decay, moments) in steps where no rank used it.
+    ref, ref_opt, model, opt = _pair(stage)
+    for step in range(6):
+        use_branch = not 2 <= step <= 4
+        for net, o in ((ref, ref_opt), (model, opt)):
+            loss_fn(net, *batch(dist.get_rank(), step), use_branch=use_branch).backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+        assert _same(ref.module, model), f"step {step}: params differ from DDP with zero_grad(set_to_none=False)"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zeroed_unused_params_are_stepped_like_torch(pools, stage):
+    pools[2].run(unused_zeroed_worker, stage)
+
+
+# -- 9. torch.nn.utils.clip_grad_norm_ on the model's params -----------------------------------
+
+
+def torch_clip_worker(stage: int) -> str:
+    _, _, model, opt = _pair(stage)
+    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError) as error:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        opt.step()  # stage 1: torch clipped by this rank's unreduced norm; the step refuses it
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "a refused clip changed the params"
+    return str(error.value)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_torch_clip_grad_norm_on_model_params_raises_with_the_supported_path(pools, stage):
+    for message in pools[2].run(torch_clip_worker, stage):
+        assert "max_grad_norm=" in message and "opt.clip_grad_norm_" in message, message
+        if stage == 2:
+            assert message.startswith("param_groups[") and "reduce-scattered into the optimizer's grad shard" in message, message

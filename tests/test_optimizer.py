@@ -211,8 +211,8 @@ def test_device_mesh_and_sgd(pools):
     assert pools[2].run(mesh_and_sgd_worker) == [True, True]
 
 
-def overlap_worker(stage: int, overlap_comm: bool) -> tuple[list[str], list[bool]]:
-    """Order of bucket reduce-scatters against the last gradient hook of backward; .grad after backward."""
+def overlap_worker(stage: int, overlap_comm: bool) -> tuple[list[str], list[int | None]]:
+    """Order of bucket reduce-scatters against the last gradient hook of backward; bytes of each .grad after backward."""
     from zeroshard import grad_reducer
 
     model = TinyNet()
@@ -232,22 +232,26 @@ def overlap_worker(stage: int, overlap_comm: bool) -> tuple[list[str], list[bool
         loss_fn(model, x, y).backward()
     finally:
         grad_reducer.collectives.reduce_scatter = original
-    grads_present = [p.grad is not None for p in model.parameters() if p.requires_grad]
+    with torch._C.DisableTorchFunctionSubclass():  # a ReducedGrad refuses to show its storage
+        grad_bytes = [p.grad.untyped_storage().nbytes() if p.grad is not None else None for p in model.parameters() if p.requires_grad]
     opt.step()
-    return events, grads_present
+    return events, grad_bytes
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("overlap_comm", [True, False])
 def test_buckets_reduced_during_backward_and_stage2_frees_grads(pools, stage, overlap_comm):
-    events, grads_present = pools[2].run(overlap_worker, stage, overlap_comm)[0]
+    events, grad_bytes = pools[2].run(overlap_worker, stage, overlap_comm)[0]
     last = events.index("last hook")
     assert events.count("reduce_scatter") >= 3, events
     if overlap_comm:  # buckets complete before the last gradient must already be on the wire
         assert events[0] == "reduce_scatter", events
     else:
         assert events[: last + 1] == ["last hook"], events
-    assert all(grads_present) if stage == 1 else not any(grads_present)
+    if stage == 1:  # full gradients: views of the flat grad buffer
+        assert all(n is not None and n > 4 for n in grad_bytes), grad_bytes
+    else:  # freed: each .grad is a ReducedGrad with one element of storage
+        assert grad_bytes == [4] * len(grad_bytes), grad_bytes
 
 
 def staging_bound_worker() -> tuple[int, int, int]:

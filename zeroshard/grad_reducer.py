@@ -29,6 +29,8 @@ from torch.autograd import Variable
 from zeroshard import collectives
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
+from zeroshard.partition import ShardPiece
+from zeroshard.reduced_grad import ReducedGrad, reduced_grad
 
 
 # Stage 2 keeps at most this many bucket reductions in flight (double buffering, as DeepSpeed's
@@ -137,6 +139,12 @@ class GradReducer:
         self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
         self._reductions = 0  # backward passes reduced since reset
         self._index_of: dict[int, tuple[int, int]] = {}  # id(param) -> (shard, param index)
+        self._pieces_of: list[list[list[ShardPiece]]] = []  # per shard, per param: this rank's pieces of it
+        # Stage 2: per (shard, param), the ReducedGrad left in .grad and its version then (absent: none left).
+        self._reduced_grads: dict[tuple[int, int], ReducedGrad] = {}
+        self._reduced_grad_versions: dict[tuple[int, int], int] = {}
+        self._flat_grad_versions: list[int] = []  # stage 1: each flat grad's version after zeroshard last wrote it
+        self._backward_started = False  # a gradient of the current backward pass has arrived
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         # The hooks hold this reducer weakly, so they go with it (or with close()).
         self._remove_hooks = weakref.finalize(self, _remove_hooks, self._hooks)
@@ -162,6 +170,10 @@ class GradReducer:
         layout = shard.buffer.layout
         flat_grad = torch.zeros_like(shard.buffer.data) if self.stage == 1 else None
         self._flat_grads.append(flat_grad)
+        self._flat_grad_versions.append(flat_grad._version if flat_grad is not None else 0)
+        self._pieces_of.append([[] for _ in layout.slots])
+        for piece in shard.pieces:
+            self._pieces_of[k][piece.param].append(piece)
         for bucket in layout.buckets:
             self._position[(k, bucket.index)] = len(self._order)
             self._order.append((k, bucket.index))
@@ -170,6 +182,7 @@ class GradReducer:
         self._used.append([False] * len(layout.slots))
         for i, param in enumerate(shard.buffer.params):
             self._index_of[id(param)] = (k, i)
+            self._hooks.append(param.register_hook(self._make_pre_hook(k, i, param)))
             self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(k, i)))
             _OWNERS[id(param)] = (weakref.ref(param), weakref.ref(self))
 
@@ -182,6 +195,16 @@ class GradReducer:
                 live._on_grad_ready(k, i, param)
 
         return hook
+
+    def _make_pre_hook(self, k: int, i: int, param: nn.Parameter):
+        reducer, param_ref = weakref.ref(self), weakref.ref(param)
+
+        def pre_hook(grad: Tensor) -> None:  # runs before autograd accumulates ``grad`` into ``param.grad``
+            live, held = reducer(), param_ref()
+            if live is not None and held is not None:
+                live._before_accumulate(k, i, held)
+
+        return pre_hook
 
     def _reduce_dtype(self, k: int) -> torch.dtype:
         return self.reduce_dtype or self.shards[k].buffer.dtype
@@ -196,6 +219,86 @@ class GradReducer:
             yield
         finally:
             self._no_sync = previous
+
+    # -- what user code did to the gradients ------------------------------------------------
+
+    def _before_accumulate(self, k: int, i: int, param: nn.Parameter) -> None:
+        """Read what was done to the gradients since zeroshard last wrote them; clear a ReducedGrad."""
+        if not self._backward_started:
+            self._backward_started = True
+            self._check_flat_grads()
+        if self.stage == 2:
+            self._settle(k, i, param)
+            if isinstance(param.grad, ReducedGrad):
+                param.grad = None  # autograd then stores the new gradient instead of adding to it
+                del self._reduced_grad_versions[(k, i)]
+
+    def _settle(self, k: int, i: int, param: nn.Parameter) -> None:
+        """Stage 2: follow a ``model.zero_grad()`` done to param ``i`` of shard ``k`` since its gradient was reduced.
+
+        ``.grad`` set to ``None`` drops the gradient (this rank's pieces of it in the grad shard are
+        zeroed, and the param counts as unused, as in ``torch.optim``); zeroed in place
+        (``set_to_none=False``) leaves a zero gradient, which ``torch.optim`` still steps.
+        """
+        version = self._reduced_grad_versions.get((k, i))
+        if version is None:
+            return
+        grad, left = param.grad, self._reduced_grads[(k, i)]
+        if grad is left and grad._version == version:
+            return
+        self._drop_pieces(k, i)
+        if grad is left:
+            self._used[k][i] = True
+            self._reduced_grad_versions[(k, i)] = grad._version
+        else:
+            self._used[k][i] = False
+            del self._reduced_grad_versions[(k, i)]
+
+    def _drop_pieces(self, k: int, i: int) -> None:
+        """Zero this rank's pieces of param ``i`` of shard ``k`` in the grad shard (if it holds any)."""
+        if self._used[k][i]:
+            grad_shard = self.shards[k].grad_shard
+            for piece in self._pieces_of[k][i]:
+                grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
+
+    @torch.no_grad()
+    def _check_flat_grads(self) -> None:
+        """Stage 1: follow in-place writes to the params' ``.grad`` since zeroshard last wrote the flat grad buffers.
+
+        Zeroed (``zero_grad(set_to_none=False)``): every param with a ``.grad`` has a zero gradient,
+        which ``torch.optim`` steps, and what was already reduced is dropped. Any other write after
+        the gradients were reduced (``torch.nn.utils.clip_grad_norm_`` clips by this rank's
+        unreduced norm) cannot be honoured: it raises.
+
+        Raises:
+            RuntimeError: gradients written in place after they were reduced, not to zero.
+        """
+        for k, flat_grad in enumerate(self._flat_grads):
+            if flat_grad is None or flat_grad._version == self._flat_grad_versions[k]:
+                continue
+            if flat_grad.any():
+                if self._reductions and not self._unreduced:
+                    raise RuntimeError(
+                        "the params' .grad were modified in place after zeroshard reduced them (torch.nn.utils.clip_grad_norm_ or a "
+                        "framework's clipping?): under ZeRO stage 1 .grad holds this rank's own, unreduced gradient, so the change "
+                        "cannot be honoured. Clip with ShardedOptimizer(..., max_grad_norm=...) or opt.clip_grad_norm_(...)"
+                    )
+            else:
+                self.shards[k].grad_shard.zero_()
+                for i, param in enumerate(self.shards[k].buffer.params):
+                    self._used[k][i] = param.grad is not None
+            self._flat_grad_versions[k] = flat_grad._version
+
+    def _settle_all(self) -> None:
+        """Before a step: follow what was done to every param's gradient (see :meth:`_settle`)."""
+        self._check_flat_grads()
+        for k, shard in enumerate(self.shards):
+            for i, param in enumerate(shard.buffer.params):
+                if self.stage == 2:
+                    self._settle(k, i, param)
+                elif param.grad is None and self._used[k][i] and not self._ready[k][i]:
+                    self._drop_pieces(k, i)  # set to None after its gradient was reduced
+                    self._used[k][i] = False
 
     # -- backward ---------------------------------------------------------------------------
 
@@ -234,15 +337,23 @@ class GradReducer:
         slot = self.shards[k].buffer.layout.slots[i]
         if self._position[(k, slot.bucket)] < self._next_launch:
             raise RuntimeError(f"param {tuple(param.shape)} got a second gradient after its bucket was reduced in this backward pass (reentrant backward, e.g. checkpoint(use_reentrant=True), is not supported)")
-        if self.stage == 2 and param.grad is not None:
+        if self.stage == 2 and param.grad is not None and not isinstance(param.grad, ReducedGrad):
             staging = self._staging_for(k, slot.bucket)
             bucket = self.shards[k].buffer.layout.buckets[slot.bucket]
             start = slot.offset - bucket.offset
             staging[start : start + slot.numel].add_(param.grad.reshape(-1))
-            param.grad = None
+            param.grad = self._reduced_grad(k, i, param)
         if not self._ready[k][i]:
             self._ready[k][i] = True
             self._ready_count[k][slot.bucket] += 1
+
+    def _reduced_grad(self, k: int, i: int, param: nn.Parameter) -> ReducedGrad:
+        """Stage 2: the ReducedGrad of param ``i`` of shard ``k`` (made once), its version noted as left."""
+        left = self._reduced_grads.get((k, i))
+        if left is None or left.device != param.device:
+            left = self._reduced_grads[(k, i)] = reduced_grad(param, self.shards[k].buffer.names[i])
+        self._reduced_grad_versions[(k, i)] = left._version
+        return left
 
     def _staging_for(self, k: int, b: int) -> Tensor:
         """Stage 2: the zeroed staging buffer of bucket ``b`` of shard ``k``, reused from the pool if one is free."""
@@ -307,7 +418,10 @@ class GradReducer:
             for i, param in enumerate(shard.buffer.params):
                 if self._ready[k][i]:
                     continue
-                if param.grad is not None and not (self.stage == 1 and self._is_flat_grad_view(k, i, param)):
+                if self.stage == 2:
+                    self._settle(k, i, param)
+                fresh = param.grad is not None and not isinstance(param.grad, ReducedGrad)
+                if fresh and not (self.stage == 1 and self._is_flat_grad_view(k, i, param)):
                     self._used[k][i] = True
                 if self.stage == 1:
                     self._keep_in_flat_grad(k, i, param)
@@ -319,11 +433,16 @@ class GradReducer:
         self._clear_backward_state()
         self._reductions += 1
         self._unreduced = False
+        self._note_flat_grad_versions()
+
+    def _note_flat_grad_versions(self) -> None:
+        self._flat_grad_versions = [t._version if t is not None else 0 for t in self._flat_grads]
 
     def _clear_backward_state(self) -> None:
         """Forget which params were taken in the current backward pass."""
         self._next_launch = 0
         self._callback_queued = False
+        self._backward_started = False
         for k in range(len(self.shards)):
             self._ready[k] = [False] * len(self._ready[k])
             self._ready_count[k] = [0] * len(self._ready_count[k])
@@ -344,6 +463,7 @@ class GradReducer:
         Both conditions are the same on every rank as long as the ranks run the same training
         loop, so every rank issues the same collectives here.
         """
+        self._settle_all()
         if self._unreduced or self._reductions == 0:
             self._reduce_everything()
 
@@ -371,6 +491,7 @@ class GradReducer:
         self._staging_pool.clear()  # stage 2 holds no gradient buffers between steps
         self._reductions = 0
         self._unreduced = False
+        self._note_flat_grad_versions()
 
     def grad_buffers(self) -> list[Tensor]:
         """The gradient buffers this reducer owns right now: stage 1 flat grads, stage 2 staging buckets (pooled too)."""

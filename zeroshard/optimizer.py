@@ -409,21 +409,25 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             logger.info("zeroshard: %d steps skipped so far for inf/NaN gradients; loss scale now %s", self._skipped_steps, self.loss_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset gradients, as ``torch.optim.Optimizer.zero_grad``, and zeroshard's gradient buffers.
+        """Reset gradients as ``torch.optim.Optimizer.zero_grad`` does, and drop what zeroshard holds of them.
 
-        With stage 1 a trainable param's ``.grad`` stays a view of the flat grad buffer, which is
-        zeroed, whatever ``set_to_none`` says; that keeps gradient storage contiguous.
+        ``set_to_none=False`` leaves zero gradients, and the next step updates every param that has
+        one (weight decay, moments), as ``torch.optim`` does; ``model.zero_grad()`` is followed the
+        same way (see ``zeroshard/reduced_grad.py``).
         """
+        self._reducer.reset()
         for record in self._groups:
             for p in record.params:
-                if p.grad is None or self._reducer.owns_grad(p):
+                if p.grad is None:
                     continue
                 if set_to_none:
                     p.grad = None
                 else:
-                    p.grad.detach_()
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
                     p.grad.zero_()
-        self._reducer.reset()
         self._stats = self._clip_norm = None
 
     def close(self) -> None:

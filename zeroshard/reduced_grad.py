@@ -1,0 +1,70 @@
+"""What a param's ``.grad`` holds once ZeRO stage 2 has reduce-scattered it: a ``ReducedGrad``.
+
+See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py`` for the grad shard.
+
+Stage 2 moves each gradient into the optimizer's grad shard during backward, so the full gradient
+no longer exists on any rank. Leaving ``.grad`` as ``None`` would make that invisible: a
+``model.zero_grad()`` that drops a bad batch, or ``zero_grad(set_to_none=False)`` that keeps a zero
+gradient (which ``torch.optim`` still steps), could not be told from doing nothing, and
+``torch.nn.utils.clip_grad_norm_`` would clip by a norm of 0. So ``.grad`` becomes a
+``ReducedGrad``: a zero-memory tensor of the param's shape (one element, expanded) that
+
+* ``model.zero_grad()`` can set to ``None`` and ``zero_grad(set_to_none=False)`` can zero (its
+  version counter then moves), both of which the reducer reads (``GradReducer._settle``);
+* raises a ``RuntimeError`` that names the param and the supported path on any other use, such
+  as torch's or a framework's gradient clipping, or reading the values;
+* the reducer removes before autograd accumulates the next gradient into the param.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# Torch functions a ReducedGrad allows: attribute reads, the calls nn.Module.zero_grad makes, and
+# what printing and nn.Module._apply (model.to(...) to where the param already is) need.
+_ALLOWED = frozenset({
+    "__get__", "__set__", "__repr__", "__format__", "size", "dim", "numel", "nelement", "stride", "element_size",
+    "is_contiguous", "is_floating_point", "is_complex", "requires_grad_", "detach_", "zero_", "_is_view",
+    "_has_compatible_shallow_copy_type",
+})
+# Conversions nn.Module._apply applies to every .grad (model.to(), .cpu(), .double(), ...). They return the
+# ReducedGrad itself: the gradient stays in the grad shard, and whether the params' move can be followed
+# is decided for the params (FlatParamBuffer.follow).
+_CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type"})
+
+
+class ReducedGrad(torch.Tensor):
+    """A param's ``.grad`` under ZeRO stage 2 after the gradient moved into the grad shard.
+
+    Shape and dtype of the param, one element of storage (stride 0 everywhere). Created by
+    :func:`reduced_grad`; see the module docstring for what it allows.
+    """
+
+    param_name: str  # how errors name the param: "param_groups[g]['params'][j]"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name in _ALLOWED:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        self = next((a for a in args if isinstance(a, ReducedGrad)), None)
+        if self is not None and name in _CONVERSIONS:
+            return self
+        label = self.param_name if self is not None else "a param"
+        raise RuntimeError(
+            f"{label}'s gradient was reduce-scattered into the optimizer's grad shard (ZeRO stage 2), so no rank holds it as a "
+            f"tensor (torch.{name} was called on it). Clip with ShardedOptimizer(..., max_grad_norm=...) or opt.clip_grad_norm_(...) "
+            "and read opt.grad_norm; drop a batch with model.zero_grad() or opt.zero_grad(); use stage=1 to keep full gradients"
+        )
+
+
+def reduced_grad(param: nn.Parameter, name: str) -> ReducedGrad:
+    """A new ``ReducedGrad`` for ``param`` (its shape, dtype and device; one element of storage)."""
+    grad = torch.Tensor._make_subclass(ReducedGrad, torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape))
+    grad.param_name = name
+    return grad
