@@ -16,7 +16,12 @@ Two formats, both world-size independent (bucket boundaries depend on the params
   each param in the wrapped optimizer's ``param_groups`` (as ``torch.optim.Optimizer.state_dict``
   numbers them), param-shaped state, plus a ``"zeroshard"`` entry (format, param shapes and
   dtypes, fp32 masters, loss scaler) that plain torch ignores. Loads into an unsharded ``torch.optim`` optimizer
-  and back, at any world size.
+  and back, at any world size. Each state tensor keeps its param group's dtype (fp32, or fp64 for
+  fp64 params).
+
+Both formats carry the param groups' hyperparameters, which win on load (as in ``torch.optim``):
+the state a checkpoint must hold is derived from them, not from the live optimizer's
+(:func:`state_keys`).
 
 Per-param steps are kept replicated on every rank (``ShardedOptimizer._param_steps``): a param is
 stepped exactly when it got a gradient on some rank, which every rank knows after ``step()``.
@@ -44,7 +49,10 @@ except ImportError:  # torch 2.4
 
 SHARDED_FORMAT = "zeroshard.sharded"
 FULL_FORMAT = "zeroshard.full"
-FORMAT_VERSION = 1
+# 2: the layout signature names each param (``param_groups[g]['params'][j]``) with its shape, and
+# ``state_keys`` is per param group. Version 1 recorded param indices only.
+SHARDED_FORMAT_VERSION = 2
+FULL_FORMAT_VERSION = 1
 
 
 @dataclass
@@ -57,6 +65,7 @@ class CheckpointView:
         group_params: per param group, the user's params in order (frozen ones included).
         param_index: per shard, per layout position: the param's index in ``torch.optim`` numbering.
         param_steps: per param (``torch.optim`` numbering): how many updates it has had; replicated.
+        group_of_shard: per shard, the index of its param group.
         mesh: the device mesh the DTensors live on (1-D shard, or 2-D replicate x shard).
         shard_group: the process group that shares one copy of the state.
         loss_scaler: the dynamic loss scaler, whose state travels in both formats, or ``None``.
@@ -67,6 +76,7 @@ class CheckpointView:
     group_params: list[list[nn.Parameter]]
     param_index: list[list[int]]
     param_steps: list[int]
+    group_of_shard: list[int]
     mesh: DeviceMesh
     shard_group: dist.ProcessGroup
     loss_scaler: DynamicLossScaler | None = None
@@ -83,33 +93,43 @@ class CheckpointView:
 # -- what the wrapped optimizer keeps ----------------------------------------------------------
 
 
-def state_keys(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> tuple[list[str], bool]:
-    """The per-element state keys of ``optimizer`` (e.g. ``exp_avg``) and whether it keeps ``step``.
+def state_keys(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], dtype: torch.dtype,
+               device: torch.device) -> tuple[list[str], bool]:
+    """The per-element state keys (e.g. ``exp_avg``) that ``optimizer``'s class keeps for a param
+    group with ``hyperparameters``, and whether it keeps ``step``.
 
-    Read from its state when it has some; otherwise from one step of a throwaway instance of the
-    same class and defaults on a 2-element param (the optimizer itself is never touched).
+    Read from one step of a throwaway instance of the same class, built with those
+    hyperparameters (``"params"`` and keys its constructor does not take are left out) on a
+    2-element param of ``dtype`` on ``device``; the optimizer itself is never touched. The keys
+    follow the hyperparameters (``SGD`` keeps ``momentum_buffer`` only with ``momentum != 0``), so
+    a checkpoint's state is checked against its own hyperparameters, which win on load.
 
     Raises:
-        ValueError: the optimizer keeps scalar state other than ``step`` (e.g. NAdam's
-            ``mu_product``), which zeroshard checkpoints do not carry.
+        ValueError: the class cannot be built or stepped with these hyperparameters, or it keeps
+            scalar state other than ``step`` (e.g. NAdam's ``mu_product``), which zeroshard
+            checkpoints do not carry.
     """
-    sample = next((s for s in optimizer.state.values() if s), None)
-    numel = None
-    if sample is None:
-        probe = nn.Parameter(torch.zeros(2, dtype=dtype))
-        probe.grad = torch.zeros_like(probe)
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        throwaway = type(optimizer)([probe], **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    name = type(optimizer).__name__
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    probe = nn.Parameter(torch.zeros(2, dtype=dtype, device=device))
+    probe.grad = torch.zeros_like(probe)
+    try:
+        throwaway = type(optimizer)([probe], **{k: v for k, v in hyperparameters.items() if k in accepted and k != "params"})
         throwaway.step()
-        sample, numel = throwaway.state[probe], 2
-    else:
-        vparam = next(p for p, s in optimizer.state.items() if s)
-        numel = vparam.numel()
-    per_element = sorted(k for k, v in sample.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{name} cannot be built with the hyperparameters {hyperparameters}: {error}") from error
+    sample = throwaway.state[probe]
+    per_element = sorted(k for k, v in sample.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == 2)
     scalars = sorted(k for k in sample if k not in per_element and k != "step")
     if scalars:
-        raise ValueError(f"{type(optimizer).__name__} keeps scalar state {scalars}; zeroshard checkpoints carry per-element state and 'step' only")
+        raise ValueError(f"{name} keeps scalar state {scalars}; zeroshard checkpoints carry per-element state and 'step' only")
     return per_element, "step" in sample
+
+
+def _group_state_keys(view: CheckpointView, groups: Sequence[dict[str, Any]]) -> list[tuple[list[str], bool]]:
+    """:func:`state_keys` for each of ``groups`` (the live param groups, or a checkpoint's)."""
+    device = view.shards[0].buffer.device
+    return [state_keys(view.optimizer, group, view.shards[0].master_dtype, device) for group in groups]
 
 
 def _groups_without_params(optimizer: torch.optim.Optimizer, group_params: list[list[nn.Parameter]]) -> list[dict[str, Any]]:
@@ -122,11 +142,41 @@ def _groups_without_params(optimizer: torch.optim.Optimizer, group_params: list[
 
 
 def layout_signature(view: CheckpointView) -> list[tuple[Any, ...]]:
-    """Per flat buffer, independent of world size: (dtype, params in layout order, params per bucket)."""
+    """Per flat buffer, independent of world size: (dtype, (name, shape) of each param in layout
+    order, params per bucket); a param is named ``param_groups[g]['params'][j]``."""
+    names = _param_names(view)
+    flat_params = [p for params in view.group_params for p in params]
     return [
-        (str(s.buffer.dtype), tuple(view.param_index[k]), tuple(len(b.params) for b in s.buffer.layout.buckets))
+        (
+            str(s.buffer.dtype),
+            tuple((names[i], tuple(flat_params[i].shape)) for i in view.param_index[k]),
+            tuple(len(b.params) for b in s.buffer.layout.buckets),
+        )
         for k, s in enumerate(view.shards)
     ]
+
+
+def _as_tuples(value: Any) -> Any:
+    """``value`` with every list turned into a tuple, recursively (a signature as saved, made comparable)."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _layout_mismatch(theirs: list[tuple[Any, ...]], ours: list[tuple[Any, ...]]) -> str:
+    """Why two unequal layout signatures differ, naming params with both shapes where shapes differ."""
+    saved = {name: shape for _, params, _ in theirs for name, shape in params}
+    here = {name: shape for _, params, _ in ours for name, shape in params}
+    reshaped = [f"{name} was saved with shape {saved[name]}, this model has {shape}" for name, shape in here.items() if name in saved and saved[name] != shape]
+    if reshaped:
+        return "; ".join(reshaped)
+    if saved.keys() != here.keys():
+        return (
+            f"state_dict has optimizer state for {sorted(saved.keys() - here.keys())} that this optimizer does not train, and none for "
+            f"{sorted(here.keys() - saved.keys())}: saved for another model, param groups or frozen params"
+        )
+    for k, (a, b) in enumerate(zip(theirs, ours)):
+        if a != b:
+            return f"state_dict flat buffer {k} has (dtype, params, params per bucket) {a}, this optimizer {b}: saved for another model, param groups or bucket_size_mb"
+    return f"state_dict has {len(theirs)} flat buffers, this optimizer {len(ours)}: saved for another model"
 
 
 def _saves_master(shard: LocalShard) -> bool:
@@ -168,15 +218,15 @@ def _dtensor(view: CheckpointView, local: Tensor, numel: int) -> DTensor:
 
 def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
     """This rank's shard as DTensors (see the module docstring). Copies; runs no collective."""
-    dtype = view.shards[0].grad_shard.dtype
-    keys, _ = state_keys(view.optimizer, dtype)
+    group_keys = _group_state_keys(view, view.optimizer.param_groups)
     buckets: dict[str, dict[str, DTensor]] = {}
     for k, shard in enumerate(view.shards):
+        keys, _ = group_keys[view.group_of_shard[k]]
         for bucket in shard.buffer.layout.buckets:
             lo, hi = _local_range(view, k, bucket.index)
             entry = {}
             for key in keys:
-                local = torch.zeros(hi - lo, dtype=shard.grad_shard.dtype, device=shard.buffer.device)
+                local = torch.zeros(hi - lo, dtype=shard.master_dtype, device=shard.buffer.device)
                 for piece, vparam, offset in _bucket_pieces(view, k, bucket.index):
                     value = view.optimizer.state.get(vparam, {}).get(key)
                     if value is not None:
@@ -188,7 +238,8 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
             buckets[f"{k}.{bucket.index}"] = entry
     return {
         "zeroshard": {
-            "format": SHARDED_FORMAT, "version": FORMAT_VERSION, "layout": layout_signature(view), "state_keys": keys,
+            "format": SHARDED_FORMAT, "version": SHARDED_FORMAT_VERSION, "layout": layout_signature(view),
+            "state_keys": [keys for keys, _ in group_keys],
             "rank": view.rank, "world_size": view.world_size,
             "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
         },
@@ -198,10 +249,20 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
     }
 
 
-def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], keys: list[str], filled_in_place: bool) -> None:
+def _check_version(meta: dict[str, Any]) -> None:
+    version = meta.get("version")
+    if version == 1:
+        raise ValueError(
+            "state_dict is a sharded zeroshard checkpoint of format version 1, whose layout signature does not record param shapes, "
+            f"so it cannot be checked against this model; this version reads version {SHARDED_FORMAT_VERSION}. Load it with the "
+            "zeroshard version that saved it, call consolidate_state_dict(to=0) and save the full format, which loads here at any world size"
+        )
+    if version != SHARDED_FORMAT_VERSION:
+        raise ValueError(f"state_dict has zeroshard sharded format version {version!r}; this version reads {SHARDED_FORMAT_VERSION}")
+
+
+def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys: list[tuple[list[str], bool]], filled_in_place: bool) -> None:
     meta = state_dict["zeroshard"]
-    if meta.get("version") != FORMAT_VERSION:
-        raise ValueError(f"state_dict has zeroshard format version {meta.get('version')!r}; this version reads {FORMAT_VERSION}")
     # DCP fills the DTensors this rank handed out and overwrites plain entries such as the
     # saver's rank with one rank's copy, so the saver's coordinates only mean something when the
     # DTensors came from elsewhere (torch.load of a file saved by one rank).
@@ -210,20 +271,29 @@ def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], keys: list[
             f"state_dict is the shard of rank {meta.get('rank')} of {meta.get('world_size')}, this is rank {view.rank} of "
             f"{view.world_size}: load each rank's own shard, or reshard with torch.distributed.checkpoint (dcp.load)"
         )
-    theirs, ours = [tuple(tuple(x) if isinstance(x, list) else x for x in entry) for entry in meta.get("layout", [])], layout_signature(view)
+    theirs, ours = _as_tuples(meta.get("layout", [])), _as_tuples(layout_signature(view))
     if theirs != ours:
-        for k, (a, b) in enumerate(zip(theirs, ours)):
-            if a != b:
-                raise ValueError(f"state_dict flat buffer {k} has (dtype, params, params per bucket) {a}, this optimizer {b}: saved for another model, param groups or bucket_size_mb")
-        raise ValueError(f"state_dict has {len(theirs)} flat buffers, this optimizer {len(ours)}: saved for another model")
-    if list(meta.get("state_keys", [])) != keys:
-        raise ValueError(f"state_dict holds optimizer state {meta.get('state_keys')}, {type(view.optimizer).__name__} keeps {keys}")
+        raise ValueError(_layout_mismatch(list(theirs), list(ours)))
+    saved_keys = [list(keys) for keys in meta.get("state_keys", [])]
+    if saved_keys != [keys for keys, _ in group_keys]:
+        raise ValueError(
+            f"state_dict holds optimizer state {saved_keys} per param group; {type(view.optimizer).__name__} with the state_dict's "
+            f"hyperparameters keeps {[keys for keys, _ in group_keys]}"
+        )
     for k, shard in enumerate(view.shards):
+        keys, _ = group_keys[view.group_of_shard[k]]
         for bucket in shard.buffer.layout.buckets:
             entry = state_dict["buckets"].get(f"{k}.{bucket.index}")
             wanted = keys + (["master"] if _saves_master(shard) else [])
             if entry is None or sorted(entry) != sorted(wanted):
-                raise ValueError(f"state_dict bucket {k}.{bucket.index} holds {None if entry is None else sorted(entry)}, expected {sorted(wanted)}")
+                found = None if entry is None else sorted(entry)
+                if filled_in_place:
+                    raise ValueError(
+                        f"the checkpoint holds optimizer state {sorted(wanted)} for bucket {k}.{bucket.index}, but this optimizer's "
+                        f"state_dict() gave dcp.load {found} to fill: its hyperparameters keep other state than the checkpoint's. "
+                        "Build the optimizer with the checkpoint's hyperparameters, or load a full or per-rank state dict"
+                    )
+                raise ValueError(f"state_dict bucket {k}.{bucket.index} holds {found}, expected {sorted(wanted)}")
             lo, hi = _local_range(view, k, bucket.index)
             for key, value in entry.items():
                 local = value.to_local() if isinstance(value, DTensor) else value
@@ -240,20 +310,28 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
     master values as (shard, offset in its master shard, 1-D values)).
 
     ``filled_in_place``: the DTensors are the ones this rank's last ``state_dict()`` returned
-    (``dcp.load`` filled them for this rank). Nothing is written here; the caller applies the result.
+    (``dcp.load`` filled them for this rank). The state keys expected are those the saved
+    hyperparameters keep. Nothing is written here; the caller applies the result.
 
     Raises:
-        ValueError: another format version, another rank's shard, layout, optimizer state or local
-            shard geometry.
+        ValueError: another format version (version 1, saved before the layout named params,
+            with a way out), another rank's shard, a param saved with another shape (named, with
+            both shapes), another layout, optimizer state that the saved hyperparameters do not
+            keep, or local shard geometry.
     """
-    keys, has_step = state_keys(view.optimizer, view.shards[0].grad_shard.dtype)
-    _check_sharded(view, state_dict, keys, filled_in_place)
+    _check_version(state_dict["zeroshard"])
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(view.optimizer.param_groups):
+        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(view.optimizer.param_groups)}")
+    group_keys = _group_state_keys(view, saved_groups)
+    _check_sharded(view, state_dict, group_keys, filled_in_place)
     steps = [int(s) for s in state_dict["param_steps"].tolist()]
     if len(steps) != len(view.param_steps):
         raise ValueError(f"state_dict has steps for {len(steps)} params, this optimizer has {len(view.param_steps)}")
     state: dict[Tensor, dict[str, Any]] = {}
     masters = []
     for k, shard in enumerate(view.shards):
+        keys, has_step = group_keys[view.group_of_shard[k]]
         for bucket in shard.buffer.layout.buckets:
             entry = {key: (v.to_local() if isinstance(v, DTensor) else v) for key, v in state_dict["buckets"][f"{k}.{bucket.index}"].items()}
             for piece, vparam, offset in _bucket_pieces(view, k, bucket.index):
@@ -264,13 +342,12 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
                         state[vparam]["step"] = torch.tensor(float(step))
             if "master" in entry:
                 masters.append((k, bucket.shard_offset, entry["master"]))
-    return _inner_state_dict(view, state, state_dict["param_groups"]), steps, masters
+    return _inner_state_dict(view, state, saved_groups), steps, masters
 
 
 def _inner_state_dict(view: CheckpointView, state: dict[Tensor, dict[str, Any]], saved_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The wrapped optimizer's ``state_dict`` format over its virtual params, with the saved hyperparameters."""
-    if len(saved_groups) != len(view.optimizer.param_groups):
-        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(view.optimizer.param_groups)}")
+    """The wrapped optimizer's ``state_dict`` format over its virtual params, with the saved
+    hyperparameters (the caller has checked that there are as many groups)."""
     index_of, groups = {}, []
     for group, saved in zip(view.optimizer.param_groups, saved_groups):
         ids = []
@@ -288,22 +365,27 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
     """Gather the full state onto global rank ``to`` one bucket at a time; the full dict there, else ``None``.
 
     A collective over ``to``'s shard group (other shard groups, replicas of it, return at once).
-    Ranks other than ``to`` never hold more than their own slice of one bucket.
+    Ranks other than ``to`` never hold more than their own slice of one bucket. Each shard's
+    state and master are gathered in its own master dtype (fp32 for 16-bit and fp32 params, fp64
+    for fp64 ones), so every value arrives unrounded.
     """
     if to not in dist.get_process_group_ranks(view.shard_group):
         return None
-    dtype = view.shards[0].grad_shard.dtype
-    keys, has_step = state_keys(view.optimizer, dtype)
+    group_keys = _group_state_keys(view, view.optimizer.param_groups)
     here = dist.get_rank() == to
     flat_params = [p for params in view.group_params for p in params]
-    state: dict[int, dict[str, Any]] = {i: {"step": torch.tensor(float(s))} if has_step else {} for i, s in enumerate(view.param_steps) if s}
+    group_of_param = [g for g, params in enumerate(view.group_params) for _ in params]
+    state: dict[int, dict[str, Any]] = {
+        i: {"step": torch.tensor(float(s))} if group_keys[group_of_param[i]][1] else {} for i, s in enumerate(view.param_steps) if s
+    }
     masters: dict[int, Tensor] = {}
     for k, shard in enumerate(view.shards):
         layout = shard.buffer.layout
+        keys, _ = group_keys[view.group_of_shard[k]]
         for bucket in layout.buckets:
             size = bucket.shard_numel(view.world_size)
             for key in keys + (["master"] if _saves_master(shard) else []):
-                local = torch.zeros(size, dtype=dtype, device=shard.buffer.device)
+                local = torch.zeros(size, dtype=shard.master_dtype, device=shard.buffer.device)
                 if key == "master":
                     local.copy_(shard.master_slice(bucket.index))
                 else:
@@ -331,7 +413,7 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
         "param_groups": _groups_without_params(view.optimizer, view.group_params),
         "zeroshard": {
             "format": FULL_FORMAT,
-            "version": FORMAT_VERSION,
+            "version": FULL_FORMAT_VERSION,
             "params": [(tuple(p.shape), str(p.dtype)) for p in flat_params],
             "master": masters,
             "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
@@ -343,11 +425,14 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[st
     """Check a full ``torch.optim``-format state dict and cut this rank's shard out of it.
 
     Accepts dicts from :func:`consolidate` and from a plain unsharded ``torch.optim`` optimizer
-    of the same class over the same params. Nothing is written here.
+    of the same class over the same params, whatever the live optimizer's hyperparameters: the
+    state each param must hold is what its saved param group's hyperparameters keep. A 16-bit
+    param whose fp32 master the dict does not carry (a plain ``torch.optim`` dict) gets its
+    current value as master, as in a freshly built optimizer. Nothing is written here.
 
     Raises:
         ValueError: another group count, param count, param shape or dtype (named), or state
-            keys this optimizer does not keep.
+            keys that the saved hyperparameters do not keep (named).
     """
     if not isinstance(state_dict.get("state"), dict) or not isinstance(state_dict.get("param_groups"), list):
         raise ValueError("state_dict has no 'state' dict and 'param_groups' list: neither a zeroshard nor a torch.optim state dict")
@@ -360,20 +445,26 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[st
         if len(saved["params"]) != len(params):
             raise ValueError(f"state_dict param_groups[{g}] has {len(saved['params'])} params, this optimizer {len(params)}")
     order = [i for saved in saved_groups for i in saved["params"]]  # saved index of each of our params
+    group_of_param = [g for g, params in enumerate(view.group_params) for _ in params]
     meta = state_dict.get("zeroshard") or {}
     for ours, (saved_index, p) in enumerate(zip(order, flat_params)):
         if meta.get("params"):
             shape, dtype = meta["params"][saved_index]
             if (tuple(shape), dtype) != (tuple(p.shape), str(p.dtype)):
                 raise ValueError(f"{names[ours]} was saved with shape {tuple(shape)} and {dtype}, this model has {tuple(p.shape)} and {p.dtype}")
-    keys, has_step = state_keys(view.optimizer, view.shards[0].grad_shard.dtype)
+    group_keys = _group_state_keys(view, saved_groups)
     steps = [0] * len(flat_params)
     for ours, saved_index in enumerate(order):
         entry = state_dict["state"].get(saved_index)
         if not entry:
             continue
+        g = group_of_param[ours]
+        keys, has_step = group_keys[g]
         if sorted(k for k in entry if k != "step") != keys:
-            raise ValueError(f"state_dict state of {names[ours]} has {sorted(entry)}, {type(view.optimizer).__name__} keeps {keys + (['step'] if has_step else [])}")
+            raise ValueError(
+                f"state_dict state of {names[ours]} has {sorted(entry)}, {type(view.optimizer).__name__} keeps "
+                f"{keys + (['step'] if has_step else [])} with the state_dict's hyperparameters of param_groups[{g}]"
+            )
         for key in keys:
             if tuple(entry[key].shape) != tuple(flat_params[ours].shape):
                 raise ValueError(f"state_dict {key!r} of {names[ours]} has shape {tuple(entry[key].shape)}, the param {tuple(flat_params[ours].shape)}")
@@ -382,6 +473,7 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[st
     masters = []
     saved_masters = meta.get("master") or {}
     for k, shard in enumerate(view.shards):
+        keys, has_step = group_keys[view.group_of_shard[k]]
         for piece, vparam in zip(shard.pieces, shard.virtual_params):
             ours = view.param_index[k][piece.param]
             entry = state_dict["state"].get(order[ours])
@@ -389,12 +481,19 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[st
                 state[vparam] = {key: entry[key].reshape(-1)[piece.param_offset : piece.param_offset + piece.numel].clone() for key in keys}
                 if has_step:
                     state[vparam]["step"] = torch.tensor(float(steps[ours]))
-            master = saved_masters.get(order[ours])
-            if _saves_master(shard) and master is not None:
-                masters.append((k, piece.shard_offset, master.reshape(-1)[piece.param_offset : piece.param_offset + piece.numel]))
+            if _saves_master(shard):
+                master = saved_masters.get(order[ours])
+                values = (
+                    shard.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel]
+                    if master is None
+                    else master.reshape(-1)[piece.param_offset : piece.param_offset + piece.numel]
+                )
+                masters.append((k, piece.shard_offset, values))
     return _inner_state_dict(view, state, saved_groups), steps, masters
 
 
-def bucket_tensors(state_dict: dict[str, Any]) -> list[Any]:
-    """The DTensors of a sharded state dict."""
-    return [v for entry in state_dict.get("buckets", {}).values() for v in entry.values()]
+def issued_tensors(state_dict: dict[str, Any]) -> list[Any]:
+    """The tensors of a sharded state dict that ``dcp.load`` fills in place: the param steps and
+    every bucket DTensor (there may be none: SGD without momentum keeps no state)."""
+    steps = state_dict.get("param_steps")
+    return ([steps] if torch.is_tensor(steps) else []) + [v for entry in state_dict.get("buckets", {}).values() for v in entry.values()]

@@ -3,8 +3,9 @@
 See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py`` for chunks, masters and shards.
 
 For ``torch.optim.Adam`` and ``AdamW`` without ``amsgrad``, ``capturable`` or ``differentiable``,
-``exp_avg`` and ``exp_avg_sq`` live in one flat fp32 buffer per chunk (this rank's slice of one
-bucket), and the wrapped optimizer's ``state[virtual_param]`` entries are views of them — so
+``exp_avg`` and ``exp_avg_sq`` live in one flat buffer per chunk (this rank's slice of one
+bucket) in the master dtype (fp32; fp64 for fp64 params), and the wrapped optimizer's
+``state[virtual_param]`` entries are views of them — so
 ``state_dict()``, checkpoints and LR schedulers see ordinary ``torch.optim`` state while the
 update runs over whole runs of pieces. A run is a maximal sequence of adjacent pieces of one
 chunk that got a gradient and share a step count.
@@ -55,11 +56,11 @@ def chunks_of(shards: list[LocalShard]) -> list[Chunk]:
 
 
 def chunk_state_bytes(shard: LocalShard, bucket: int) -> int:
-    """Device bytes chunk ``bucket`` of ``shard`` takes when kept on the device: its fp32
-    ``exp_avg`` and ``exp_avg_sq`` and, for 16-bit params, its fp32 master."""
+    """Device bytes chunk ``bucket`` of ``shard`` takes when kept on the device: its ``exp_avg``
+    and ``exp_avg_sq`` in the master dtype and, for 16-bit params, its fp32 master."""
     numel = shard.buffer.layout.buckets[bucket].shard_numel(shard.buffer.layout.world_size)
     master = shard.master_dtype.itemsize if shard.master_dtype != shard.buffer.dtype else 0
-    return numel * (8 + master)
+    return numel * (2 * shard.master_dtype.itemsize + master)
 
 
 class FusedAdam:
@@ -71,7 +72,8 @@ class FusedAdam:
         offload: chunks start in host memory (``offload="cpu"``) instead of on the device.
 
     Attributes:
-        exp_avg, exp_avg_sq: per chunk, 1-D fp32 (allocated on first use, on the chunk's side).
+        exp_avg, exp_avg_sq: per chunk, 1-D master dtype (fp32; fp64 for fp64 params), allocated
+            on first use, on the chunk's side.
         host_grad: per host chunk, 1-D master dtype: the host copy of its gradient (pinned on CUDA).
         host_param: per host chunk of 16-bit params on CUDA, 1-D param dtype: pinned staging for
             the cast of the updated master on its way to the device.
@@ -100,8 +102,8 @@ class FusedAdam:
             if chunk not in self.exp_avg:
                 home = torch.device("cpu") if self.on_host(chunk) else shard.grad_shard.device
                 numel = bucket.shard_numel(shard.buffer.layout.world_size)
-                self.exp_avg[chunk] = torch.zeros(numel, dtype=torch.float32, device=home)
-                self.exp_avg_sq[chunk] = torch.zeros(numel, dtype=torch.float32, device=home)
+                self.exp_avg[chunk] = torch.zeros(numel, dtype=shard.master_dtype, device=home)
+                self.exp_avg_sq[chunk] = torch.zeros(numel, dtype=shard.master_dtype, device=home)
         for piece, vparam in zip(shard.pieces, shard.virtual_params):
             state = self.optimizer.state.get(vparam)
             if not state:
@@ -111,6 +113,16 @@ class FusedAdam:
                 if state[key].data_ptr() != view.data_ptr():  # fresh from load_state_dict
                     view.copy_(state[key].reshape(-1))
                     state[key] = view
+
+    @torch.no_grad()
+    def load(self, shards: list[LocalShard]) -> None:
+        """Take the state the wrapped optimizer has just loaded: every moment buffer is zeroed and
+        each loaded piece's state copied in, so pieces without loaded state start from zero, as
+        in a freshly built optimizer (not from the moments they had before the load)."""
+        for buffer in (*self.exp_avg.values(), *self.exp_avg_sq.values()):
+            buffer.zero_()
+        for k, shard in enumerate(shards):
+            self._bind(k, shard)
 
     def _state_view(self, key: str, k: int, shard: LocalShard, piece) -> Tensor:
         bucket = shard.bucket_of(piece)

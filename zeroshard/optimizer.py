@@ -139,7 +139,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self._param_index: list[list[int]] = []  # per shard, per layout position: torch.optim param index
         self._param_steps: list[int] = []  # per torch.optim param index: updates so far (replicated)
         self._consolidated: dict[str, Any] | None = None  # full state, on the consolidate_state_dict rank
-        self._issued: dict[int, weakref.ref] = {}  # id -> DTensor, for those the last state_dict() returned
+        self._issued: dict[int, weakref.ref] = {}  # id -> tensor, for those the last state_dict() returned
         self._device: torch.device | None = None
         self._reducer: GradReducer | None = None
         self.max_grad_norm = max_grad_norm

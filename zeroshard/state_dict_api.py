@@ -2,7 +2,8 @@
 
 The formats and their checks live in ``zeroshard/checkpoint.py``; this mixin connects them to the
 optimizer's attributes (``optimizer``, ``_shards``, ``_groups``, ``_param_index``,
-``_param_steps``, ``groups``, ``process_group``, ``_scaler``, ``_consolidated``, ``_issued``).
+``_param_steps``, ``_group_of_shard``, ``groups``, ``process_group``, ``_scaler``, ``_fused``,
+``_consolidated``, ``_issued``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ class StateDictMixin:
 
     def _checkpoint_view(self) -> checkpoint.CheckpointView:
         return checkpoint.CheckpointView(
-            self.optimizer, self._shards, [g.params for g in self._groups], self._param_index, self._param_steps, self.groups.mesh,
-            self.process_group, self._scaler,
+            self.optimizer, self._shards, [g.params for g in self._groups], self._param_index, self._param_steps, self._group_of_shard,
+            self.groups.mesh, self.process_group, self._scaler,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -49,7 +50,7 @@ class StateDictMixin:
             state_dict, self._consolidated = self._consolidated, None
         else:
             state_dict = checkpoint.sharded_state_dict(self._checkpoint_view())
-            self._issued = {id(t): weakref.ref(t) for t in checkpoint.bucket_tensors(state_dict)}
+            self._issued = {id(t): weakref.ref(t) for t in checkpoint.issued_tensors(state_dict)}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             state_dict = state_dict if result is None else result
@@ -78,16 +79,22 @@ class StateDictMixin:
         Accepts what :meth:`state_dict` returns — filled by ``dcp.load`` at any world size, or
         saved with ``torch.save`` at this same world size — and full ``torch.optim``-format dicts:
         from :meth:`consolidate_state_dict` or from an unsharded optimizer of the same class on
-        the same params. The checkpoint's hyperparameters win, as in ``torch.optim``. Runs no
-        collective. Everything is checked before anything is written, so on error the optimizer
-        is as it was. Hooks registered with ``register_load_state_dict_pre_hook`` (which may
-        return a replacement) and ``register_load_state_dict_post_hook`` run as in
-        ``torch.optim.Optimizer.load_state_dict``.
+        the same params. The checkpoint's hyperparameters win, as in ``torch.optim``: the state
+        it must hold is what they keep (an ``SGD(momentum=0.9)`` dict loads into an optimizer
+        built as ``SGD(lr=0.01)``). Afterwards the state is exactly the loaded one, as after a
+        load into a freshly built optimizer: params without state in the dict have none (their
+        moments start from zero), and 16-bit params whose fp32 master the dict lacks take their
+        current value as master. Runs no collective. Everything is checked before anything is
+        written, so on error the optimizer is as it was. Hooks registered with
+        ``register_load_state_dict_pre_hook`` (which may return a replacement) and
+        ``register_load_state_dict_post_hook`` run as in ``torch.optim.Optimizer.load_state_dict``.
 
         Raises:
             ValueError: anything else, or a state dict for another model (group count, param
-                count, shape or dtype: the param is named), another optimizer's state, another
-                ``bucket_size_mb``, or a sharded dict from another world size not loaded through DCP.
+                count, shape or dtype: the param is named as ``param_groups[g]['params'][j]``
+                with both shapes), state that the checkpoint's hyperparameters do not keep
+                (another optimizer's), another ``bucket_size_mb``, a sharded dict from another
+                world size not loaded through DCP, or one saved by an older zeroshard.
         """
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -95,7 +102,7 @@ class StateDictMixin:
         view = self._checkpoint_view()
         meta = state_dict.get("zeroshard") if isinstance(state_dict, dict) else None
         if isinstance(meta, dict) and meta.get("format") == checkpoint.SHARDED_FORMAT:
-            tensors = checkpoint.bucket_tensors(state_dict)
+            tensors = checkpoint.issued_tensors(state_dict)
             filled_in_place = bool(tensors) and all(self._issued.get(id(t), lambda: None)() is t for t in tensors)
             inner, steps, masters = checkpoint.load_sharded(view, state_dict, filled_in_place)
         elif isinstance(state_dict, dict) and (meta is None or (isinstance(meta, dict) and meta.get("format") == checkpoint.FULL_FORMAT)):
@@ -103,6 +110,8 @@ class StateDictMixin:
         else:
             raise ValueError(f"state_dict is neither a zeroshard state dict nor a torch.optim one (zeroshard entry: {meta!r})")
         self.optimizer.load_state_dict(inner)
+        if self._fused is not None:
+            self._fused.load(self._shards)
         with torch.no_grad():
             for k, offset, values in masters:
                 self._shards[k].master_view(offset, values.numel()).copy_(values)
