@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroshard
 from models import TinyNet, batch, loss_fn, param_groups
@@ -206,3 +207,67 @@ def test_torch_clip_grad_norm_on_model_params_raises_with_the_supported_path(poo
         assert "max_grad_norm=" in message and "opt.clip_grad_norm_" in message, message
         if stage == 2:
             assert message.startswith("param_groups[") and "reduce-scattered into the optimizer's grad shard" in message, message
+
+
+# -- 16. world size 1 communicates nothing -----------------------------------------------------
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts the c10d collectives dispatched inside the block, by op name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.counts[str(func)] = self.counts.get(str(func), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def world_one_worker(stage: int) -> dict[str, int]:
+    torch.manual_seed(0)
+    model = TinyNet()
+    with CountCollectives() as comm:
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), stage=stage, bucket_size_mb=BUCKET_MB, max_grad_norm=1.0)
+        for step in range(2):
+            with opt.no_sync():
+                loss_fn(model, *batch(0, step, 1)).backward()
+            loss_fn(model, *batch(0, step)).backward()
+            opt.clip_grad_norm_(0.5)
+            opt.step()
+            opt.zero_grad()
+        opt.state_dict()
+        opt.consolidate_state_dict()
+        opt.load_state_dict(opt.state_dict())
+    return comm.counts
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_world_size_one_runs_no_collective(pools, stage):
+    assert pools[1].run(world_one_worker, stage) == [{}]
+
+
+# -- 6. fp16 gradients: DDP's headroom ---------------------------------------------------------
+
+
+def fp16_headroom_worker(stage: int) -> tuple[bool, float, float, float]:
+    torch.manual_seed(0)
+    ref_model = nn.Linear(1, 1, bias=False).half()
+    model = copy.deepcopy(ref_model)
+    exact = ref_model.weight.double().item() - 1e-6 * 40000  # float64: one SGD step on the averaged gradient
+    ref = DDP(ref_model)
+    opt = zeroshard.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6), stage=stage, loss_scale=1.0)
+    x = torch.full((1, 1), 40000.0, dtype=torch.float16)  # each rank's gradient: 40000; two summed: inf in fp16
+    ref(x).sum().backward()
+    opt.backward(model(x).sum())
+    opt.step()
+    return opt.step_was_skipped, ref_model.weight.grad.item(), model.weight.item(), torch.tensor(exact).half().item()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_gradients_have_ddps_headroom(pools, stage):
+    for skipped, ddp_grad, weight, expected in pools[2].run(fp16_headroom_worker, stage):
+        assert ddp_grad == 40000.0  # DDP divides before it sums
+        assert not skipped, "the step was skipped for an overflow DDP does not have"
+        assert weight == expected, (weight, expected)  # the fp32 master's update, rounded to fp16

@@ -393,8 +393,11 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
                         value = view.optimizer.state.get(vparam, {}).get(key)
                         if value is not None:
                             local[offset : offset + piece.numel] = value.reshape(-1)
-                pieces = [torch.empty_like(local) for _ in range(view.world_size)] if here else None
-                dist.gather(local, pieces, dst=to, group=view.shard_group)
+                if view.world_size == 1:
+                    pieces = [local]
+                else:
+                    pieces = [torch.empty_like(local) for _ in range(view.world_size)] if here else None
+                    dist.gather(local, pieces, dst=to, group=view.shard_group)
                 if not here:
                     continue
                 full = torch.cat(pieces)

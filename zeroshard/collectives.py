@@ -82,8 +82,10 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
         ValueError: on every rank of ``group``, naming the first differing (global) rank, the
             entry and both values.
     """
-    device = _collective_device(group)
     world = dist.get_world_size(group)
+    if world == 1:
+        return
+    device = _collective_device(group)
     counts = _all_gather_int64(torch.tensor([len(fingerprint)], device=device), group)
     longest = max(int(c) for c in counts)
     hashes = torch.full((longest,), 0, dtype=torch.int64)

@@ -70,6 +70,16 @@ def take_over(params: Sequence[nn.Parameter], names: Sequence[str]) -> None:
                         "step that one (two optimizers cannot both reduce one param's gradients)")
 
 
+def _divides_first(reduce_dtype: torch.dtype) -> bool:
+    """Whether gradients in ``reduce_dtype`` are divided by the data-parallel size before the sum (fp16), not after.
+
+    fp16 overflows at 65504: summing N ranks' gradients first would overflow where one rank's
+    does not, so, as DDP's default communication hook does, each rank divides first and the
+    headroom is DDP's. bf16 and fp32 have fp32's range; they divide the N-times-smaller slice after.
+    """
+    return reduce_dtype == torch.float16
+
+
 def _remove_hooks(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
     for handle in handles:
         handle.remove()
@@ -88,7 +98,7 @@ class PendingReduce:
         bucket: index of the bucket in that shard's layout.
     """
 
-    work: dist.Work
+    work: dist.Work | None  # None: nothing to wait for (a shard group of one)
     input: Tensor
     output: Tensor
     shard: int
@@ -381,13 +391,21 @@ class GradReducer:
         dtype = self._reduce_dtype(k)
         if self.stage == 1:
             grads = buffer.bucket_view(b, of=self._flat_grads[k])
-            grads = grads if grads.dtype == dtype else grads.to(dtype)
+            if grads.dtype != dtype:
+                grads = grads.to(dtype)
+            elif _divides_first(dtype) or self.world_size == 1:
+                grads = grads.clone()  # the flat grad keeps this rank's running sum: reduce a copy
         else:
             grads = self._staging.pop((k, b), None)
             if grads is None:  # no param of the bucket got a gradient on this rank
                 grads = torch.zeros(buffer.layout.buckets[b].padded_numel, dtype=dtype, device=buffer.device)
-        output = torch.empty(buffer.layout.buckets[b].shard_numel(self.world_size), dtype=dtype, device=buffer.device)
-        work = collectives.reduce_scatter(output, grads, self.group)
+        if _divides_first(dtype):
+            grads.div_(self.groups.data_parallel_size)
+        if self.world_size == 1:  # a shard group of one: the bucket is this rank's slice, no collective
+            work, output = None, grads
+        else:
+            output = torch.empty(buffer.layout.buckets[b].shard_numel(self.world_size), dtype=dtype, device=buffer.device)
+            work = collectives.reduce_scatter(output, grads, self.group)
         self._pending.append(PendingReduce(work, grads, output, k, b))
         if self.stage == 2 and len(self._pending) > MAX_BUCKETS_IN_FLIGHT:
             # Bound stage 2's gradient memory: finish the oldest reduction and free its staging buffer.
@@ -395,13 +413,16 @@ class GradReducer:
 
     def _complete(self, pending: PendingReduce) -> None:
         """Wait for one reduction, fold its slice into the grad shard, recycle its staging buffer."""
-        # The reduced slice must have arrived before it is added into the grad shard.
-        pending.work.wait()
+        if pending.work is not None:
+            # The reduced slice must have arrived before it is added into the grad shard.
+            pending.work.wait()
         if self.groups.replicate is not None:
             # Hybrid: the same slice on every replica, summed across them (MiCS, §3).
             dist.all_reduce(pending.output, group=self.groups.replicate)
         shard = self.shards[pending.shard]
-        reduced = pending.output.to(shard.grad_shard.dtype).div_(self.groups.data_parallel_size)
+        reduced = pending.output.to(shard.grad_shard.dtype)
+        if not _divides_first(pending.output.dtype) and self.groups.data_parallel_size > 1:
+            reduced.div_(self.groups.data_parallel_size)
         target = shard.grad_slice(pending.bucket)
         if self.stage == 1:
             target.copy_(reduced)
@@ -484,7 +505,8 @@ class GradReducer:
                 flat_grad.zero_()
             self._used[k] = [False] * len(self._used[k])
         for pending in self._pending:  # left behind by a backward pass that raised
-            pending.work.wait()
+            if pending.work is not None:
+                pending.work.wait()
         self._pending.clear()
         self._clear_backward_state()
         self._staging.clear()
