@@ -271,3 +271,41 @@ def test_fp16_gradients_have_ddps_headroom(pools, stage):
         assert ddp_grad == 40000.0  # DDP divides before it sums
         assert not skipped, "the step was skipped for an overflow DDP does not have"
         assert weight == expected, (weight, expected)  # the fp32 master's update, rounded to fp16
+
+
+# -- 7. gradual unfreezing -----------------------------------------------------------------------
+
+
+def unfreeze_worker(stage: int, clip: bool) -> None:
+    # Reference: torch.optim.AdamW fed the data-parallel gradient (each rank's, all-reduced, over N).
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    model = copy.deepcopy(ref_model)
+    for m in (ref_model, model):
+        m.fc1.weight.requires_grad_(False)
+    ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB,
+                                     max_grad_norm=0.5 if clip else None)
+    for step in range(6):
+        if step == 2:
+            for m in (ref_model, model):
+                m.fc1.weight.requires_grad_(True)
+        loss_fn(ref_model, *batch(dist.get_rank(), step)).backward()
+        grads = [p.grad for p in ref_model.parameters() if p.grad is not None]
+        for grad in grads:
+            dist.all_reduce(grad)
+            grad.div_(dist.get_world_size())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)
+        ref_opt.step()
+        ref_model.zero_grad()
+        _train_step(model, opt, step)
+        assert _same(ref_model, model) if not clip else all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(ref_model.parameters(), model.parameters())), \
+            f"step {step}: params differ from torch.optim after unfreezing fc1.weight"
+    assert not torch.equal(model.fc1.weight, TinyNet().fc1.weight)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("clip", [False, True])
+def test_param_unfrozen_after_wrapping_is_trained(pools, stage, clip):
+    pools[2].run(unfreeze_worker, stage, clip)

@@ -488,6 +488,14 @@ class GradReducer:
         if self._unreduced or self._reductions == 0:
             self._reduce_everything()
 
+    def reduce_again(self) -> None:
+        """Have the next :meth:`reduce_for_step` reduce every bucket again (after shards were added mid-step).
+
+        Gradients already reduced are not reduced twice: stage 2's ``ReducedGrad`` s add nothing,
+        and stage 1 overwrites each slice of the grad shard with the same sum.
+        """
+        self._unreduced = True
+
     def local_used(self) -> list[list[bool]]:
         """Per shard, per param: whether the param got a gradient on this rank since the last reset."""
         return [list(used) for used in self._used]

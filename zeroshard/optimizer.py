@@ -28,7 +28,7 @@ from zeroshard.loss_scaler import DynamicLossScaler
 from zeroshard.memory import MemoryUsage, measure
 from zeroshard.memory_tracer import MemoryTracer
 from zeroshard.offload import MarginMeasurement, measure_margin, place_chunks
-from zeroshard.sharding import ShardedGroup, shard_param_groups
+from zeroshard.sharding import NewShards, ShardedGroup, shard_param_groups
 from zeroshard.state_dict_api import StateDictMixin
 from zeroshard.step_path import apply_update, grad_multiplier
 from zeroshard.validation import check_arguments, check_options
@@ -214,12 +214,40 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             self.optimizer, indices, self.groups, bucket_size_mb=self.bucket_size_mb, device=self._device,
             first_shard=len(self._shards), first_param_index=len(self._param_steps), host_master=self.offload is not None,
         )
-        self._device = new.device
         self._groups.extend(new.groups)
+        self._param_steps.extend([0] * sum(len(g.params) for g in new.groups))
+        self._add_shards(new)
+
+    def _shard_unfrozen(self) -> None:
+        """Shard the params that were frozen when their group was sharded and are trainable now.
+
+        Gradual unfreezing: ``torch.optim`` trains a param once it has a gradient. Each group with
+        such params gets flat buffers of its own for them, appended to it (a collective; every rank
+        unfreezes the same params, which the cross-rank check verifies); then the whole backward
+        is reduced again, so that their gradients, still local, are reduced too.
+        """
+        sharded = frozenset(id(p) for shard in self._shards for p in shard.buffer.params)
+        first_param_index = 0
+        for g, record in enumerate(self._groups):
+            if any(p.requires_grad and id(p) not in sharded for p in record.params):
+                new = shard_param_groups(
+                    self.optimizer, range(g, g + 1), self.groups, bucket_size_mb=self.bucket_size_mb, device=self._device,
+                    first_shard=len(self._shards), first_param_index=first_param_index, host_master=self.offload is not None,
+                    params_of=[record.params], already_sharded=sharded,
+                )
+                record.shards.extend(new.groups[0].shards)
+                self._add_shards(new)
+                self._reducer.reduce_again()
+                if self.rank == 0:
+                    logger.info("zeroshard: param group %d: %d params trainable since the optimizer was built are now sharded",
+                                g, sum(len(s.buffer.params) for s in new.shards))
+            first_param_index += len(record.params)
+
+    def _add_shards(self, new: NewShards) -> None:
+        self._device = new.device
         self._shards.extend(new.shards)
         self._param_index.extend(new.param_index)
         self._group_of_shard.extend(new.group_of_shard)
-        self._param_steps.extend([0] * sum(len(g.params) for g in new.groups))
         if self._reducer is None:
             self._reducer = GradReducer(
                 new.shards, stage=self.stage, groups=self.groups, reduce_dtype=self.reduce_dtype, overlap_comm=self.overlap_comm
@@ -296,6 +324,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self.scale_loss(loss).backward()
 
     def _gather_stats(self, norm_type: float) -> GradStats:
+        self._shard_unfrozen()
         self._reducer.reduce_for_step()
         return gather_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type)
 

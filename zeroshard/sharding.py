@@ -66,12 +66,15 @@ def shard_param_groups(
     first_shard: int,
     first_param_index: int,
     host_master: bool = False,
+    params_of: list[list[nn.Parameter]] | None = None,
+    already_sharded: frozenset[int] = frozenset(),
 ) -> NewShards:
     """Flatten, broadcast and shard param groups ``indices`` of ``optimizer``.
 
     Local checks first; then one fingerprint all-gather per group of ranks (a mismatch raises on
     every rank, naming it, before any size-dependent collective); then the broadcast from rank 0;
-    finally each group's ``"params"`` is replaced by this rank's virtual parameters.
+    finally each group's ``"params"`` is replaced by this rank's virtual parameters (or, when
+    ``already_sharded`` is given, the new virtual parameters are appended to them).
 
     Args:
         optimizer: the wrapped optimizer.
@@ -83,14 +86,20 @@ def shard_param_groups(
         first_param_index: how many params the groups before ``indices`` hold (``torch.optim``
             numbers params across groups in order).
         host_master: keep master weights in host memory (CPU offload).
+        params_of: per group, its original params in the user's order (default: the groups'
+            ``"params"``, which must not be virtual params yet).
+        already_sharded: ids of params in flat buffers already: left out (params frozen at
+            construction and trainable now are sharded this way, see ``ShardedOptimizer``).
 
     Raises:
         ValueError: from :func:`~zeroshard.validation.check_params`, or params that differ
             between ranks.
     """
-    params_of = [list(dict.fromkeys(optimizer.param_groups[g]["params"])) for g in indices]
+    if params_of is None:
+        params_of = [list(dict.fromkeys(optimizer.param_groups[g]["params"])) for g in indices]
     device = check_params([p for params in params_of for p in params], indices, device, first=first_shard == 0)
-    trainable = [(p, f"param_groups[{g}]['params'][{j}]") for g, params in zip(indices, params_of) for j, p in enumerate(params) if p.requires_grad]
+    trainable = [(p, f"param_groups[{g}]['params'][{j}]") for g, params in zip(indices, params_of) for j, p in enumerate(params)
+                 if p.requires_grad and id(p) not in already_sharded]
     take_over([p for p, _ in trainable], [name for _, name in trainable])
     fingerprint = [
         (f"param_groups[{g}]['params'][{j}]", tuple(p.shape), str(p.dtype), p.requires_grad)
@@ -104,7 +113,7 @@ def shard_param_groups(
     records, param_index, group_of_shard = [], [], []
     index = first_param_index
     for g, params in zip(indices, params_of):
-        trainable = [p for p in params if p.requires_grad]
+        trainable = [p for p in params if p.requires_grad and id(p) not in already_sharded]
         index_of = {id(p): index + j for j, p in enumerate(params)}
         name_of = {id(p): f"param_groups[{g}]['params'][{j}]" for j, p in enumerate(params)}
         index += len(params)
@@ -117,7 +126,7 @@ def shard_param_groups(
             param_index.append([index_of[id(p)] for p in same_dtype])
             group_of_shard.append(g)
         records.append(ShardedGroup(params=params, shards=shard_ids))
-    frozen = [p.data for params in params_of for p in params if not p.requires_grad]
+    frozen = [p.data for params in params_of for p in params if not p.requires_grad] if not already_sharded else []
     # Replicas take replica 0's values, then each shard group its first rank's: all equal rank (0, 0).
     for group in reversed(groups.all()):
         if dist.get_world_size(group) > 1:
@@ -125,5 +134,6 @@ def shard_param_groups(
 
     shards = [LocalShard(buffer, dist.get_rank(groups.shard), host_master) for buffer in buffers]
     for g, record in zip(indices, records):
-        optimizer.param_groups[g]["params"] = [v for k in record.shards for v in shards[k - first_shard].virtual_params]
+        virtual = [v for k in record.shards for v in shards[k - first_shard].virtual_params]
+        optimizer.param_groups[g]["params"] = (optimizer.param_groups[g]["params"] if already_sharded else []) + virtual
     return NewShards(records, shards, param_index, group_of_shard, device)
