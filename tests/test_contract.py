@@ -206,3 +206,27 @@ def test_torch_clip_grad_norm_on_model_params_raises_with_the_supported_path(poo
         assert "max_grad_norm=" in message and "opt.clip_grad_norm_" in message, message
         if stage == 2:
             assert message.startswith("param_groups[") and "reduce-scattered into the optimizer's grad shard" in message, message
+
+
+# -- 5. a NaN on one rank with clip_grad_norm_(norm_type=inf) ----------------------------------
+
+
+def nan_inf_norm_worker(stage: int) -> tuple[bool, bool, bool]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4, bias=False)  # one bucket of 16 elements: rank 0 owns [0, 8), rank 1 [8, 16)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage)
+    if dist.get_rank() == 1:  # the last element lies in rank 1's slice only
+        model.weight.register_hook(lambda grad: grad.index_put((torch.tensor(3), torch.tensor(3)), torch.tensor(float("nan"))))
+    before = model.weight.detach().clone()
+    model(torch.ones(2, 4)).sum().backward()
+    finite_shard = bool(torch.isfinite(opt._shards[0].grad_shard).all())
+    opt.clip_grad_norm_(1.0, norm_type=float("inf"))
+    opt.step()
+    return finite_shard, opt.step_was_skipped, torch.equal(model.weight, before)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_nan_on_one_rank_skips_the_step_with_inf_norm_clipping(pools, stage):
+    (rank0_finite, *rank0), (rank1_finite, *rank1) = pools[2].run(nan_inf_norm_worker, stage)
+    assert rank0_finite and not rank1_finite, "the test needs the NaN in rank 1's shard only"
+    assert rank0 == rank1 == [True, True], f"skipped, params unchanged: rank 0 {rank0}, rank 1 {rank1}"

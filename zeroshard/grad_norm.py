@@ -8,7 +8,9 @@ flag per param in one SUM all-reduce over the shard group. With hybrid sharding 
 identical grad shards, so only replica 0 contributes its sum to the second all-reduce (over the
 replicate group) while every replica contributes its flags. An inf or NaN anywhere makes the sum
 non-finite: that is the overflow check (as in ZeRO's and Megatron's ``found_inf``). The infinity
-norm takes a MAX all-reduce of the largest magnitude instead, and the flags a SUM of their own.
+norm sends a count of non-finite shards in the sum's place, and takes its value from a MAX
+all-reduce of the largest magnitude: the overflow check never rests on MAX, which gloo computes
+with ``std::max`` and so drops a NaN unless rank 0 holds it.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
         local = sum((grad_sumsq(s.grad_shard) for s in shards), torch.zeros((), device=device))
     else:
         local = torch.stack([s.grad_shard.abs().max() if s.grad_shard.numel() else torch.zeros((), device=device) for s in shards]).max()
-    both = torch.cat([local.reshape(1).float(), flags]) if norm_type == 2.0 else flags
+    summed = local if norm_type == 2.0 else (~torch.isfinite(local)).float()  # sum of squares, or a non-finite count
+    both = torch.cat([summed.reshape(1).float(), flags])
     replica_rank = dist.get_rank(groups.replicate) if groups.replicate is not None else 0
     for group in groups.all():
         if dist.get_world_size(group) == 1:
@@ -81,9 +84,10 @@ def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
                 dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
     values = both.tolist()  # the one host-device synchronization of the step
     if norm_type == 2.0:
-        norm, flat = (math.sqrt(values[0]) if math.isfinite(values[0]) else values[0]), values[1:]
+        norm = math.sqrt(values[0]) if math.isfinite(values[0]) else values[0]
     else:
-        norm, flat = float(local), values
+        norm = float(local) if values[0] == 0 else math.nan
+    flat = values[1:]
     used, start = [], 0
     for per_shard in local_used:
         used.append([v > 0 for v in flat[start : start + len(per_shard)]])
