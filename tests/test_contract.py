@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -17,10 +18,10 @@ from models import TinyNet, batch, loss_fn, param_groups
 BUCKET_MB = 100 * 4 / 2**20  # several buckets in TinyNet
 
 
-def _pair(stage: int, dtype: torch.dtype = torch.float32, **kwargs):
+def _pair(stage: int, dtype: torch.dtype = torch.float32, net: type[nn.Module] = TinyNet, **kwargs):
     """(DDP reference, its AdamW, a copy of the model, ShardedOptimizer over the copy), same seed."""
     torch.manual_seed(0)
-    ref_model = TinyNet().to(dtype)
+    ref_model = net().to(dtype)
     model = copy.deepcopy(ref_model)
     ref = DDP(ref_model, find_unused_parameters=True)
     ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
@@ -230,3 +231,71 @@ def test_nan_on_one_rank_skips_the_step_with_inf_norm_clipping(pools, stage):
     (rank0_finite, *rank0), (rank1_finite, *rank1) = pools[2].run(nan_inf_norm_worker, stage)
     assert rank0_finite and not rank1_finite, "the test needs the NaN in rank 1's shard only"
     assert rank0 == rank1 == [True, True], f"skipped, params unchanged: rank 0 {rank0}, rank 1 {rank1}"
+
+
+# -- 12. bad input that got through -----------------------------------------------------------
+
+
+class ZeroElementNet(TinyNet):
+    """TinyNet with a zero-element param that takes part in the forward (torch trains around it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0, 13))
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        return super().forward(x, use_branch) + self.empty.sum()
+
+
+def zero_element_worker(stage: int) -> None:
+    ref, ref_opt, model, opt = _pair(stage, net=ZeroElementNet)
+    for step in range(4):
+        _train_step(ref, ref_opt, step)
+        _train_step(model, opt, step)
+        assert _same(ref.module, model), f"step {step}: params differ from DDP with a zero-element param"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_element_param_trains_like_ddp(pools, stage):
+    pools[2].run(zero_element_worker, stage)
+
+
+OPTIONS_THAT_DIFFER = {
+    "bucket_size_mb": (1.0, 2.0, "option bucket_size_mb on rank 1 is (2.0,), on rank 0 (1.0,)"),
+    "stage": (1, 2, "option stage on rank 1 is (2,), on rank 0 (1,)"),
+    "reduce_dtype": (None, torch.bfloat16, "option reduce_dtype on rank 1 is ('torch.bfloat16',), on rank 0 ('None',)"),
+    "max_grad_norm": (None, 1.0, "option max_grad_norm on rank 1 is (1.0,), on rank 0 (None,)"),
+}
+
+
+def options_differ_worker(option: str) -> str:
+    model = TinyNet()
+    value = OPTIONS_THAT_DIFFER[option][dist.get_rank()]
+    with pytest.raises(ValueError) as error:
+        zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model)), **{option: value})
+    return str(error.value)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS_THAT_DIFFER))
+def test_option_differing_across_ranks_raises_on_every_rank_naming_it(pools, option):
+    for message in pools[2].run(options_differ_worker, option):
+        assert OPTIONS_THAT_DIFFER[option][2] in message, message
+
+
+def dcp_after_consolidate_worker(directory: str) -> None:
+    _, _, model, opt = _pair(2)
+    for step in range(2):
+        _train_step(model, opt, step)
+    opt.consolidate_state_dict(to=0)
+    dcp.save({"optim": opt}, checkpoint_id=directory)
+    fresh = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(copy.deepcopy(model)), lr=1e-2, foreach=False), stage=2, bucket_size_mb=BUCKET_MB)
+    dcp.load({"optim": fresh}, checkpoint_id=directory)
+    for ours, theirs in zip(opt.state.values(), fresh.state.values()):
+        assert all(torch.equal(ours[key], theirs[key]) for key in ours), "dcp.load after consolidate_state_dict gave other state"
+    assert fresh._param_steps == opt._param_steps
+    if dist.get_rank() == 0:  # the consolidation stays pending for the caller's own state_dict()
+        assert opt.state_dict()["zeroshard"]["format"] == zeroshard.checkpoint.FULL_FORMAT
+
+
+def test_dcp_save_after_consolidate_saves_the_shards(pools, tmp_path):
+    pools[2].run(dcp_after_consolidate_worker, str(tmp_path / "ckpt"))

@@ -49,6 +49,15 @@ def bad_input_worker() -> list[str]:
         (ValueError, r"one device; got params on \['cpu', 'meta'\]", lambda: zeroshard.ShardedOptimizer(torch.optim.AdamW([nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, device="meta"))]))),
         (ValueError, r"sparse params are not supported", lambda: zeroshard.ShardedOptimizer(torch.optim.SGD([nn.Parameter(torch.eye(2).to_sparse())], lr=0.1))),
         (ValueError, r"already holds state for 1 params", lambda: zeroshard.ShardedOptimizer(stepped)),
+        (TypeError, r"stage=True must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), stage=True)),
+        (TypeError, r"stage=2.0 must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), stage=2.0)),
+        (TypeError, r"overlap_comm='yes' must be a bool", lambda: zeroshard.ShardedOptimizer(_adamw(model), overlap_comm="yes")),
+        (TypeError, r"max_grad_norm=True must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), max_grad_norm=True)),
+        (ValueError, r"loss_scale=inf must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), loss_scale=float("inf"))),
+        (ValueError, r"bucket_size_mb=inf must be a finite", lambda: zeroshard.ShardedOptimizer(_adamw(model), bucket_size_mb=float("inf"))),
+        (TypeError, r"bucket_size_mb='25' must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), bucket_size_mb="25")),
+        (ValueError, r"param_groups\[0\]\['params'\]\[0\] \(shape \(2, 3\)\) is on the meta device",
+         lambda: zeroshard.ShardedOptimizer(torch.optim.AdamW(nn.Linear(3, 2, device="meta").parameters()))),
     ]
     for error, match, build in cases:
         with pytest.raises(error, match=match):
@@ -56,6 +65,8 @@ def bad_input_worker() -> list[str]:
     opt = zeroshard.ShardedOptimizer(_adamw(model))
     with pytest.raises(TypeError, match="already a ShardedOptimizer"):
         zeroshard.ShardedOptimizer(opt)
+    with pytest.raises(TypeError, match=r"AdamW is already wrapped by a ShardedOptimizer: its param_groups\[0\]\['params'\]\[0\] is a virtual parameter"):
+        zeroshard.ShardedOptimizer(opt.optimizer)
     with pytest.raises(ValueError, match="already in another param group"):
         opt.add_param_group({"params": [model.fc1.weight]})
     assert len(opt.param_groups) == 2

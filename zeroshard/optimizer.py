@@ -31,7 +31,7 @@ from zeroshard.offload import MarginMeasurement, measure_margin, place_chunks
 from zeroshard.sharding import ShardedGroup, shard_param_groups
 from zeroshard.state_dict_api import StateDictMixin
 from zeroshard.step_path import apply_update, grad_multiplier
-from zeroshard.validation import check_arguments, check_options
+from zeroshard.validation import check_arguments, check_options, options_fingerprint
 
 logger = logging.getLogger("zeroshard")
 
@@ -92,18 +92,23 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             ``scale_loss(loss).backward()``) instead of ``loss.backward()``.
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already sharded),
-            ``process_group`` is neither a ``ProcessGroup`` nor a ``DeviceMesh``, or
-            ``reduce_dtype`` is not a floating-point ``torch.dtype``.
-        ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` or ``max_grad_norm`` not positive;
-            a ``loss_scale`` of another kind; ``offload`` not ``None``/``"cpu"``, or with an
-            optimizer other than Adam/AdamW; ``gpu_margin_mem_ratio`` outside [0, 1] or set
-            without offload; torch.distributed
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, is already sharded, or is
+            already wrapped by a ``ShardedOptimizer`` (its params are virtual parameters);
+            ``process_group`` is neither a ``ProcessGroup`` nor a ``DeviceMesh``; an argument of
+            the wrong type (``stage`` not an ``int``, ``bucket_size_mb`` or ``max_grad_norm`` not
+            a number, ``overlap_comm`` not a ``bool``, a ``bool`` ``loss_scale``, ``reduce_dtype``
+            not a floating-point ``torch.dtype``), named with its value.
+        ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` not finite and positive,
+            ``max_grad_norm`` not positive; a ``loss_scale`` of another kind or not finite;
+            ``offload`` not ``None``/``"cpu"``, or with an optimizer other than Adam/AdamW;
+            ``gpu_margin_mem_ratio`` outside [0, 1] or set without offload; torch.distributed
             not initialized, this rank not in ``process_group``, or a 2-D mesh whose dims are not
-            ("replicate", "shard"); no trainable params; params on
-            several devices, sparse or complex params; an optimizer that already holds state;
-            ranks holding different param shapes (raised on every rank, naming the param).
-            All checks but the last run before any collective.
+            ("replicate", "shard"); no trainable params; params on several devices, on the meta
+            device (named), sparse or complex params; an optimizer that already holds state.
+            All these are raised before any collective. Then, on every rank: ranks passing
+            different options (``stage``, ``bucket_size_mb``, ``overlap_comm``,
+            ``reduce_dtype``, ``max_grad_norm``, ``loss_scale``, ``offload``, the optimizer
+            class), named with both values, or holding different param shapes, naming the param.
     """
 
     def __init__(
@@ -120,11 +125,14 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         offload: str | None = None,
         gpu_margin_mem_ratio: float = 0.0,
     ) -> None:
-        check_arguments(optimizer, stage, bucket_size_mb, reduce_dtype)
+        check_arguments(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype)
         check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio)
+        self.groups: ShardingGroups = resolve_groups(process_group)
+        options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload)
+        for group in self.groups.all():
+            collectives.check_same_on_all_ranks("option", options, group)
         self.optimizer = optimizer
         self.stage = stage
-        self.groups: ShardingGroups = resolve_groups(process_group)
         self.process_group = self.groups.shard
         self.world_size = self.groups.shard_size
         self.rank = dist.get_rank(self.process_group)

@@ -16,7 +16,7 @@ from zeroshard.flat_buffer import FlatParamBuffer
 from zeroshard.grad_reducer import take_over
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
-from zeroshard.validation import check_params
+from zeroshard.validation import check_params, is_sharded
 
 
 @dataclass
@@ -89,8 +89,8 @@ def shard_param_groups(
             between ranks.
     """
     params_of = [list(dict.fromkeys(optimizer.param_groups[g]["params"])) for g in indices]
-    device = check_params([p for params in params_of for p in params], indices, device, first=first_shard == 0)
-    trainable = [(p, f"param_groups[{g}]['params'][{j}]") for g, params in zip(indices, params_of) for j, p in enumerate(params) if p.requires_grad]
+    device = check_params(params_of, indices, device, first=first_shard == 0)
+    trainable = [(p, f"param_groups[{g}]['params'][{j}]") for g, params in zip(indices, params_of) for j, p in enumerate(params) if is_sharded(p)]
     take_over([p for p, _ in trainable], [name for _, name in trainable])
     fingerprint = [
         (f"param_groups[{g}]['params'][{j}]", tuple(p.shape), str(p.dtype), p.requires_grad)
@@ -104,7 +104,7 @@ def shard_param_groups(
     records, param_index, group_of_shard = [], [], []
     index = first_param_index
     for g, params in zip(indices, params_of):
-        trainable = [p for p in params if p.requires_grad]
+        trainable = [p for p in params if is_sharded(p)]
         index_of = {id(p): index + j for j, p in enumerate(params)}
         name_of = {id(p): f"param_groups[{g}]['params'][{j}]" for j, p in enumerate(params)}
         index += len(params)
@@ -117,7 +117,7 @@ def shard_param_groups(
             param_index.append([index_of[id(p)] for p in same_dtype])
             group_of_shard.append(g)
         records.append(ShardedGroup(params=params, shards=shard_ids))
-    frozen = [p.data for params in params_of for p in params if not p.requires_grad]
+    frozen = [p.data for params in params_of for p in params if not is_sharded(p)]
     # Replicas take replica 0's values, then each shard group its first rank's: all equal rank (0, 0).
     for group in reversed(groups.all()):
         if dist.get_world_size(group) > 1:
