@@ -299,3 +299,25 @@ def dcp_after_consolidate_worker(directory: str) -> None:
 
 def test_dcp_save_after_consolidate_saves_the_shards(pools, tmp_path):
     pools[2].run(dcp_after_consolidate_worker, str(tmp_path / "ckpt"))
+
+
+# -- 10. optimizers whose update is element-wise only: Adagrad ---------------------------------
+
+
+def adagrad_worker(stage: int) -> None:
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    model = copy.deepcopy(ref_model)
+    ref = DDP(ref_model, find_unused_parameters=True)
+    hyperparameters = dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1, foreach=False)
+    ref_opt = torch.optim.Adagrad(param_groups(ref_model), **hyperparameters)
+    opt = zeroshard.ShardedOptimizer(torch.optim.Adagrad(param_groups(model), **hyperparameters), stage=stage, bucket_size_mb=BUCKET_MB)
+    for step in range(5):
+        _train_step(ref, ref_opt, step)
+        _train_step(model, opt, step)
+        assert _same(ref.module, model), f"step {step}: params differ from DDP + Adagrad"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_adagrad_trains_like_ddp(pools, stage):
+    pools[2].run(adagrad_worker, stage)

@@ -78,6 +78,37 @@ def test_bad_input_raises_before_any_collective(pools):
     pools[2].run(bad_input_worker)
 
 
+class MyAdamW(torch.optim.AdamW):
+    """A user's subclass: zeroshard cannot know its update is still element-wise."""
+
+
+def optimizer_kind_worker() -> None:
+    model = TinyNet()
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    refused = {
+        "Adafactor": lambda: torch.optim.Adafactor(model.parameters()),
+        "Muon": lambda: torch.optim.Muon(matrices),
+        "LBFGS": lambda: torch.optim.LBFGS(model.parameters()),
+        "SparseAdam": lambda: torch.optim.SparseAdam(matrices),
+    }
+    for name, build in refused.items():
+        for assume in (False, True):  # known not to be element-wise: no escape hatch
+            with pytest.raises(ValueError, match=rf"^{name} is not element-wise: "):
+                zeroshard.ShardedOptimizer(build(), assume_elementwise=assume)
+    with pytest.raises(ValueError, match=r"MyAdamW is not a torch.optim optimizer known to be element-wise .* assume_elementwise=True"):
+        zeroshard.ShardedOptimizer(MyAdamW(model.parameters()))
+    with pytest.raises(TypeError, match=r"assume_elementwise=1 must be a bool"):
+        zeroshard.ShardedOptimizer(MyAdamW(model.parameters()), assume_elementwise=1)
+    zeroshard.ShardedOptimizer(MyAdamW(model.parameters()), assume_elementwise=True).close()
+    for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.ASGD, torch.optim.Rprop):
+        zeroshard.ShardedOptimizer(cls(model.parameters(), lr=0.01)).close()
+
+
+def test_only_element_wise_optimizers_are_accepted(pools):
+    pools[2].run(optimizer_kind_worker)
+
+
 def mismatch_worker() -> str:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3 if dist.get_rank() == 0 else 5))
     try:

@@ -31,7 +31,7 @@ from zeroshard.offload import MarginMeasurement, measure_margin, place_chunks
 from zeroshard.sharding import ShardedGroup, shard_param_groups
 from zeroshard.state_dict_api import StateDictMixin
 from zeroshard.step_path import apply_update, grad_multiplier
-from zeroshard.validation import check_arguments, check_options, options_fingerprint
+from zeroshard.validation import check_arguments, check_optimizer_kind, check_options, options_fingerprint
 
 logger = logging.getLogger("zeroshard")
 
@@ -59,7 +59,10 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         optimizer: a ``torch.optim.Optimizer`` instance built on the model's params, not yet
             stepped. Its ``param_groups`` stay the live list the user and LR schedulers see, with
             each group's ``"params"`` replaced by this rank's virtual parameters (1-D, fp32 for
-            16-bit params, else the param dtype).
+            16-bit params, else the param dtype). Its update must be element-wise, which holds
+            for ``torch.optim``'s SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta,
+            RMSprop, ASGD and Rprop; Adafactor, Muon, LBFGS and SparseAdam are refused. State
+            created at construction (Adagrad's ``sum``) is sharded with the params.
         stage: 1 shards optimizer state and master weights; 2 also shards gradients.
         process_group: the data-parallel ranks and how they shard: ``None`` (the world, flat
             sharding), a ``ProcessGroup`` (e.g. a subgroup; ranks outside it run their own), a
@@ -90,16 +93,23 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             number, a ``DynamicLossScaler`` instance, or ``None``: dynamic when any trainable
             param is fp16, else none. With a loss scale active, call :meth:`backward` (or
             ``scale_loss(loss).backward()``) instead of ``loss.backward()``.
+        assume_elementwise: ``True`` accepts an optimizer class outside ``torch.optim``'s
+            element-wise ones (a subclass, Lion, ...), on the caller's word that its update of
+            each element depends on that element's param, gradient and state alone (and on
+            per-param scalars such as the step count). If it does not, results are wrong.
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, is already sharded, or is
             already wrapped by a ``ShardedOptimizer`` (its params are virtual parameters);
             ``process_group`` is neither a ``ProcessGroup`` nor a ``DeviceMesh``; an argument of
             the wrong type (``stage`` not an ``int``, ``bucket_size_mb`` or ``max_grad_norm`` not
-            a number, ``overlap_comm`` not a ``bool``, a ``bool`` ``loss_scale``, ``reduce_dtype``
-            not a floating-point ``torch.dtype``), named with its value.
-        ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` not finite and positive,
-            ``max_grad_norm`` not positive; a ``loss_scale`` of another kind or not finite;
+            a number, ``overlap_comm`` or ``assume_elementwise`` not a ``bool``, a ``bool``
+            ``loss_scale``, ``reduce_dtype`` not a floating-point ``torch.dtype``), named with
+            its value.
+        ValueError: an optimizer whose update is not element-wise (Adafactor, Muon, LBFGS,
+            SparseAdam), or another class than torch.optim's element-wise ones without
+            ``assume_elementwise=True``, named; ``stage`` not in {1, 2}; ``bucket_size_mb`` not
+            finite and positive, ``max_grad_norm`` not positive; a ``loss_scale`` of another kind or not finite;
             ``offload`` not ``None``/``"cpu"``, or with an optimizer other than Adam/AdamW;
             ``gpu_margin_mem_ratio`` outside [0, 1] or set without offload; torch.distributed
             not initialized, this rank not in ``process_group``, or a 2-D mesh whose dims are not
@@ -124,8 +134,10 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         loss_scale: str | float | DynamicLossScaler | None = None,
         offload: str | None = None,
         gpu_margin_mem_ratio: float = 0.0,
+        assume_elementwise: bool = False,
     ) -> None:
         check_arguments(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype)
+        check_optimizer_kind(optimizer, assume_elementwise)
         check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio)
         self.groups: ShardingGroups = resolve_groups(process_group)
         options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload)

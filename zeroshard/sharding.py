@@ -126,4 +126,32 @@ def shard_param_groups(
     shards = [LocalShard(buffer, dist.get_rank(groups.shard), host_master) for buffer in buffers]
     for g, record in zip(indices, records):
         optimizer.param_groups[g]["params"] = [v for k in record.shards for v in shards[k - first_shard].virtual_params]
+    shard_initial_state(optimizer, shards, [p for params in params_of for p in params])
     return NewShards(records, shards, param_index, group_of_shard, device)
+
+
+@torch.no_grad()
+def shard_initial_state(optimizer: torch.optim.Optimizer, shards: list[LocalShard], params: list[nn.Parameter]) -> None:
+    """Move the state ``optimizer`` created at construction for ``params`` onto the virtual params of ``shards``.
+
+    ``torch.optim.Adagrad`` creates its ``sum`` (``initial_accumulator_value``) and ``step`` in
+    ``__init__``, keyed by the original params, and reads them at its first step. Each virtual
+    param gets its piece of every param-shaped state tensor and a copy of every other entry
+    (``step``); the original params' entries are dropped (frozen params' too: they have no
+    virtual param, and their state would never change).
+    """
+    if not optimizer.state:
+        return
+    for shard in shards:
+        for piece, vparam in zip(shard.pieces, shard.virtual_params):
+            param = shard.buffer.params[piece.param]
+            state = optimizer.state.get(param)
+            if state:
+                optimizer.state[vparam] = {
+                    key: value.reshape(-1)[piece.param_offset : piece.param_offset + piece.numel].clone()
+                    if torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0
+                    else (value.clone() if torch.is_tensor(value) else value)
+                    for key, value in state.items()
+                }
+    for param in params:
+        optimizer.state.pop(param, None)

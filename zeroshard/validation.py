@@ -14,9 +14,59 @@ import torch
 from torch import nn
 
 
+# torch.optim classes whose update is element-wise: each element's new value depends only on that
+# element's param, gradient and state, and on per-param scalars (the step count, NAdam's
+# mu_product, ASGD's eta and mu). They give the same numbers on flat 1-D slices as on whole params.
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "ASGD", "Rprop",
+))
+
+# torch.optim classes that cannot run on 1-D slices of params, and why.
+NOT_ELEMENTWISE = {
+    "Adafactor": "its second moment is factored over each param's rows and columns, which a 1-D slice does not have",
+    "Muon": "it orthogonalizes each 2-D param's update as a whole (Newton-Schulz)",
+    "LBFGS": "it needs a closure and views of all params as one flat vector for its line search",
+    "SparseAdam": "it needs sparse gradients, and zeroshard reduces dense ones",
+}
+
+
 def _is_number(value: Any) -> bool:
     """An ``int`` or ``float`` that is not a ``bool``."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_optimizer_kind(optimizer: torch.optim.Optimizer, assume_elementwise: Any) -> None:
+    """Raise unless ``optimizer``'s update is element-wise, the condition for running it on 1-D shards.
+
+    Accepted: the classes in :data:`ELEMENTWISE` (exactly those classes: a subclass may change the
+    update), and any other class with ``assume_elementwise=True`` except those in
+    :data:`NOT_ELEMENTWISE`, which are known not to be element-wise.
+
+    Raises:
+        TypeError: ``assume_elementwise`` is not a ``bool``.
+        ValueError: an optimizer of :data:`NOT_ELEMENTWISE`, or of another class without
+            ``assume_elementwise=True``; the message names the class.
+    """
+    if not isinstance(assume_elementwise, bool):
+        raise TypeError(f"assume_elementwise={assume_elementwise!r} must be a bool, got {type(assume_elementwise).__name__}")
+    cls = type(optimizer)
+    name = cls.__name__
+    if getattr(torch.optim, name, None) is cls and name in NOT_ELEMENTWISE:
+        raise ValueError(f"{name} is not element-wise: {NOT_ELEMENTWISE[name]}. ShardedOptimizer hands the optimizer 1-D slices of "
+                         "params, so it runs only optimizers whose update is element-wise; use one of "
+                         f"{', '.join(c.__name__ for c in ELEMENTWISE)}, or DDP for {name}")
+    if cls not in ELEMENTWISE and not assume_elementwise:
+        raise ValueError(
+            f"{cls.__module__}.{cls.__qualname__} is not a torch.optim optimizer known to be element-wise "
+            f"({', '.join(c.__name__ for c in ELEMENTWISE)}). ShardedOptimizer hands the optimizer 1-D slices of params, which gives "
+            "the same result only if each element's update depends on that element's param, gradient and state alone (and on "
+            "per-param scalars such as the step count). If that holds for it (e.g. Lion), pass assume_elementwise=True"
+        )
+
+
+def _unstepped(state: Any) -> bool:
+    """Whether ``state`` is what an optimizer built but never stepped holds (Adagrad's ``sum``): every entry at step 0."""
+    return all("step" in entry and float(entry["step"]) == 0 for entry in state.values())
 
 
 def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_comm: Any, reduce_dtype: Any) -> None:
@@ -28,7 +78,8 @@ def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_com
             ``stage`` not an ``int``; ``bucket_size_mb`` not a number; ``overlap_comm`` not a
             ``bool``; ``reduce_dtype`` not ``None`` or a floating-point dtype.
         ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` not positive and finite;
-            ``optimizer`` already holds state.
+            ``optimizer`` already stepped (state created at construction, as Adagrad's, is
+            fine: see :func:`~zeroshard.sharding.shard_initial_state`).
     """
     from zeroshard.local_shard import is_virtual_param
     from zeroshard.optimizer import ShardedOptimizer
@@ -57,7 +108,7 @@ def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_com
         raise TypeError(f"overlap_comm={overlap_comm!r} must be a bool, got {type(overlap_comm).__name__}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise TypeError(f"reduce_dtype={reduce_dtype!r} must be None or a floating-point torch.dtype")
-    if optimizer.state:
+    if not _unstepped(optimizer.state):
         raise ValueError(f"optimizer already holds state for {len(optimizer.state)} params; wrap it before its first step and load checkpoints through ShardedOptimizer.load_state_dict")
 
 
