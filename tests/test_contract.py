@@ -4,6 +4,9 @@ same numbers as DDP + torch.optim.AdamW, or a clear error (never a silent differ
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -321,3 +324,17 @@ def adagrad_worker(stage: int) -> None:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_adagrad_trains_like_ddp(pools, stage):
     pools[2].run(adagrad_worker, stage)
+
+
+# -- 13. a rank that misses a collective -------------------------------------------------------
+
+
+def test_rank_missing_step_raises_naming_the_collective_within_the_bound(tmp_path):
+    # A real 2-rank run in a child: a timed-out gloo group cannot serve the shared rank pool again.
+    child = Path(__file__).parent / "collective_timeout_child.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(child), str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "timeout raised: step(): the all-reduce of the gradient norm did not complete within 2 s on rank 0" in result.stdout, output[-3000:]
+    assert "every rank must run the same backward passes and call clip_grad_norm_() and step() alike" in result.stdout, output[-3000:]

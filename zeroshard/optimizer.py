@@ -6,6 +6,7 @@ See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py`` for the buffers na
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import weakref
 from collections import OrderedDict
@@ -97,28 +98,38 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             element-wise ones (a subclass, Lion, ...), on the caller's word that its update of
             each element depends on that element's param, gradient and state alone (and on
             per-param scalars such as the step count). If it does not, results are wrong.
+        collective_timeout_s: the longest this rank waits for one of zeroshard's collectives in
+            backward, :meth:`clip_grad_norm_` and :meth:`step` (the gradient reduce-scatters, the
+            norm all-reduce, the param all-gathers) before raising a ``RuntimeError`` that names
+            the collective. ``None``: the process group's own timeout (``timeout=`` of
+            ``init_process_group``, 30 minutes by default; gloo then aborts the process with no
+            Python traceback). A bounded wait turns a rank that skipped ``step()`` or a backward
+            into a clear error on the ranks that wait for it; the process group is unusable
+            afterwards, so end the run. On NCCL a bounded wait blocks the host until the
+            collective completes. Each rank may set its own bound.
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, is already sharded, or is
             already wrapped by a ``ShardedOptimizer`` (its params are virtual parameters);
             ``process_group`` is neither a ``ProcessGroup`` nor a ``DeviceMesh``; an argument of
-            the wrong type (``stage`` not an ``int``, ``bucket_size_mb`` or ``max_grad_norm`` not
-            a number, ``overlap_comm`` or ``assume_elementwise`` not a ``bool``, a ``bool``
-            ``loss_scale``, ``reduce_dtype`` not a floating-point ``torch.dtype``), named with
-            its value.
+            the wrong type (``stage`` not an ``int``; ``bucket_size_mb``, ``max_grad_norm`` or
+            ``collective_timeout_s`` not a number; ``overlap_comm`` or ``assume_elementwise``
+            not a ``bool``; a ``bool`` ``loss_scale``; ``reduce_dtype`` not a floating-point
+            ``torch.dtype``), named with its value.
         ValueError: an optimizer whose update is not element-wise (Adafactor, Muon, LBFGS,
             SparseAdam), or another class than torch.optim's element-wise ones without
-            ``assume_elementwise=True``, named; ``stage`` not in {1, 2}; ``bucket_size_mb`` not
-            finite and positive, ``max_grad_norm`` not positive; a ``loss_scale`` of another kind or not finite;
-            ``offload`` not ``None``/``"cpu"``, or with an optimizer other than Adam/AdamW;
-            ``gpu_margin_mem_ratio`` outside [0, 1] or set without offload; torch.distributed
-            not initialized, this rank not in ``process_group``, or a 2-D mesh whose dims are not
-            ("replicate", "shard"); no trainable params; params on several devices, on the meta
-            device (named), sparse or complex params; an optimizer that already holds state.
-            All these are raised before any collective. Then, on every rank: ranks passing
-            different options (``stage``, ``bucket_size_mb``, ``overlap_comm``,
-            ``reduce_dtype``, ``max_grad_norm``, ``loss_scale``, ``offload``, the optimizer
-            class), named with both values, or holding different param shapes, naming the param.
+            ``assume_elementwise=True``, named; ``stage`` not in {1, 2}; ``bucket_size_mb`` or
+            ``collective_timeout_s`` not finite and positive, ``max_grad_norm`` not positive; a
+            ``loss_scale`` of another kind or not finite; ``offload`` not ``None``/``"cpu"``, or
+            with an optimizer other than Adam/AdamW; ``gpu_margin_mem_ratio`` outside [0, 1] or
+            set without offload; torch.distributed not initialized, this rank not in
+            ``process_group``, or a 2-D mesh whose dims are not ("replicate", "shard"); no
+            trainable params; params on several devices, on the meta device (named), sparse or
+            complex params; an optimizer that already holds state. All these are raised before
+            any collective. Then, on every rank: ranks passing different options (``stage``,
+            ``bucket_size_mb``, ``overlap_comm``, ``reduce_dtype``, ``max_grad_norm``,
+            ``loss_scale``, ``offload``, the optimizer class), named with both values, or holding
+            different param shapes, naming the param.
     """
 
     def __init__(
@@ -135,10 +146,11 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         offload: str | None = None,
         gpu_margin_mem_ratio: float = 0.0,
         assume_elementwise: bool = False,
+        collective_timeout_s: float | None = None,
     ) -> None:
         check_arguments(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype)
         check_optimizer_kind(optimizer, assume_elementwise)
-        check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio)
+        check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio, collective_timeout_s)
         self.groups: ShardingGroups = resolve_groups(process_group)
         options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload)
         for group in self.groups.all():
@@ -152,6 +164,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self.offload = offload
         self.overlap_comm = overlap_comm
         self.reduce_dtype = reduce_dtype
+        self.collective_timeout_s = collective_timeout_s
         self._init_optimizer_hooks()
 
         self._groups: list[ShardedGroup] = []
@@ -242,7 +255,8 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self._param_steps.extend([0] * sum(len(g.params) for g in new.groups))
         if self._reducer is None:
             self._reducer = GradReducer(
-                new.shards, stage=self.stage, groups=self.groups, reduce_dtype=self.reduce_dtype, overlap_comm=self.overlap_comm
+                new.shards, stage=self.stage, groups=self.groups, reduce_dtype=self.reduce_dtype, overlap_comm=self.overlap_comm,
+                timeout=self._collective_timeout(),
             )
         else:
             for shard in new.shards:
@@ -315,9 +329,12 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         """``scale_loss(loss).backward()``: use it instead of ``loss.backward()`` whenever a loss scale is active."""
         self.scale_loss(loss).backward()
 
-    def _gather_stats(self, norm_type: float) -> GradStats:
+    def _collective_timeout(self) -> datetime.timedelta | None:
+        return None if self.collective_timeout_s is None else datetime.timedelta(seconds=self.collective_timeout_s)
+
+    def _gather_stats(self, norm_type: float, caller: str) -> GradStats:
         self._reducer.reduce_for_step()
-        return gather_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type)
+        return gather_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._collective_timeout(), caller)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the coming step's gradients to global norm ``max_norm``; return the pre-clip norm.
@@ -330,12 +347,14 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
 
         Raises:
             ValueError: ``max_norm`` not positive, or ``norm_type`` not 2 or inf.
+            RuntimeError: with ``collective_timeout_s``, a collective that some rank did not join
+                in time (named).
         """
         if not max_norm > 0:
             raise ValueError(f"max_norm={max_norm!r} must be positive")
         if float(norm_type) not in NORM_TYPES:
             raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
-        self._stats = self._gather_stats(float(norm_type))
+        self._stats = self._gather_stats(float(norm_type), "clip_grad_norm_()")
         self._clip_norm = float(max_norm)
         return torch.tensor(self._stats.norm / (self.loss_scale or 1.0))
 
@@ -361,7 +380,9 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         Collective: call on every rank.
 
         Raises:
-            RuntimeError: a ``torch.amp.GradScaler`` is driving this optimizer.
+            RuntimeError: a ``torch.amp.GradScaler`` is driving this optimizer; with
+                ``collective_timeout_s``, a collective that some rank did not join in time (named;
+                the process group is unusable afterwards).
 
         Returns:
             The closure's loss, or ``None``.
@@ -376,7 +397,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         with torch.no_grad():
             for shard in self._shards:  # before any collective: raises alike on every rank
                 shard.follow_all()
-            stats = self._stats or self._gather_stats(2.0)
+            stats = self._stats or self._gather_stats(2.0, "step()")
             if self._margin_tracer is not None:
                 self._place_chunks()
             scale = self.loss_scale or 1.0
@@ -409,7 +430,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         apply_update(self.optimizer, self._shards, self._fused, self._group_of_shard, stats.used, steps, multiplier, all_gather)
         for work in works:
             # The params must hold every rank's update before the next forward reads them.
-            work.wait()
+            collectives.wait(work, self._collective_timeout(), "step(): the all-gather of the updated params", "call step()")
 
     def _place_chunks(self) -> None:
         """End the first iteration's tracer and move that margin's share of chunks to the device (logged once)."""

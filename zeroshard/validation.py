@@ -112,15 +112,18 @@ def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_com
         raise ValueError(f"optimizer already holds state for {len(optimizer.state)} params; wrap it before its first step and load checkpoints through ShardedOptimizer.load_state_dict")
 
 
-def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_scale: Any, offload: Any, gpu_margin_mem_ratio: Any) -> None:
+def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_scale: Any, offload: Any, gpu_margin_mem_ratio: Any,
+                  collective_timeout_s: Any = None) -> None:
     """Raise on a step option ``ShardedOptimizer`` cannot use.
 
     Raises:
-        TypeError: ``max_grad_norm`` neither ``None`` nor a number; ``loss_scale`` a ``bool``.
+        TypeError: ``max_grad_norm`` or ``collective_timeout_s`` neither ``None`` nor a number;
+            ``loss_scale`` a ``bool``.
         ValueError: ``max_grad_norm`` not positive; ``loss_scale`` not ``None``,
             ``"dynamic"``, a finite positive number or a ``DynamicLossScaler``; ``offload`` not
             ``None``/``"cpu"``, or ``"cpu"`` with an optimizer other than Adam/AdamW;
-            ``gpu_margin_mem_ratio`` outside [0, 1], or above 0 without ``offload="cpu"``.
+            ``gpu_margin_mem_ratio`` outside [0, 1], or above 0 without ``offload="cpu"``;
+            ``collective_timeout_s`` not finite and positive.
     """
     from zeroshard.fused_adam import fused_adam_kind
     from zeroshard.loss_scaler import DynamicLossScaler
@@ -137,6 +140,10 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
         raise TypeError(f"max_grad_norm={max_grad_norm!r} must be None or a positive number, got {type(max_grad_norm).__name__}")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or a positive number")
+    if collective_timeout_s is not None and not _is_number(collective_timeout_s):
+        raise TypeError(f"collective_timeout_s={collective_timeout_s!r} must be None or a number of seconds, got {type(collective_timeout_s).__name__}")
+    if collective_timeout_s is not None and not (math.isfinite(collective_timeout_s) and collective_timeout_s > 0):
+        raise ValueError(f"collective_timeout_s={collective_timeout_s!r} must be None or a finite positive number of seconds")
     if isinstance(loss_scale, bool):
         raise TypeError(f"loss_scale={loss_scale!r} must be None, 'dynamic', a positive number or a DynamicLossScaler, got bool")
     if not (loss_scale is None or loss_scale == "dynamic" or isinstance(loss_scale, DynamicLossScaler)
