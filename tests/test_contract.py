@@ -4,10 +4,14 @@ same numbers as DDP + torch.optim.AdamW, or a clear error (never a silent differ
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -18,10 +22,10 @@ from models import TinyNet, batch, loss_fn, param_groups
 BUCKET_MB = 100 * 4 / 2**20  # several buckets in TinyNet
 
 
-def _pair(stage: int, dtype: torch.dtype = torch.float32, **kwargs):
+def _pair(stage: int, dtype: torch.dtype = torch.float32, net: type[nn.Module] = TinyNet, **kwargs):
     """(DDP reference, its AdamW, a copy of the model, ShardedOptimizer over the copy), same seed."""
     torch.manual_seed(0)
-    ref_model = TinyNet().to(dtype)
+    ref_model = net().to(dtype)
     model = copy.deepcopy(ref_model)
     ref = DDP(ref_model, find_unused_parameters=True)
     ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
@@ -276,15 +280,15 @@ def test_fp16_gradients_have_ddps_headroom(pools, stage):
 # -- 7. gradual unfreezing -----------------------------------------------------------------------
 
 
-def unfreeze_worker(stage: int, clip: bool) -> None:
-    # Reference: torch.optim.AdamW fed the data-parallel gradient (each rank's, all-reduced, over N).
+def unfreeze_worker(stage: int, clip: bool, optimizer_class: type = torch.optim.AdamW) -> None:
+    # Reference: the torch optimizer fed the data-parallel gradient (each rank's, all-reduced, over N).
     torch.manual_seed(0)
     ref_model = TinyNet()
     model = copy.deepcopy(ref_model)
     for m in (ref_model, model):
         m.fc1.weight.requires_grad_(False)
-    ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
-    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB,
+    ref_opt = optimizer_class(param_groups(ref_model), lr=1e-2, foreach=False)
+    opt = zeroshard.ShardedOptimizer(optimizer_class(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB,
                                      max_grad_norm=0.5 if clip else None)
     for step in range(6):
         if step == 2:
@@ -309,3 +313,135 @@ def unfreeze_worker(stage: int, clip: bool) -> None:
 @pytest.mark.parametrize("clip", [False, True])
 def test_param_unfrozen_after_wrapping_is_trained(pools, stage, clip):
     pools[2].run(unfreeze_worker, stage, clip)
+
+
+def test_param_unfrozen_after_wrapping_keeps_adagrads_initial_state(pools):
+    pools[2].run(unfreeze_worker, 2, False, torch.optim.Adagrad)
+
+
+# -- 5. a NaN on one rank with clip_grad_norm_(norm_type=inf) ----------------------------------
+
+
+def nan_inf_norm_worker(stage: int) -> tuple[bool, bool, bool]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4, bias=False)  # one bucket of 16 elements: rank 0 owns [0, 8), rank 1 [8, 16)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage)
+    if dist.get_rank() == 1:  # the last element lies in rank 1's slice only
+        model.weight.register_hook(lambda grad: grad.index_put((torch.tensor(3), torch.tensor(3)), torch.tensor(float("nan"))))
+    before = model.weight.detach().clone()
+    model(torch.ones(2, 4)).sum().backward()
+    finite_shard = bool(torch.isfinite(opt._shards[0].grad_shard).all())
+    opt.clip_grad_norm_(1.0, norm_type=float("inf"))
+    opt.step()
+    return finite_shard, opt.step_was_skipped, torch.equal(model.weight, before)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_nan_on_one_rank_skips_the_step_with_inf_norm_clipping(pools, stage):
+    (rank0_finite, *rank0), (rank1_finite, *rank1) = pools[2].run(nan_inf_norm_worker, stage)
+    assert rank0_finite and not rank1_finite, "the test needs the NaN in rank 1's shard only"
+    assert rank0 == rank1 == [True, True], f"skipped, params unchanged: rank 0 {rank0}, rank 1 {rank1}"
+
+
+# -- 12. bad input that got through -----------------------------------------------------------
+
+
+class ZeroElementNet(TinyNet):
+    """TinyNet with a zero-element param that takes part in the forward (torch trains around it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0, 13))
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        return super().forward(x, use_branch) + self.empty.sum()
+
+
+def zero_element_worker(stage: int) -> None:
+    ref, ref_opt, model, opt = _pair(stage, net=ZeroElementNet)
+    for step in range(4):
+        _train_step(ref, ref_opt, step)
+        _train_step(model, opt, step)
+        assert _same(ref.module, model), f"step {step}: params differ from DDP with a zero-element param"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_element_param_trains_like_ddp(pools, stage):
+    pools[2].run(zero_element_worker, stage)
+
+
+OPTIONS_THAT_DIFFER = {
+    "bucket_size_mb": (1.0, 2.0, "option bucket_size_mb on rank 1 is (2.0,), on rank 0 (1.0,)"),
+    "stage": (1, 2, "option stage on rank 1 is (2,), on rank 0 (1,)"),
+    "reduce_dtype": (None, torch.bfloat16, "option reduce_dtype on rank 1 is ('torch.bfloat16',), on rank 0 ('None',)"),
+    "max_grad_norm": (None, 1.0, "option max_grad_norm on rank 1 is (1.0,), on rank 0 (None,)"),
+}
+
+
+def options_differ_worker(option: str) -> str:
+    model = TinyNet()
+    value = OPTIONS_THAT_DIFFER[option][dist.get_rank()]
+    with pytest.raises(ValueError) as error:
+        zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model)), **{option: value})
+    return str(error.value)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS_THAT_DIFFER))
+def test_option_differing_across_ranks_raises_on_every_rank_naming_it(pools, option):
+    for message in pools[2].run(options_differ_worker, option):
+        assert OPTIONS_THAT_DIFFER[option][2] in message, message
+
+
+def dcp_after_consolidate_worker(directory: str) -> None:
+    _, _, model, opt = _pair(2)
+    for step in range(2):
+        _train_step(model, opt, step)
+    opt.consolidate_state_dict(to=0)
+    dcp.save({"optim": opt}, checkpoint_id=directory)
+    fresh = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(copy.deepcopy(model)), lr=1e-2, foreach=False), stage=2, bucket_size_mb=BUCKET_MB)
+    dcp.load({"optim": fresh}, checkpoint_id=directory)
+    for ours, theirs in zip(opt.state.values(), fresh.state.values()):
+        assert all(torch.equal(ours[key], theirs[key]) for key in ours), "dcp.load after consolidate_state_dict gave other state"
+    assert fresh._param_steps == opt._param_steps
+    if dist.get_rank() == 0:  # the consolidation stays pending for the caller's own state_dict()
+        assert opt.state_dict()["zeroshard"]["format"] == zeroshard.checkpoint.FULL_FORMAT
+
+
+def test_dcp_save_after_consolidate_saves_the_shards(pools, tmp_path):
+    pools[2].run(dcp_after_consolidate_worker, str(tmp_path / "ckpt"))
+
+
+# -- 10. optimizers whose update is element-wise only: Adagrad ---------------------------------
+
+
+def adagrad_worker(stage: int) -> None:
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    model = copy.deepcopy(ref_model)
+    ref = DDP(ref_model, find_unused_parameters=True)
+    hyperparameters = dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1, foreach=False)
+    ref_opt = torch.optim.Adagrad(param_groups(ref_model), **hyperparameters)
+    opt = zeroshard.ShardedOptimizer(torch.optim.Adagrad(param_groups(model), **hyperparameters), stage=stage, bucket_size_mb=BUCKET_MB)
+    for step in range(5):
+        _train_step(ref, ref_opt, step)
+        _train_step(model, opt, step)
+        assert _same(ref.module, model), f"step {step}: params differ from DDP + Adagrad"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_adagrad_trains_like_ddp(pools, stage):
+    pools[2].run(adagrad_worker, stage)
+
+
+# -- 13. a rank that misses a collective -------------------------------------------------------
+
+
+def test_rank_missing_step_raises_naming_the_collective_within_the_bound(tmp_path):
+    # A real 2-rank run in a child: a timed-out gloo group cannot serve the shared rank pool again.
+    child = Path(__file__).parent / "collective_timeout_child.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(child), str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "timeout raised: step(): the all-reduce of the gradient norm did not complete within 2 s on rank 0" in result.stdout, output[-3000:]
+    assert "every rank must run the same backward passes and call clip_grad_norm_() and step() alike" in result.stdout, output[-3000:]

@@ -49,6 +49,17 @@ def bad_input_worker() -> list[str]:
         (ValueError, r"one device; got params on \['cpu', 'meta'\]", lambda: zeroshard.ShardedOptimizer(torch.optim.AdamW([nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, device="meta"))]))),
         (ValueError, r"sparse params are not supported", lambda: zeroshard.ShardedOptimizer(torch.optim.SGD([nn.Parameter(torch.eye(2).to_sparse())], lr=0.1))),
         (ValueError, r"already holds state for 1 params", lambda: zeroshard.ShardedOptimizer(stepped)),
+        (TypeError, r"stage=True must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), stage=True)),
+        (TypeError, r"stage=2.0 must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), stage=2.0)),
+        (TypeError, r"overlap_comm='yes' must be a bool", lambda: zeroshard.ShardedOptimizer(_adamw(model), overlap_comm="yes")),
+        (TypeError, r"max_grad_norm=True must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), max_grad_norm=True)),
+        (ValueError, r"loss_scale=inf must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), loss_scale=float("inf"))),
+        (ValueError, r"bucket_size_mb=inf must be a finite", lambda: zeroshard.ShardedOptimizer(_adamw(model), bucket_size_mb=float("inf"))),
+        (TypeError, r"bucket_size_mb='25' must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), bucket_size_mb="25")),
+        (TypeError, r"collective_timeout_s='5' must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), collective_timeout_s="5")),
+        (ValueError, r"collective_timeout_s=0 must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), collective_timeout_s=0)),
+        (ValueError, r"param_groups\[0\]\['params'\]\[0\] \(shape \(2, 3\)\) is on the meta device",
+         lambda: zeroshard.ShardedOptimizer(torch.optim.AdamW(nn.Linear(3, 2, device="meta").parameters()))),
     ]
     for error, match, build in cases:
         with pytest.raises(error, match=match):
@@ -56,6 +67,8 @@ def bad_input_worker() -> list[str]:
     opt = zeroshard.ShardedOptimizer(_adamw(model))
     with pytest.raises(TypeError, match="already a ShardedOptimizer"):
         zeroshard.ShardedOptimizer(opt)
+    with pytest.raises(TypeError, match=r"AdamW is already wrapped by a ShardedOptimizer: its param_groups\[0\]\['params'\]\[0\] is a virtual parameter"):
+        zeroshard.ShardedOptimizer(opt.optimizer)
     with pytest.raises(ValueError, match="already in another param group"):
         opt.add_param_group({"params": [model.fc1.weight]})
     assert len(opt.param_groups) == 2
@@ -65,6 +78,37 @@ def bad_input_worker() -> list[str]:
 def test_bad_input_raises_before_any_collective(pools):
     # Every rank raises the same errors; a collective run by some ranks only would hang here.
     pools[2].run(bad_input_worker)
+
+
+class MyAdamW(torch.optim.AdamW):
+    """A user's subclass: zeroshard cannot know its update is still element-wise."""
+
+
+def optimizer_kind_worker() -> None:
+    model = TinyNet()
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    refused = {
+        "Adafactor": lambda: torch.optim.Adafactor(model.parameters()),
+        "Muon": lambda: torch.optim.Muon(matrices),
+        "LBFGS": lambda: torch.optim.LBFGS(model.parameters()),
+        "SparseAdam": lambda: torch.optim.SparseAdam(matrices),
+    }
+    for name, build in refused.items():
+        for assume in (False, True):  # known not to be element-wise: no escape hatch
+            with pytest.raises(ValueError, match=rf"^{name} is not element-wise: "):
+                zeroshard.ShardedOptimizer(build(), assume_elementwise=assume)
+    with pytest.raises(ValueError, match=r"MyAdamW is not a torch.optim optimizer known to be element-wise .* assume_elementwise=True"):
+        zeroshard.ShardedOptimizer(MyAdamW(model.parameters()))
+    with pytest.raises(TypeError, match=r"assume_elementwise=1 must be a bool"):
+        zeroshard.ShardedOptimizer(MyAdamW(model.parameters()), assume_elementwise=1)
+    zeroshard.ShardedOptimizer(MyAdamW(model.parameters()), assume_elementwise=True).close()
+    for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.ASGD, torch.optim.Rprop):
+        zeroshard.ShardedOptimizer(cls(model.parameters(), lr=0.01)).close()
+
+
+def test_only_element_wise_optimizers_are_accepted(pools):
+    pools[2].run(optimizer_kind_worker)
 
 
 def mismatch_worker() -> str:

@@ -7,6 +7,7 @@ exist and fall back to the old ones on torch 2.4 - 2.12.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -51,9 +52,43 @@ def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> dist.Work:
     return _all_gather_single(output, input, group=group, async_op=True)
 
 
-def all_reduce_max_(tensor: Tensor, group: ProcessGroup) -> None:
-    """In-place element-wise maximum of ``tensor`` over the ranks of ``group`` (blocking)."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+def all_reduce(tensor: Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work:
+    """Start an in-place all-reduce of ``tensor`` over ``group`` (``op``: SUM by default).
+
+    Returns:
+        The async work handle; call :func:`wait` before reading ``tensor``.
+    """
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+
+def wait(work: dist.Work, timeout: datetime.timedelta | None, what: str, hint: str) -> None:
+    """Wait for ``work``; with a ``timeout``, raise a ``RuntimeError`` naming the collective after it.
+
+    Without a timeout this is ``work.wait()``: the process group's own timeout applies (30 minutes
+    by default). With one, ``work.wait(timeout=...)`` returns or raises within it (gloo raises
+    "Operation timed out!"; NCCL blocks the host until the collective completes or times out).
+    Afterwards the process group is unusable: the collective may still be pending on other ranks.
+
+    Args:
+        work: the handle of an async collective.
+        timeout: the bound, or ``None``.
+        what: the collective, for the message (e.g. ``"step(): the all-gather of updated params"``).
+        hint: what every rank must do alike, for the message (e.g. ``"call step()"``).
+
+    Raises:
+        RuntimeError: ``work`` did not complete within ``timeout`` (or failed while waiting).
+    """
+    if timeout is None:
+        work.wait()
+        return
+    try:
+        work.wait(timeout=timeout)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"{what} did not complete within {timeout.total_seconds():g} s on rank {dist.get_rank()} ({error}): every rank must {hint}. "
+            "Some rank did not take part (it skipped the call, raised, or is still in an earlier one). The process group cannot be "
+            "used after this error: end the run on every rank"
+        ) from error
 
 
 def broadcast_from_first_(tensors: Sequence[Tensor], group: ProcessGroup) -> None:

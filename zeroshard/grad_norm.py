@@ -8,17 +8,21 @@ flag per param in one SUM all-reduce over the shard group. With hybrid sharding 
 identical grad shards, so only replica 0 contributes its sum to the second all-reduce (over the
 replicate group) while every replica contributes its flags. An inf or NaN anywhere makes the sum
 non-finite: that is the overflow check (as in ZeRO's and Megatron's ``found_inf``). The infinity
-norm takes a MAX all-reduce of the largest magnitude instead, and the flags a SUM of their own.
+norm sends a count of non-finite shards in the sum's place, and takes its value from a MAX
+all-reduce of the largest magnitude: the overflow check never rests on MAX, which gloo computes
+with ``std::max`` and so drops a NaN unless rank 0 holds it.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from zeroshard import collectives
 from zeroshard.groups import ShardingGroups
 from zeroshard.kernels import grad_sumsq
 from zeroshard.local_shard import LocalShard
@@ -47,7 +51,8 @@ class GradStats:
         return not math.isfinite(self.norm)
 
 
-def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0) -> GradStats:
+def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0,
+                      timeout: datetime.timedelta | None = None, caller: str = "step()") -> GradStats:
     """Reduce this rank's sum of squares (or max magnitude) and used-flags over every data-parallel rank.
 
     Args:
@@ -55,9 +60,12 @@ def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
         local_used: per shard, per param: whether it got a gradient on this rank.
         groups: the shard group and, for hybrid sharding, the replicate group.
         norm_type: 2.0 or ``math.inf``.
+        timeout: the bound on each all-reduce (see :func:`zeroshard.collectives.wait`), or ``None``.
+        caller: the public method this runs for, named in a timeout error.
 
     Raises:
         ValueError: another ``norm_type``.
+        RuntimeError: an all-reduce did not complete within ``timeout``.
     """
     if norm_type not in NORM_TYPES:
         raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
@@ -67,23 +75,27 @@ def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
         local = sum((grad_sumsq(s.grad_shard) for s in shards), torch.zeros((), device=device))
     else:
         local = torch.stack([s.grad_shard.abs().max() if s.grad_shard.numel() else torch.zeros((), device=device) for s in shards]).max()
-    both = torch.cat([local.reshape(1).float(), flags]) if norm_type == 2.0 else flags
+    summed = local if norm_type == 2.0 else (~torch.isfinite(local)).float()  # sum of squares, or a non-finite count
+    both = torch.cat([summed.reshape(1).float(), flags])
     replica_rank = dist.get_rank(groups.replicate) if groups.replicate is not None else 0
+    hint = "run the same backward passes and call clip_grad_norm_() and step() alike"
     for group in groups.all():
         if dist.get_world_size(group) == 1:
             continue
         if group is groups.replicate and norm_type == 2.0 and replica_rank != 0:
             both[0] = 0.0  # the replicas' grad shards are identical: count one of them
-        dist.all_reduce(both, group=group)
+        collectives.wait(collectives.all_reduce(both, group), timeout, f"{caller}: the all-reduce of the gradient norm", hint)
     if norm_type != 2.0:
         for group in groups.all():
             if dist.get_world_size(group) > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+                work = collectives.all_reduce(local, group, op=dist.ReduceOp.MAX)
+                collectives.wait(work, timeout, f"{caller}: the all-reduce of the gradient inf-norm", hint)
     values = both.tolist()  # the one host-device synchronization of the step
     if norm_type == 2.0:
-        norm, flat = (math.sqrt(values[0]) if math.isfinite(values[0]) else values[0]), values[1:]
+        norm = math.sqrt(values[0]) if math.isfinite(values[0]) else values[0]
     else:
-        norm, flat = float(local), values
+        norm = float(local) if values[0] == 0 else math.nan
+    flat = values[1:]
     used, start = [], 0
     for per_shard in local_used:
         used.append([v > 0 for v in flat[start : start + len(per_shard)]])

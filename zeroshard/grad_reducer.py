@@ -16,6 +16,7 @@ the grad shards, as DDP's reducer finalizes at the end of backward.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import weakref
 from collections.abc import Iterator, Sequence
@@ -124,10 +125,14 @@ class GradReducer:
         reduce_dtype: dtype of the reduce-scatter; ``None`` means each param's own dtype.
         overlap_comm: launch buckets during backward as they complete (``True``) or all at the end
             of backward (``False``).
+        timeout: the bound on waiting for each reduction (see :func:`zeroshard.collectives.wait`),
+            or ``None`` for the process group's own timeout.
     """
 
-    def __init__(self, shards: list[LocalShard], *, stage: int, groups: ShardingGroups, reduce_dtype: torch.dtype | None, overlap_comm: bool) -> None:
+    def __init__(self, shards: list[LocalShard], *, stage: int, groups: ShardingGroups, reduce_dtype: torch.dtype | None, overlap_comm: bool,
+                 timeout: datetime.timedelta | None = None) -> None:
         self.stage = stage
+        self.timeout = timeout
         self.groups = groups
         self.group = groups.shard
         self.world_size = groups.shard_size
@@ -413,12 +418,12 @@ class GradReducer:
 
     def _complete(self, pending: PendingReduce) -> None:
         """Wait for one reduction, fold its slice into the grad shard, recycle its staging buffer."""
-        if pending.work is not None:
-            # The reduced slice must have arrived before it is added into the grad shard.
-            pending.work.wait()
+        # The reduced slice must have arrived before it is added into the grad shard.
+        self._wait(pending.work, f"the reduce-scatter of gradient bucket {pending.shard}.{pending.bucket}")
         if self.groups.replicate is not None:
             # Hybrid: the same slice on every replica, summed across them (MiCS, §3).
-            dist.all_reduce(pending.output, group=self.groups.replicate)
+            work = collectives.all_reduce(pending.output, self.groups.replicate)
+            self._wait(work, f"the all-reduce across replicas of gradient bucket {pending.shard}.{pending.bucket}")
         shard = self.shards[pending.shard]
         reduced = pending.output.to(shard.grad_shard.dtype)
         if not _divides_first(pending.output.dtype) and self.groups.data_parallel_size > 1:
@@ -429,6 +434,12 @@ class GradReducer:
         else:
             target.add_(reduced)
             self._staging_pool.setdefault((pending.input.numel(), pending.input.dtype), []).append(pending.input)
+
+    def _wait(self, work: dist.Work | None, what: str) -> None:
+        if work is None:  # a shard group of one: nothing was sent
+            return
+        collectives.wait(work, self.timeout, f"backward or step(): {what}",
+                         "run the same backward passes (outside no_sync()) and step() calls, with the same params used")
 
     def _finish_backward(self) -> None:
         self._reduce_everything()
@@ -513,8 +524,7 @@ class GradReducer:
                 flat_grad.zero_()
             self._used[k] = [False] * len(self._used[k])
         for pending in self._pending:  # left behind by a backward pass that raised
-            if pending.work is not None:
-                pending.work.wait()
+            self._wait(pending.work, f"the reduce-scatter of gradient bucket {pending.shard}.{pending.bucket}")
         self._pending.clear()
         self._clear_backward_state()
         self._staging.clear()

@@ -15,6 +15,15 @@ from zeroshard.flat_buffer import FlatParamBuffer
 from zeroshard.partition import ShardPiece
 
 
+# Set on every virtual parameter, so that a torch optimizer wrapped a second time is recognized.
+_VIRTUAL = "_zeroshard_virtual_param"
+
+
+def is_virtual_param(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a virtual parameter of some :class:`LocalShard` (see [Note: zeroshard buffers])."""
+    return getattr(param, _VIRTUAL, False)
+
+
 def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the master weights for params of ``dtype``: fp32 for 16-bit floats, else ``dtype``."""
     return torch.float32 if dtype.itemsize < 4 else dtype
@@ -61,6 +70,8 @@ class LocalShard:
         self.virtual_params: list[nn.Parameter] = [
             nn.Parameter(self.master_view(piece.shard_offset, piece.numel), requires_grad=True) for piece in self.pieces
         ]
+        for vparam in self.virtual_params:
+            setattr(vparam, _VIRTUAL, True)
         self._seen_versions = [p._version for p in buffer.params]
 
     @property

@@ -6,6 +6,7 @@ See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py`` for the buffers na
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import weakref
 from collections import OrderedDict
@@ -31,7 +32,7 @@ from zeroshard.offload import MarginMeasurement, measure_margin, place_chunks
 from zeroshard.sharding import NewShards, ShardedGroup, shard_param_groups
 from zeroshard.state_dict_api import StateDictMixin
 from zeroshard.step_path import apply_update, grad_multiplier
-from zeroshard.validation import check_arguments, check_options
+from zeroshard.validation import check_arguments, check_optimizer_kind, check_options, is_sharded, options_fingerprint
 
 logger = logging.getLogger("zeroshard")
 
@@ -59,7 +60,10 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         optimizer: a ``torch.optim.Optimizer`` instance built on the model's params, not yet
             stepped. Its ``param_groups`` stay the live list the user and LR schedulers see, with
             each group's ``"params"`` replaced by this rank's virtual parameters (1-D, fp32 for
-            16-bit params, else the param dtype).
+            16-bit params, else the param dtype). Its update must be element-wise, which holds
+            for ``torch.optim``'s SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta,
+            RMSprop, ASGD and Rprop; Adafactor, Muon, LBFGS and SparseAdam are refused. State
+            created at construction (Adagrad's ``sum``) is sharded with the params.
         stage: 1 shards optimizer state and master weights; 2 also shards gradients.
         process_group: the data-parallel ranks and how they shard: ``None`` (the world, flat
             sharding), a ``ProcessGroup`` (e.g. a subgroup; ranks outside it run their own), a
@@ -90,20 +94,42 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             number, a ``DynamicLossScaler`` instance, or ``None``: dynamic when any trainable
             param is fp16, else none. With a loss scale active, call :meth:`backward` (or
             ``scale_loss(loss).backward()``) instead of ``loss.backward()``.
+        assume_elementwise: ``True`` accepts an optimizer class outside ``torch.optim``'s
+            element-wise ones (a subclass, Lion, ...), on the caller's word that its update of
+            each element depends on that element's param, gradient and state alone (and on
+            per-param scalars such as the step count). If it does not, results are wrong.
+        collective_timeout_s: the longest this rank waits for one of zeroshard's collectives in
+            backward, :meth:`clip_grad_norm_` and :meth:`step` (the gradient reduce-scatters, the
+            norm all-reduce, the param all-gathers) before raising a ``RuntimeError`` that names
+            the collective. ``None``: the process group's own timeout (``timeout=`` of
+            ``init_process_group``, 30 minutes by default; gloo then aborts the process with no
+            Python traceback). A bounded wait turns a rank that skipped ``step()`` or a backward
+            into a clear error on the ranks that wait for it; the process group is unusable
+            afterwards, so end the run. On NCCL a bounded wait blocks the host until the
+            collective completes. Each rank may set its own bound.
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already sharded),
-            ``process_group`` is neither a ``ProcessGroup`` nor a ``DeviceMesh``, or
-            ``reduce_dtype`` is not a floating-point ``torch.dtype``.
-        ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` or ``max_grad_norm`` not positive;
-            a ``loss_scale`` of another kind; ``offload`` not ``None``/``"cpu"``, or with an
-            optimizer other than Adam/AdamW; ``gpu_margin_mem_ratio`` outside [0, 1] or set
-            without offload; torch.distributed
-            not initialized, this rank not in ``process_group``, or a 2-D mesh whose dims are not
-            ("replicate", "shard"); no trainable params; params on
-            several devices, sparse or complex params; an optimizer that already holds state;
-            ranks holding different param shapes (raised on every rank, naming the param).
-            All checks but the last run before any collective.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, is already sharded, or is
+            already wrapped by a ``ShardedOptimizer`` (its params are virtual parameters);
+            ``process_group`` is neither a ``ProcessGroup`` nor a ``DeviceMesh``; an argument of
+            the wrong type (``stage`` not an ``int``; ``bucket_size_mb``, ``max_grad_norm`` or
+            ``collective_timeout_s`` not a number; ``overlap_comm`` or ``assume_elementwise``
+            not a ``bool``; a ``bool`` ``loss_scale``; ``reduce_dtype`` not a floating-point
+            ``torch.dtype``), named with its value.
+        ValueError: an optimizer whose update is not element-wise (Adafactor, Muon, LBFGS,
+            SparseAdam), or another class than torch.optim's element-wise ones without
+            ``assume_elementwise=True``, named; ``stage`` not in {1, 2}; ``bucket_size_mb`` or
+            ``collective_timeout_s`` not finite and positive, ``max_grad_norm`` not positive; a
+            ``loss_scale`` of another kind or not finite; ``offload`` not ``None``/``"cpu"``, or
+            with an optimizer other than Adam/AdamW; ``gpu_margin_mem_ratio`` outside [0, 1] or
+            set without offload; torch.distributed not initialized, this rank not in
+            ``process_group``, or a 2-D mesh whose dims are not ("replicate", "shard"); no
+            trainable params; params on several devices, on the meta device (named), sparse or
+            complex params; an optimizer that already holds state. All these are raised before
+            any collective. Then, on every rank: ranks passing different options (``stage``,
+            ``bucket_size_mb``, ``overlap_comm``, ``reduce_dtype``, ``max_grad_norm``,
+            ``loss_scale``, ``offload``, the optimizer class), named with both values, or holding
+            different param shapes, naming the param.
     """
 
     def __init__(
@@ -119,12 +145,18 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         loss_scale: str | float | DynamicLossScaler | None = None,
         offload: str | None = None,
         gpu_margin_mem_ratio: float = 0.0,
+        assume_elementwise: bool = False,
+        collective_timeout_s: float | None = None,
     ) -> None:
-        check_arguments(optimizer, stage, bucket_size_mb, reduce_dtype)
-        check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio)
+        check_arguments(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype)
+        check_optimizer_kind(optimizer, assume_elementwise)
+        check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio, collective_timeout_s)
+        self.groups: ShardingGroups = resolve_groups(process_group)
+        options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload)
+        for group in self.groups.all():
+            collectives.check_same_on_all_ranks("option", options, group)
         self.optimizer = optimizer
         self.stage = stage
-        self.groups: ShardingGroups = resolve_groups(process_group)
         self.process_group = self.groups.shard
         self.world_size = self.groups.shard_size
         self.rank = dist.get_rank(self.process_group)
@@ -132,6 +164,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self.offload = offload
         self.overlap_comm = overlap_comm
         self.reduce_dtype = reduce_dtype
+        self.collective_timeout_s = collective_timeout_s
         self._init_optimizer_hooks()
 
         self._groups: list[ShardedGroup] = []
@@ -229,7 +262,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         sharded = frozenset(id(p) for shard in self._shards for p in shard.buffer.params)
         first_param_index = 0
         for g, record in enumerate(self._groups):
-            if any(p.requires_grad and id(p) not in sharded for p in record.params):
+            if any(is_sharded(p) and id(p) not in sharded for p in record.params):
                 new = shard_param_groups(
                     self.optimizer, range(g, g + 1), self.groups, bucket_size_mb=self.bucket_size_mb, device=self._device,
                     first_shard=len(self._shards), first_param_index=first_param_index, host_master=self.offload is not None,
@@ -250,7 +283,8 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self._group_of_shard.extend(new.group_of_shard)
         if self._reducer is None:
             self._reducer = GradReducer(
-                new.shards, stage=self.stage, groups=self.groups, reduce_dtype=self.reduce_dtype, overlap_comm=self.overlap_comm
+                new.shards, stage=self.stage, groups=self.groups, reduce_dtype=self.reduce_dtype, overlap_comm=self.overlap_comm,
+                timeout=self._collective_timeout(),
             )
         else:
             for shard in new.shards:
@@ -323,10 +357,13 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         """``scale_loss(loss).backward()``: use it instead of ``loss.backward()`` whenever a loss scale is active."""
         self.scale_loss(loss).backward()
 
-    def _gather_stats(self, norm_type: float) -> GradStats:
+    def _collective_timeout(self) -> datetime.timedelta | None:
+        return None if self.collective_timeout_s is None else datetime.timedelta(seconds=self.collective_timeout_s)
+
+    def _gather_stats(self, norm_type: float, caller: str) -> GradStats:
         self._shard_unfrozen()
         self._reducer.reduce_for_step()
-        return gather_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type)
+        return gather_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._collective_timeout(), caller)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the coming step's gradients to global norm ``max_norm``; return the pre-clip norm.
@@ -339,12 +376,14 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
 
         Raises:
             ValueError: ``max_norm`` not positive, or ``norm_type`` not 2 or inf.
+            RuntimeError: with ``collective_timeout_s``, a collective that some rank did not join
+                in time (named).
         """
         if not max_norm > 0:
             raise ValueError(f"max_norm={max_norm!r} must be positive")
         if float(norm_type) not in NORM_TYPES:
             raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
-        self._stats = self._gather_stats(float(norm_type))
+        self._stats = self._gather_stats(float(norm_type), "clip_grad_norm_()")
         self._clip_norm = float(max_norm)
         return torch.tensor(self._stats.norm / (self.loss_scale or 1.0))
 
@@ -370,7 +409,9 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         Collective: call on every rank.
 
         Raises:
-            RuntimeError: a ``torch.amp.GradScaler`` is driving this optimizer.
+            RuntimeError: a ``torch.amp.GradScaler`` is driving this optimizer; with
+                ``collective_timeout_s``, a collective that some rank did not join in time (named;
+                the process group is unusable afterwards).
 
         Returns:
             The closure's loss, or ``None``.
@@ -385,7 +426,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         with torch.no_grad():
             for shard in self._shards:  # before any collective: raises alike on every rank
                 shard.follow_all()
-            stats = self._stats or self._gather_stats(2.0)
+            stats = self._stats or self._gather_stats(2.0, "step()")
             if self._margin_tracer is not None:
                 self._place_chunks()
             scale = self.loss_scale or 1.0
@@ -418,7 +459,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         apply_update(self.optimizer, self._shards, self._fused, self._group_of_shard, stats.used, steps, multiplier, all_gather)
         for work in works:
             # The params must hold every rank's update before the next forward reads them.
-            work.wait()
+            collectives.wait(work, self._collective_timeout(), "step(): the all-gather of the updated params", "call step()")
 
     def _place_chunks(self) -> None:
         """End the first iteration's tracer and move that margin's share of chunks to the device (logged once)."""

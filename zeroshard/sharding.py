@@ -16,7 +16,7 @@ from zeroshard.flat_buffer import FlatParamBuffer
 from zeroshard.grad_reducer import take_over
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
-from zeroshard.validation import check_params
+from zeroshard.validation import check_params, is_sharded
 
 
 @dataclass
@@ -97,9 +97,9 @@ def shard_param_groups(
     """
     if params_of is None:
         params_of = [list(dict.fromkeys(optimizer.param_groups[g]["params"])) for g in indices]
-    device = check_params([p for params in params_of for p in params], indices, device, first=first_shard == 0)
+    device = check_params(params_of, indices, device, first=first_shard == 0)
     trainable = [(p, f"param_groups[{g}]['params'][{j}]") for g, params in zip(indices, params_of) for j, p in enumerate(params)
-                 if p.requires_grad and id(p) not in already_sharded]
+                 if is_sharded(p) and id(p) not in already_sharded]
     take_over([p for p, _ in trainable], [name for _, name in trainable])
     fingerprint = [
         (f"param_groups[{g}]['params'][{j}]", tuple(p.shape), str(p.dtype), p.requires_grad)
@@ -113,7 +113,7 @@ def shard_param_groups(
     records, param_index, group_of_shard = [], [], []
     index = first_param_index
     for g, params in zip(indices, params_of):
-        trainable = [p for p in params if p.requires_grad and id(p) not in already_sharded]
+        trainable = [p for p in params if is_sharded(p) and id(p) not in already_sharded]
         index_of = {id(p): index + j for j, p in enumerate(params)}
         name_of = {id(p): f"param_groups[{g}]['params'][{j}]" for j, p in enumerate(params)}
         index += len(params)
@@ -126,7 +126,7 @@ def shard_param_groups(
             param_index.append([index_of[id(p)] for p in same_dtype])
             group_of_shard.append(g)
         records.append(ShardedGroup(params=params, shards=shard_ids))
-    frozen = [p.data for params in params_of for p in params if not p.requires_grad] if not already_sharded else []
+    frozen = [p.data for params in params_of for p in params if not is_sharded(p)] if not already_sharded else []
     # Replicas take replica 0's values, then each shard group its first rank's: all equal rank (0, 0).
     for group in reversed(groups.all()):
         if dist.get_world_size(group) > 1:
@@ -136,4 +136,33 @@ def shard_param_groups(
     for g, record in zip(indices, records):
         virtual = [v for k in record.shards for v in shards[k - first_shard].virtual_params]
         optimizer.param_groups[g]["params"] = (optimizer.param_groups[g]["params"] if already_sharded else []) + virtual
+    shard_initial_state(optimizer, shards)
     return NewShards(records, shards, param_index, group_of_shard, device)
+
+
+@torch.no_grad()
+def shard_initial_state(optimizer: torch.optim.Optimizer, shards: list[LocalShard]) -> None:
+    """Move the state ``optimizer`` created at construction for the params of ``shards`` onto their virtual params.
+
+    ``torch.optim.Adagrad`` creates its ``sum`` (``initial_accumulator_value``) and ``step`` in
+    ``__init__``, keyed by the original params, and reads them at its first step. Each virtual
+    param gets its piece of every param-shaped state tensor and a copy of every other entry
+    (``step``); the original params' entries are dropped. A frozen param keeps its entry until it
+    is unfrozen and sharded (see ``ShardedOptimizer._shard_unfrozen``).
+    """
+    if not optimizer.state:
+        return
+    for shard in shards:
+        for piece, vparam in zip(shard.pieces, shard.virtual_params):
+            param = shard.buffer.params[piece.param]
+            state = optimizer.state.get(param)
+            if state:
+                optimizer.state[vparam] = {
+                    key: value.reshape(-1)[piece.param_offset : piece.param_offset + piece.numel].clone()
+                    if torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0
+                    else (value.clone() if torch.is_tensor(value) else value)
+                    for key, value in state.items()
+                }
+    for shard in shards:
+        for param in shard.buffer.params:
+            optimizer.state.pop(param, None)

@@ -8,6 +8,7 @@ optimizer's attributes (``optimizer``, ``_shards``, ``_groups``, ``_param_index`
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -15,6 +16,12 @@ import torch
 import torch.distributed as dist
 
 from zeroshard import checkpoint
+
+
+def _called_by_dcp() -> bool:
+    """Whether the caller of ``state_dict()`` is ``torch.distributed.checkpoint`` (its ``Stateful`` protocol)."""
+    caller = sys._getframe(2)  # 0: this function, 1: state_dict, 2: its caller
+    return caller.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint.")
 
 
 class StateDictMixin:
@@ -31,7 +38,9 @@ class StateDictMixin:
 
         Runs no collective (HF Trainer and accelerate call it on one rank). The first call on
         the rank that just ran :meth:`consolidate_state_dict` (before any ``step()``) returns the
-        full state in plain ``torch.optim`` format; every other call the sharded format: per bucket, 1-D
+        full state in plain ``torch.optim`` format, unless ``torch.distributed.checkpoint`` makes
+        it (``dcp.save``/``dcp.load`` need the same format on every rank: they get the sharded
+        one and leave the consolidated state for the next call); every other call the sharded format: per bucket, 1-D
         ``DTensor`` s of each per-element state (and fp32 master) that
         ``torch.distributed.checkpoint`` reshards onto any world size, with the param groups,
         per-param steps and a layout signature (see ``zeroshard/checkpoint.py``). The tensors are
@@ -46,7 +55,7 @@ class StateDictMixin:
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        if self._consolidated is not None:
+        if self._consolidated is not None and not _called_by_dcp():
             state_dict, self._consolidated = self._consolidated, None
         else:
             state_dict = checkpoint.sharded_state_dict(self._checkpoint_view())

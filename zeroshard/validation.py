@@ -7,45 +7,123 @@ mistakes, with the values added).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
 
-def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, reduce_dtype: Any) -> None:
+# torch.optim classes whose update is element-wise: each element's new value depends only on that
+# element's param, gradient and state, and on per-param scalars (the step count, NAdam's
+# mu_product, ASGD's eta and mu). They give the same numbers on flat 1-D slices as on whole params.
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "ASGD", "Rprop",
+))
+
+# torch.optim classes that cannot run on 1-D slices of params, and why.
+NOT_ELEMENTWISE = {
+    "Adafactor": "its second moment is factored over each param's rows and columns, which a 1-D slice does not have",
+    "Muon": "it orthogonalizes each 2-D param's update as a whole (Newton-Schulz)",
+    "LBFGS": "it needs a closure and views of all params as one flat vector for its line search",
+    "SparseAdam": "it needs sparse gradients, and zeroshard reduces dense ones",
+}
+
+
+def _is_number(value: Any) -> bool:
+    """An ``int`` or ``float`` that is not a ``bool``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_optimizer_kind(optimizer: torch.optim.Optimizer, assume_elementwise: Any) -> None:
+    """Raise unless ``optimizer``'s update is element-wise, the condition for running it on 1-D shards.
+
+    Accepted: the classes in :data:`ELEMENTWISE` (exactly those classes: a subclass may change the
+    update), and any other class with ``assume_elementwise=True`` except those in
+    :data:`NOT_ELEMENTWISE`, which are known not to be element-wise.
+
+    Raises:
+        TypeError: ``assume_elementwise`` is not a ``bool``.
+        ValueError: an optimizer of :data:`NOT_ELEMENTWISE`, or of another class without
+            ``assume_elementwise=True``; the message names the class.
+    """
+    if not isinstance(assume_elementwise, bool):
+        raise TypeError(f"assume_elementwise={assume_elementwise!r} must be a bool, got {type(assume_elementwise).__name__}")
+    cls = type(optimizer)
+    name = cls.__name__
+    if getattr(torch.optim, name, None) is cls and name in NOT_ELEMENTWISE:
+        raise ValueError(f"{name} is not element-wise: {NOT_ELEMENTWISE[name]}. ShardedOptimizer hands the optimizer 1-D slices of "
+                         "params, so it runs only optimizers whose update is element-wise; use one of "
+                         f"{', '.join(c.__name__ for c in ELEMENTWISE)}, or DDP for {name}")
+    if cls not in ELEMENTWISE and not assume_elementwise:
+        raise ValueError(
+            f"{cls.__module__}.{cls.__qualname__} is not a torch.optim optimizer known to be element-wise "
+            f"({', '.join(c.__name__ for c in ELEMENTWISE)}). ShardedOptimizer hands the optimizer 1-D slices of params, which gives "
+            "the same result only if each element's update depends on that element's param, gradient and state alone (and on "
+            "per-param scalars such as the step count). If that holds for it (e.g. Lion), pass assume_elementwise=True"
+        )
+
+
+def _unstepped(state: Any) -> bool:
+    """Whether ``state`` is what an optimizer built but never stepped holds (Adagrad's ``sum``): every entry at step 0."""
+    return all("step" in entry and float(entry["step"]) == 0 for entry in state.values())
+
+
+def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_comm: Any, reduce_dtype: Any) -> None:
     """Raise on an argument ``ShardedOptimizer`` cannot use.
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` or is already sharded;
-            ``reduce_dtype`` is not ``None`` or a floating-point dtype.
-        ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` not a positive number;
-            ``optimizer`` already holds state.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, is already sharded, or is
+            already wrapped by a ``ShardedOptimizer`` (its params are virtual parameters);
+            ``stage`` not an ``int``; ``bucket_size_mb`` not a number; ``overlap_comm`` not a
+            ``bool``; ``reduce_dtype`` not ``None`` or a floating-point dtype.
+        ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` not positive and finite;
+            ``optimizer`` already stepped (state created at construction, as Adagrad's, is
+            fine: see :func:`~zeroshard.sharding.shard_initial_state`).
     """
+    from zeroshard.local_shard import is_virtual_param
     from zeroshard.optimizer import ShardedOptimizer
 
     if isinstance(optimizer, ShardedOptimizer):
         raise TypeError("optimizer is already a ShardedOptimizer; wrap the plain torch optimizer once")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}")
+    for g, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if is_virtual_param(p):
+                raise TypeError(
+                    f"optimizer {type(optimizer).__name__} is already wrapped by a ShardedOptimizer: its param_groups[{g}]['params'][{j}] "
+                    f"is a virtual parameter (1-D, shape {tuple(p.shape)}) of that one's shard. Wrap each torch optimizer once; for a "
+                    "new optimizer, build a new torch optimizer on model.parameters() and wrap that"
+                )
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        raise TypeError(f"stage={stage!r} must be the int 1 or 2, got {type(stage).__name__}")
     if stage not in (1, 2):
         raise ValueError(f"stage={stage!r} must be 1 or 2")
-    if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
-        raise ValueError(f"bucket_size_mb={bucket_size_mb!r} must be a positive number")
+    if not _is_number(bucket_size_mb):
+        raise TypeError(f"bucket_size_mb={bucket_size_mb!r} must be a number (MiB), got {type(bucket_size_mb).__name__}")
+    if not (math.isfinite(bucket_size_mb) and bucket_size_mb > 0):
+        raise ValueError(f"bucket_size_mb={bucket_size_mb!r} must be a finite positive number (MiB)")
+    if not isinstance(overlap_comm, bool):
+        raise TypeError(f"overlap_comm={overlap_comm!r} must be a bool, got {type(overlap_comm).__name__}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise TypeError(f"reduce_dtype={reduce_dtype!r} must be None or a floating-point torch.dtype")
-    if optimizer.state:
+    if not _unstepped(optimizer.state):
         raise ValueError(f"optimizer already holds state for {len(optimizer.state)} params; wrap it before its first step and load checkpoints through ShardedOptimizer.load_state_dict")
 
 
-def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_scale: Any, offload: Any, gpu_margin_mem_ratio: Any) -> None:
+def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_scale: Any, offload: Any, gpu_margin_mem_ratio: Any,
+                  collective_timeout_s: Any = None) -> None:
     """Raise on a step option ``ShardedOptimizer`` cannot use.
 
     Raises:
-        ValueError: ``max_grad_norm`` neither ``None`` nor positive; ``loss_scale`` not ``None``,
-            ``"dynamic"``, a positive number or a ``DynamicLossScaler``; ``offload`` not
+        TypeError: ``max_grad_norm`` or ``collective_timeout_s`` neither ``None`` nor a number;
+            ``loss_scale`` a ``bool``.
+        ValueError: ``max_grad_norm`` not positive; ``loss_scale`` not ``None``,
+            ``"dynamic"``, a finite positive number or a ``DynamicLossScaler``; ``offload`` not
             ``None``/``"cpu"``, or ``"cpu"`` with an optimizer other than Adam/AdamW;
-            ``gpu_margin_mem_ratio`` outside [0, 1], or above 0 without ``offload="cpu"``.
+            ``gpu_margin_mem_ratio`` outside [0, 1], or above 0 without ``offload="cpu"``;
+            ``collective_timeout_s`` not finite and positive.
     """
     from zeroshard.fused_adam import fused_adam_kind
     from zeroshard.loss_scaler import DynamicLossScaler
@@ -58,36 +136,87 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
         raise ValueError(f"gpu_margin_mem_ratio={gpu_margin_mem_ratio!r} must be a number between 0.0 and 1.0")
     if gpu_margin_mem_ratio > 0 and offload is None:
         raise ValueError(f"gpu_margin_mem_ratio={gpu_margin_mem_ratio!r} places offloaded state: it needs offload='cpu' (without offload all state is on the device)")
-    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+    if max_grad_norm is not None and not _is_number(max_grad_norm):
+        raise TypeError(f"max_grad_norm={max_grad_norm!r} must be None or a positive number, got {type(max_grad_norm).__name__}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or a positive number")
+    if collective_timeout_s is not None and not _is_number(collective_timeout_s):
+        raise TypeError(f"collective_timeout_s={collective_timeout_s!r} must be None or a number of seconds, got {type(collective_timeout_s).__name__}")
+    if collective_timeout_s is not None and not (math.isfinite(collective_timeout_s) and collective_timeout_s > 0):
+        raise ValueError(f"collective_timeout_s={collective_timeout_s!r} must be None or a finite positive number of seconds")
+    if isinstance(loss_scale, bool):
+        raise TypeError(f"loss_scale={loss_scale!r} must be None, 'dynamic', a positive number or a DynamicLossScaler, got bool")
     if not (loss_scale is None or loss_scale == "dynamic" or isinstance(loss_scale, DynamicLossScaler)
-            or (isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0)):
-        raise ValueError(f"loss_scale={loss_scale!r} must be None, 'dynamic', a positive number or a DynamicLossScaler")
+            or (_is_number(loss_scale) and math.isfinite(loss_scale) and loss_scale > 0)):
+        raise ValueError(f"loss_scale={loss_scale!r} must be None, 'dynamic', a finite positive number or a DynamicLossScaler")
 
 
-def check_params(params: list[nn.Parameter], groups: range, device: torch.device | None, first: bool) -> torch.device:
+def options_fingerprint(optimizer: torch.optim.Optimizer, stage: int, bucket_size_mb: float, overlap_comm: bool, reduce_dtype: torch.dtype | None,
+                        max_grad_norm: float | None, loss_scale: Any, offload: str | None) -> list[tuple[Any, ...]]:
+    """The options every rank must share, as ``(name, value)`` entries for
+    :func:`~zeroshard.collectives.check_same_on_all_ranks`.
+
+    They decide the layout and the collectives (``stage``, ``bucket_size_mb``, ``overlap_comm``,
+    ``reduce_dtype``, ``offload``) or the numbers every rank must compute alike (the optimizer
+    class, ``max_grad_norm``, the loss scale). A difference in the first kind makes gloo abort
+    the process; in the second, the ranks' shards drift apart in silence.
+    ``gpu_margin_mem_ratio`` only places this rank's state and may differ.
+    """
+    from zeroshard.loss_scaler import DynamicLossScaler
+
+    scale = ("DynamicLossScaler", sorted(vars(loss_scale).items())) if isinstance(loss_scale, DynamicLossScaler) else loss_scale
+    return [
+        ("optimizer", f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"),
+        ("stage", stage),
+        ("bucket_size_mb", float(bucket_size_mb)),
+        ("overlap_comm", overlap_comm),
+        ("reduce_dtype", str(reduce_dtype)),
+        ("max_grad_norm", max_grad_norm),
+        ("loss_scale", scale),
+        ("offload", offload),
+    ]
+
+
+def is_sharded(param: nn.Parameter) -> bool:
+    """Whether ``param`` goes into a flat buffer: it is trainable and has elements.
+
+    A zero-element param has nothing to update or reduce; like a frozen one it stays in its
+    param group (and the ``torch.optim`` param numbering) but outside every buffer, as
+    ``torch.optim`` leaves it unchanged.
+    """
+    return param.requires_grad and param.numel() > 0
+
+
+def check_params(params_of: list[list[nn.Parameter]], groups: range, device: torch.device | None, first: bool) -> torch.device:
     """Raise on params that cannot be sharded; return the one device they (and ``device``) share.
 
     Args:
-        params: the params of the param groups ``groups`` about to be sharded.
-        groups: their indices in ``param_groups`` (for the message).
+        params_of: per param group of ``groups``, its params, about to be sharded.
+        groups: the indices of those groups in ``param_groups`` (for the message).
         device: the device of the params sharded so far, or ``None``.
         first: these are the optimizer's first groups (then some param must be trainable).
 
     Raises:
-        ValueError: no trainable param (first groups only), sparse params, non-floating
-            trainable params, or params on several devices.
+        ValueError: no trainable param with elements (first groups only), sparse params,
+            non-floating trainable params, params on several devices, or on the meta device
+            (named as ``param_groups[g]['params'][j]``).
     """
-    trainable = [p for p in params if p.requires_grad]
-    if first and not trainable:
-        raise ValueError(f"param_groups {list(groups)} hold {len(params)} params, none with requires_grad=True: nothing to optimize")
+    named = [(f"param_groups[{g}]['params'][{j}]", p) for g, params in zip(groups, params_of) for j, p in enumerate(params)]
+    params = [p for _, p in named]
+    if first and not any(is_sharded(p) for p in params):
+        raise ValueError(f"param_groups {list(groups)} hold {len(params)} params, none with requires_grad=True and at least one element: nothing to optimize")
     bad = [(tuple(p.shape), str(p.layout)) for p in params if p.layout != torch.strided]
     if bad:
         raise ValueError(f"sparse params are not supported (shape, layout): {bad[:5]}")
-    bad = [(tuple(p.shape), str(p.dtype)) for p in trainable if not p.dtype.is_floating_point]
+    bad = [(tuple(p.shape), str(p.dtype)) for p in params if p.requires_grad and not p.dtype.is_floating_point]
     if bad:
         raise ValueError(f"only real floating-point params can be sharded; got (shape, dtype) {bad[:5]}")
     devices = {p.device for p in params} | ({device} if device is not None else set())
     if len(devices) > 1:
         raise ValueError(f"all params must be on one device; got params on {sorted(map(str, devices))}")
+    meta = [(name, tuple(p.shape)) for name, p in named if p.is_meta]
+    if meta:
+        name, shape = meta[0]
+        raise ValueError(f"{name} (shape {shape}) is on the meta device ({len(meta)} params are): it has no values to train. "
+                         "Materialize the model first (model.to_empty(device=...) and initialize it), then build the optimizer")
     return devices.pop()
