@@ -94,7 +94,7 @@ def load_checkpoint(directory: Path, model: nn.Module, opt: zeroshard.ShardedOpt
     latest = zeroshard.latest_checkpoint(directory)
     if latest is None:
         return 0
-    zeroshard.verify_checkpoint(latest)  # a damaged file is named on every rank, before any collective
+    zeroshard.verify_checkpoint(latest, opt)  # a damaged file or a reshaped param is named on every rank, before any collective
     state = {"model": model.state_dict(), "optim": opt, "schedule": schedule.state_dict(), "step": 0}
     dcp.load(state, checkpoint_id=latest)
     model.load_state_dict(state["model"])

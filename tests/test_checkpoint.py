@@ -604,6 +604,10 @@ def reshaped_params_worker(directory: str) -> None:
     with pytest.raises(BaseException, match="Size mismatch"):
         dcp.load({"optim": other}, checkpoint_id=directory)
     assert not other.state
+    for change, message in ((_transpose_fc1, transposed), (_grow_fc2_bias, grown)):  # checked first, the param is named
+        with pytest.raises(ValueError, match=message):
+            zeroshard.verify_checkpoint(directory, _reshaped(change))
+    zeroshard.verify_checkpoint(directory, opt)
     old = copy.deepcopy(sharded)
     old["zeroshard"]["version"] = 1
     old["zeroshard"]["layout"] = [(dtype, tuple(range(len(params))), per_bucket) for dtype, params, per_bucket in old["zeroshard"]["layout"]]

@@ -179,6 +179,17 @@ def _layout_mismatch(theirs: list[tuple[Any, ...]], ours: list[tuple[Any, ...]])
     return f"state_dict has {len(theirs)} flat buffers, this optimizer {len(ours)}: saved for another model"
 
 
+def check_layout(view: CheckpointView, saved_layout: Any) -> None:
+    """Raise unless ``saved_layout`` (a sharded checkpoint's ``layout`` entry) matches this optimizer.
+
+    Raises:
+        ValueError: naming the first param saved with another shape (both shapes), or what else differs.
+    """
+    theirs, ours = _as_tuples(saved_layout), _as_tuples(layout_signature(view))
+    if theirs != ours:
+        raise ValueError(_layout_mismatch(list(theirs), list(ours)))
+
+
 def _saves_master(shard: LocalShard) -> bool:
     """Whether checkpoints carry this shard's master: only 16-bit params have one that differs from
     the params (an fp32 master kept in host memory by offload equals them), so the formats do not
@@ -271,9 +282,7 @@ def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys:
             f"state_dict is the shard of rank {meta.get('rank')} of {meta.get('world_size')}, this is rank {view.rank} of "
             f"{view.world_size}: load each rank's own shard, or reshard with torch.distributed.checkpoint (dcp.load)"
         )
-    theirs, ours = _as_tuples(meta.get("layout", [])), _as_tuples(layout_signature(view))
-    if theirs != ours:
-        raise ValueError(_layout_mismatch(list(theirs), list(ours)))
+    check_layout(view, meta.get("layout", []))
     saved_keys = [list(keys) for keys in meta.get("state_keys", [])]
     if saved_keys != [keys for keys, _ in group_keys]:
         raise ValueError(

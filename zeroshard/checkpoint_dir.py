@@ -16,26 +16,34 @@ import io
 import os
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from zeroshard.checkpoint import check_layout
+
 METADATA = ".metadata"
 
 
-def verify_checkpoint(checkpoint_id: str | os.PathLike) -> None:
-    """Check that a DCP checkpoint directory is complete and every entry in it can be read.
+def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, key: str = "optim") -> None:
+    """Check that a DCP checkpoint directory is complete, every entry in it can be read, and (given
+    ``optimizer``) that its optimizer state was saved for the same params and shapes.
 
     Reads the whole checkpoint once (each entry is deserialized and dropped), so it costs about
-    as much as a load.
+    as much as a load. ``dcp.load`` itself refuses a bucket whose size changed with DCP's own
+    "Size mismatch" naming the bucket; called first, this names the param with both shapes.
 
     Args:
         checkpoint_id: the directory given to ``dcp.save``.
+        optimizer: a ``ShardedOptimizer`` about to load the checkpoint, or ``None``.
+        key: the key the optimizer was saved under (``dcp.save({key: optimizer, ...})``).
 
     Raises:
         ValueError: naming the first bad file: ``.metadata`` missing (the save did not finish)
             or unreadable; a data file missing, shorter than its entries (truncated), or holding
-            an entry that cannot be deserialized (corrupted).
+            an entry that cannot be deserialized (corrupted); or, with ``optimizer``, the first
+            param saved with another shape, or no zeroshard optimizer state under ``key``.
     """
     path = Path(checkpoint_id)
     metadata_file = path / METADATA
@@ -45,6 +53,7 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike) -> None:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as error:
         raise ValueError(f"{metadata_file} cannot be read ({error}): the checkpoint is corrupted") from error
+    saved_layout = None
     entries = defaultdict(list)
     for index, info in metadata.storage_data.items():
         entries[info.relative_path].append((index, info))
@@ -61,9 +70,18 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike) -> None:
                     continue
                 stream.seek(info.offset)
                 try:
-                    torch.load(io.BytesIO(stream.read(info.length)), map_location="cpu", weights_only=False)
+                    value = torch.load(io.BytesIO(stream.read(info.length)), map_location="cpu", weights_only=False)
                 except Exception as error:
                     raise ValueError(f"{file} is corrupted: entry {index.fqn!r} at byte {info.offset} cannot be read ({error})") from error
+                if index.fqn == f"{key}.zeroshard.layout":
+                    saved_layout = value
+    if optimizer is not None:
+        if saved_layout is None:
+            raise ValueError(f"{path} holds no zeroshard optimizer state under {key!r} (no {key}.zeroshard.layout entry)")
+        try:
+            check_layout(optimizer._checkpoint_view(), saved_layout)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
 
 
 def latest_checkpoint(parent: str | os.PathLike) -> Path | None:
