@@ -445,3 +445,26 @@ def test_rank_missing_step_raises_naming_the_collective_within_the_bound(tmp_pat
     assert result.returncode == 0, output[-3000:]
     assert "timeout raised: step(): the all-reduce of the gradient norm did not complete within 2 s on rank 0" in result.stdout, output[-3000:]
     assert "every rank must run the same backward passes and call clip_grad_norm_() and step() alike" in result.stdout, output[-3000:]
+
+
+# -- the model also wrapped in DDP (HF Trainer, Lightning) ---------------------------------------
+
+
+def ddp_wrapped_worker(stage: int) -> bool:
+    ref, ref_opt, model, opt = _pair(stage)
+    wrapped = DDP(model, find_unused_parameters=True)
+    for step in range(4):
+        for net, o in ((ref, ref_opt), (wrapped, opt)):
+            with net.no_sync():  # accumulation as HF Trainer and accelerate do it
+                loss_fn(net, *batch(dist.get_rank(), step, 1)).backward()
+            loss_fn(net, *batch(dist.get_rank(), step)).backward()
+            o.step()
+            net.zero_grad()
+        assert _same(ref.module, model), f"step {step}: params differ from DDP alone (stage {stage})"
+    return wrapped.require_backward_grad_sync
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_model_also_wrapped_in_ddp_trains_like_ddp_and_reduces_once(pools, stage):
+    # DDP's own reduction is switched off after the first backward: zeroshard reduces alone.
+    assert pools[2].run(ddp_wrapped_worker, stage) == [False, False]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import logging
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from zeroshard.reduced_grad import ReducedGrad, reduced_grad
 # about this many buckets plus the one being filled, instead of growing to a full gradient copy.
 MAX_BUCKETS_IN_FLIGHT = 2
 
+
+logger = logging.getLogger("zeroshard")
 
 # id(param) -> (the param, the GradReducer whose hooks it carries), both held weakly: which live
 # optimizer owns a param's gradients. A param carries the hooks of one reducer at most.
@@ -160,6 +163,8 @@ class GradReducer:
         self._reduced_grad_versions: dict[tuple[int, int], int] = {}
         self._flat_grad_versions: list[int] = []  # stage 1: each flat grad's version after zeroshard last wrote it
         self._backward_started = False  # a gradient of the current backward pass has arrived
+        self._ddp_checked = False  # looked for a DistributedDataParallel wrapping these params
+        self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         # The hooks hold this reducer weakly, so they go with it (or with close()).
         self._remove_hooks = weakref.finalize(self, _remove_hooks, self._hooks)
@@ -241,12 +246,39 @@ class GradReducer:
         """Read what was done to the gradients since zeroshard last wrote them; clear a ReducedGrad."""
         if not self._backward_started:
             self._backward_started = True
+            if not self._ddp_checked:
+                self._ddp_checked = True
+                self._ddp_reduced = self._switch_off_ddp()
             self._check_flat_grads()
         if self.stage == 2:
             self._settle(k, i, param)
             if isinstance(param.grad, ReducedGrad):
                 param.grad = None  # autograd then stores the new gradient instead of adding to it
                 del self._reduced_grad_versions[(k, i)]
+
+    def _switch_off_ddp(self) -> bool:
+        """Switch off the gradient reduction of any ``DistributedDataParallel`` wrapping these params; whether one does.
+
+        HF Trainer, accelerate and Lightning wrap the model in DDP by default. Both reducing would
+        send every gradient twice, and DDP's C++ reducer writes its averaged gradients into
+        ``.grad``, where zeroshard keeps its own (stage 1: the local sum; stage 2: a ReducedGrad).
+        DDP's ``no_sync`` switch, left off for good (``require_backward_grad_sync = False``),
+        stops its reducer from the next forward on (DDP still broadcasts module buffers); the
+        backward under way was prepared by DDP's forward already, so what DDP writes into
+        ``.grad`` until the next step is ignored. Looked for once, at the first backward (one
+        pass over the objects the garbage collector tracks).
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        ours = {id(p) for shard in self.shards for p in shard.buffer.params}
+        wrappers = [obj for obj in gc.get_objects() if isinstance(obj, DistributedDataParallel)
+                    and any(id(p) in ours for p in obj.module.parameters())]
+        for ddp in wrappers:
+            ddp.require_backward_grad_sync = False
+        if wrappers and dist.get_rank() == 0:
+            logger.info("zeroshard: the model is wrapped in DistributedDataParallel; zeroshard reduces its gradients itself, so DDP's "
+                        "gradient reduction is switched off from the next forward (its first backward was reduced by both)")
+        return bool(wrappers)
 
     def _settle(self, k: int, i: int, param: nn.Parameter) -> None:
         """Stage 2: follow a ``model.zero_grad()`` done to param ``i`` of shard ``k`` since its gradient was reduced.
@@ -256,7 +288,7 @@ class GradReducer:
         (``set_to_none=False``) leaves a zero gradient, which ``torch.optim`` still steps.
         """
         version = self._reduced_grad_versions.get((k, i))
-        if version is None:
+        if version is None or self._ddp_reduced:
             return
         grad, left = param.grad, self._reduced_grads[(k, i)]
         if grad is left and grad._version == version:
@@ -289,7 +321,7 @@ class GradReducer:
             RuntimeError: gradients written in place after they were reduced, not to zero.
         """
         for k, flat_grad in enumerate(self._flat_grads):
-            if flat_grad is None or flat_grad._version == self._flat_grad_versions[k]:
+            if flat_grad is None or flat_grad._version == self._flat_grad_versions[k] or self._ddp_reduced:
                 continue
             if flat_grad.any():
                 if self._reductions and not self._unreduced:
@@ -307,6 +339,8 @@ class GradReducer:
     def _settle_all(self) -> None:
         """Before a step: follow what was done to every param's gradient (see :meth:`_settle`)."""
         self._check_flat_grads()
+        if self._ddp_reduced:
+            return
         for k, shard in enumerate(self.shards):
             for i, param in enumerate(shard.buffer.params):
                 if self.stage == 2:
@@ -357,7 +391,7 @@ class GradReducer:
             bucket = self.shards[k].buffer.layout.buckets[slot.bucket]
             start = slot.offset - bucket.offset
             staging[start : start + slot.numel].add_(param.grad.reshape(-1))
-            param.grad = self._reduced_grad(k, i, param)
+            param.grad = None if self._ddp_reduced else self._reduced_grad(k, i, param)
         if not self._ready[k][i]:
             self._ready[k][i] = True
             self._ready_count[k][slot.bucket] += 1
@@ -515,8 +549,14 @@ class GradReducer:
     def reset(self) -> None:
         """Zero the grad shards (and stage 1's flat grad buffers) and forget which params were used.
 
-        Also clears what a backward pass that raised midway left behind, so the next one starts clean.
+        Also clears what a backward pass that raised midway left behind, so the next one starts clean,
+        and what a DDP wrapper wrote into ``.grad`` in the backward it still reduced.
         """
+        if self._ddp_reduced:
+            self._ddp_reduced = False
+            for shard in self.shards:
+                for param in shard.buffer.params:
+                    param.grad = None
         for k, shard in enumerate(self.shards):
             shard.grad_shard.zero_()
             flat_grad = self._flat_grads[k]
