@@ -450,9 +450,29 @@ def test_rank_missing_step_raises_naming_the_collective_within_the_bound(tmp_pat
 # -- the model also wrapped in DDP (HF Trainer, Lightning) ---------------------------------------
 
 
-def ddp_wrapped_worker(stage: int) -> bool:
-    ref, ref_opt, model, opt = _pair(stage)
-    wrapped = DDP(model, find_unused_parameters=True)
+def ddp_wrapped_worker(stage: int, wrapped_first: bool) -> list[int]:
+    """Bucket reductions DDP itself ran: after the first step, at the end, and after one more backward once closed."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    reductions = [0]
+
+    def counting_hook(state, bucket):
+        reductions[0] += 1
+        return allreduce_hook(state, bucket)
+
+    if wrapped_first:  # DDP built before the optimizer (found at construction)
+        torch.manual_seed(0)
+        ref_model = TinyNet()
+        model = copy.deepcopy(ref_model)
+        ref, wrapped = DDP(ref_model, find_unused_parameters=True), DDP(model, find_unused_parameters=True)
+        wrapped.register_comm_hook(None, counting_hook)
+        ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB)
+    else:  # after it (HF Trainer, accelerate): found at the first backward, which DDP reduces too
+        ref, ref_opt, model, opt = _pair(stage)
+        wrapped = DDP(model, find_unused_parameters=True)
+        wrapped.register_comm_hook(None, counting_hook)
+    counts = []
     for step in range(4):
         for net, o in ((ref, ref_opt), (wrapped, opt)):
             with net.no_sync():  # accumulation as HF Trainer and accelerate do it
@@ -460,11 +480,23 @@ def ddp_wrapped_worker(stage: int) -> bool:
             loss_fn(net, *batch(dist.get_rank(), step)).backward()
             o.step()
             net.zero_grad()
-        assert _same(ref.module, model), f"step {step}: params differ from DDP alone (stage {stage})"
-    return wrapped.require_backward_grad_sync
+        if wrapped_first or stage == 1:
+            assert _same(ref.module, model), f"step {step}: params differ from DDP alone (stage {stage})"
+        else:  # the first step's micro-steps were reduced one by one: another rounding order
+            assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(ref.module.parameters(), model.parameters())), step
+        if step == 0:
+            counts.append(reductions[0])
+    counts.append(reductions[0])
+    opt.close()  # DDP gets its reduction back
+    loss_fn(wrapped, *batch(dist.get_rank(), 9)).backward()
+    counts.append(reductions[0])
+    return counts
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_model_also_wrapped_in_ddp_trains_like_ddp_and_reduces_once(pools, stage):
-    # DDP's own reduction is switched off after the first backward: zeroshard reduces alone.
-    assert pools[2].run(ddp_wrapped_worker, stage) == [False, False]
+@pytest.mark.parametrize("wrapped_first", [True, False])
+def test_model_also_wrapped_in_ddp_trains_like_ddp_and_reduces_once(pools, stage, wrapped_first):
+    # DDP's own reduction stays switched off (zeroshard reduces alone) until the optimizer is closed.
+    for after_first_step, at_end, after_close in pools[2].run(ddp_wrapped_worker, stage, wrapped_first):
+        assert after_first_step == (0 if wrapped_first else after_first_step) and at_end == after_first_step, (after_first_step, at_end)
+        assert after_close > at_end

@@ -84,10 +84,21 @@ def _divides_first(reduce_dtype: torch.dtype) -> bool:
     return reduce_dtype == torch.float16
 
 
-def _remove_hooks(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
+def _release(handles: list[torch.utils.hooks.RemovableHandle], ddp_wrappers: list[weakref.ref]) -> None:
+    """Remove a reducer's hooks and give each DDP wrapper it silenced its gradient reduction back."""
     for handle in handles:
         handle.remove()
     handles.clear()
+    for ref in ddp_wrappers:
+        ddp = ref()
+        if ddp is not None:
+            ddp.require_backward_grad_sync = True
+    ddp_wrappers.clear()
+
+
+def _restore_ddp_sync(ddp: nn.Module, args: object, output: object) -> None:
+    """A forward hook on a DDP wrapper: give ``require_backward_grad_sync`` back the value the forward started with."""
+    ddp.require_backward_grad_sync = ddp._zeroshard_sync
 
 
 @dataclass
@@ -165,12 +176,15 @@ class GradReducer:
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self._ddp_checked = False  # looked for a DistributedDataParallel wrapping these params
         self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
+        self._ddp_no_sync = False  # the last forward of a DDP wrapper ran under ddp.no_sync()
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._ddp_wrappers: list[weakref.ref] = []  # DDP wrappers whose gradient reduction is switched off
         # The hooks hold this reducer weakly, so they go with it (or with close()).
-        self._remove_hooks = weakref.finalize(self, _remove_hooks, self._hooks)
+        self._remove_hooks = weakref.finalize(self, _release, self._hooks, self._ddp_wrappers)
         self.closed_because = ""
         for shard in shards:
             self.add_shard(shard)
+        self._switch_off_ddp()  # a model wrapped before the optimizer was built
 
     @property
     def closed(self) -> bool:
@@ -256,25 +270,47 @@ class GradReducer:
                 param.grad = None  # autograd then stores the new gradient instead of adding to it
                 del self._reduced_grad_versions[(k, i)]
 
+    def _make_ddp_pre_hook(self):
+        reducer = weakref.ref(self)
+
+        def pre_hook(ddp: nn.Module, args: object) -> None:
+            # Under ``ddp.no_sync()`` (gradient accumulation) zeroshard accumulates without
+            # communication too; either way DDP's reducer sits this forward's backward out.
+            ddp._zeroshard_sync = ddp.require_backward_grad_sync
+            live = reducer()
+            if live is not None:
+                live._ddp_no_sync = not ddp.require_backward_grad_sync
+                live._unreduced = live._unreduced or live._ddp_no_sync
+            ddp.require_backward_grad_sync = False
+
+        return pre_hook
+
     def _switch_off_ddp(self) -> bool:
-        """Switch off the gradient reduction of any ``DistributedDataParallel`` wrapping these params; whether one does.
+        """Switch off the gradient reduction of any ``DistributedDataParallel`` wrapping these params; whether a new one was found.
 
         HF Trainer, accelerate and Lightning wrap the model in DDP by default. Both reducing would
         send every gradient twice, and DDP's C++ reducer writes its averaged gradients into
         ``.grad``, where zeroshard keeps its own (stage 1: the local sum; stage 2: a ReducedGrad).
-        DDP's ``no_sync`` switch, left off for good (``require_backward_grad_sync = False``),
-        stops its reducer from the next forward on (DDP still broadcasts module buffers); the
-        backward under way was prepared by DDP's forward already, so what DDP writes into
-        ``.grad`` until the next step is ignored. Looked for once, at the first backward (one
-        pass over the objects the garbage collector tracks).
+        DDP's ``no_sync`` switch, turned off by a forward pre-hook before every forward of the
+        wrapper (``require_backward_grad_sync = False``; ``ddp.no_sync()`` restores it on exit),
+        stops its reducer from the next forward on (DDP still broadcasts module buffers) until
+        this reducer is closed; a forward under ``ddp.no_sync()`` makes zeroshard accumulate without
+        communication too, as its own :meth:`no_sync` does; the backward under way was prepared by DDP's forward already, so
+        what DDP writes into ``.grad`` until the next step is ignored. Looked for once, at the
+        first backward and at construction (one pass over the objects the garbage collector
+        tracks); a wrapper found at construction has run no forward, so nothing is ignored.
         """
         from torch.nn.parallel import DistributedDataParallel
 
         ours = {id(p) for shard in self.shards for p in shard.buffer.params}
         wrappers = [obj for obj in gc.get_objects() if isinstance(obj, DistributedDataParallel)
                     and any(id(p) in ours for p in obj.module.parameters())]
+        wrappers = [ddp for ddp in wrappers if not any(ref() is ddp for ref in self._ddp_wrappers)]
         for ddp in wrappers:
             ddp.require_backward_grad_sync = False
+            self._hooks.append(ddp.register_forward_pre_hook(self._make_ddp_pre_hook()))
+            self._hooks.append(ddp.register_forward_hook(_restore_ddp_sync, always_call=True))
+            self._ddp_wrappers.append(weakref.ref(ddp))
         if wrappers and dist.get_rank() == 0:
             logger.info("zeroshard: the model is wrapped in DistributedDataParallel; zeroshard reduces its gradients itself, so DDP's "
                         "gradient reduction is switched off from the next forward (its first backward was reduced by both)")
@@ -361,7 +397,7 @@ class GradReducer:
         self._used[k][i] = True
         if self.stage == 1:
             self._keep_in_flat_grad(k, i, param)
-        if self._no_sync:
+        if self._no_sync or self._ddp_no_sync:
             return
         if not self._callback_queued:
             # Runs once the whole backward pass is done: completes and waits for every bucket.
