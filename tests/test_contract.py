@@ -43,6 +43,14 @@ def _same(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
 
 
+def _train_like_ddp(ref: DDP, ref_opt: torch.optim.Optimizer, model: nn.Module, opt: torch.optim.Optimizer, steps: int, what: str) -> None:
+    """Train both side by side; params bitwise equal after every step."""
+    for step in range(steps):
+        _train_step(ref, ref_opt, step)
+        _train_step(model, opt, step)
+        assert _same(ref.module, model), f"step {step}: params differ from DDP {what}"
+
+
 # -- 1. the model moves after the optimizer is built -------------------------------------------
 
 
@@ -358,11 +366,7 @@ class ZeroElementNet(TinyNet):
 
 
 def zero_element_worker(stage: int) -> None:
-    ref, ref_opt, model, opt = _pair(stage, net=ZeroElementNet)
-    for step in range(4):
-        _train_step(ref, ref_opt, step)
-        _train_step(model, opt, step)
-        assert _same(ref.module, model), f"step {step}: params differ from DDP with a zero-element param"
+    _train_like_ddp(*_pair(stage, net=ZeroElementNet), steps=4, what="with a zero-element param")
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -422,10 +426,7 @@ def adagrad_worker(stage: int) -> None:
     hyperparameters = dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1, foreach=False)
     ref_opt = torch.optim.Adagrad(param_groups(ref_model), **hyperparameters)
     opt = zeroshard.ShardedOptimizer(torch.optim.Adagrad(param_groups(model), **hyperparameters), stage=stage, bucket_size_mb=BUCKET_MB)
-    for step in range(5):
-        _train_step(ref, ref_opt, step)
-        _train_step(model, opt, step)
-        assert _same(ref.module, model), f"step {step}: params differ from DDP + Adagrad"
+    _train_like_ddp(ref, ref_opt, model, opt, steps=5, what="+ Adagrad")
 
 
 @pytest.mark.parametrize("stage", [1, 2])
