@@ -176,7 +176,8 @@ class GradReducer:
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self._ddp_checked = False  # looked for a DistributedDataParallel wrapping these params
         self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
-        self._ddp_no_sync = False  # the last forward of a DDP wrapper ran under ddp.no_sync()
+        self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
+        self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates without communication
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._ddp_wrappers: list[weakref.ref] = []  # DDP wrappers whose gradient reduction is switched off
         # The hooks hold this reducer weakly, so they go with it (or with close()).
@@ -260,6 +261,7 @@ class GradReducer:
         """Read what was done to the gradients since zeroshard last wrote them; clear a ReducedGrad."""
         if not self._backward_started:
             self._backward_started = True
+            self._ddp_no_sync, self._ddp_forward = self._ddp_forward and self._ddp_no_sync, False
             if not self._ddp_checked:
                 self._ddp_checked = True
                 self._ddp_reduced = self._switch_off_ddp()
@@ -279,6 +281,7 @@ class GradReducer:
             ddp._zeroshard_sync = ddp.require_backward_grad_sync
             live = reducer()
             if live is not None:
+                live._ddp_forward = True
                 live._ddp_no_sync = not ddp.require_backward_grad_sync
                 live._unreduced = live._unreduced or live._ddp_no_sync
             ddp.require_backward_grad_sync = False
@@ -294,8 +297,9 @@ class GradReducer:
         DDP's ``no_sync`` switch, turned off by a forward pre-hook before every forward of the
         wrapper (``require_backward_grad_sync = False``; ``ddp.no_sync()`` restores it on exit),
         stops its reducer from the next forward on (DDP still broadcasts module buffers) until
-        this reducer is closed; a forward under ``ddp.no_sync()`` makes zeroshard accumulate without
-        communication too, as its own :meth:`no_sync` does; the backward under way was prepared by DDP's forward already, so
+        this reducer is closed. A forward under ``ddp.no_sync()`` makes zeroshard accumulate the
+        backward that follows without communication too, as its own :meth:`no_sync` does. The
+        backward under way when the wrapper is found was prepared by DDP's forward already, so
         what DDP writes into ``.grad`` until the next step is ignored. Looked for once, at the
         first backward and at construction (one pass over the objects the garbage collector
         tracks); a wrapper found at construction has run no forward, so nothing is ignored.
