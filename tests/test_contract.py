@@ -205,6 +205,8 @@ def test_zeroed_unused_params_are_stepped_like_torch(pools, stage):
 def torch_clip_worker(stage: int) -> str:
     _, _, model, opt = _pair(stage)
     loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    if stage == 2:
+        assert repr(model.fc1.weight.grad).startswith("ReducedGrad(param_groups[0]['params'][1], shape=(29, 13)"), repr(model.fc1.weight.grad)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError) as error:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)

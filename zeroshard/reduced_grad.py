@@ -26,7 +26,7 @@ from torch import nn
 # Torch functions a ReducedGrad allows: attribute reads, the calls nn.Module.zero_grad makes, and
 # what printing and nn.Module._apply (model.to(...) to where the param already is) need.
 _ALLOWED = frozenset({
-    "__get__", "__set__", "__repr__", "__format__", "size", "dim", "numel", "nelement", "stride", "element_size",
+    "__get__", "__set__", "__format__", "size", "dim", "numel", "nelement", "stride", "element_size",
     "is_contiguous", "is_floating_point", "is_complex", "requires_grad_", "detach_", "zero_", "_is_view",
     "_has_compatible_shallow_copy_type",
 })
@@ -44,6 +44,9 @@ class ReducedGrad(torch.Tensor):
     """
 
     param_name: str  # how errors name the param: "param_groups[g]['params'][j]"
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # printing it shows no values it does not hold
+        return f"ReducedGrad({self.param_name}, shape={tuple(self.shape)}, dtype={self.dtype}: reduce-scattered into the optimizer's grad shard)"
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
