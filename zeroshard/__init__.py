@@ -7,9 +7,9 @@ and launch with ``torchrun``. See ``docs/`` for the design and API reference.
 from zeroshard.checkpoint_dir import latest_checkpoint, verify_checkpoint
 from zeroshard.groups import hybrid_mesh
 from zeroshard.loss_scaler import DynamicLossScaler
-from zeroshard.memory import MemoryUsage
+from zeroshard.memory import MemoryUsage, estimate_memory
 from zeroshard.memory_tracer import MemoryTracer
 from zeroshard.optimizer import ShardedOptimizer
 
-__all__ = ["DynamicLossScaler", "MemoryTracer", "MemoryUsage", "ShardedOptimizer", "hybrid_mesh", "latest_checkpoint", "verify_checkpoint"]
+__all__ = ["DynamicLossScaler", "MemoryTracer", "MemoryUsage", "ShardedOptimizer", "estimate_memory", "hybrid_mesh", "latest_checkpoint", "verify_checkpoint"]
 __version__ = "0.1.0"

@@ -1,11 +1,14 @@
-"""``MemoryUsage``: the bytes a :class:`~zeroshard.ShardedOptimizer` owns, by kind and place."""
+"""``MemoryUsage``: the bytes a :class:`~zeroshard.ShardedOptimizer` owns, by kind and place; ``estimate_memory``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from zeroshard.partition import build_layout
+from zeroshard.sharding import bucket_numel
 
 
 @dataclass(frozen=True)
@@ -46,3 +49,105 @@ def measure(tensors_by_kind: dict[str, list[Tensor]], device: torch.device) -> M
             else:
                 elsewhere += size
     return MemoryUsage(on_device, elsewhere, by_kind)
+
+
+def estimate_memory(
+    model_or_numel: nn.Module | int,
+    *,
+    stage: int = 2,
+    world_size: int,
+    dtype: torch.dtype | None = None,
+    offload: str | None = None,
+    shard_size: int | None = None,
+    bucket_size_mb: float = 25.0,
+    device_type: str = "cuda",
+) -> MemoryUsage:
+    """Per-rank bytes a ``ShardedOptimizer`` around ``torch.optim.Adam``/``AdamW`` owns between steps.
+
+    Predicts what :meth:`ShardedOptimizer.memory_usage` reports after the first ``step()``, kind
+    by kind, for the same model and options, without building anything (no process group, no
+    allocation). With Ψ trainable elements, param dtype of ``b`` bytes, sharding degree N and
+    fp32 master/state (Rajbhandari et al., "ZeRO", SC'20, §5):
+
+    * ``params``: the flat param buffers, ``b·Ψ_pad`` (all ranks hold the full params).
+    * ``grads``: stage 1 keeps a flat grad buffer, ``b·Ψ_pad``; stage 2 holds none between steps.
+      (During backward stage 2 holds up to 3 staging buckets of ``bucket_size_mb`` each, in
+      ``reduce_dtype``, freed by the end of ``step()``: not included.)
+    * ``grad_shard``: ``4·Ψ_pad/N`` (fp32; fp64 params: 8); with offload twice that (its host copy).
+    * ``master``: ``4·Ψ_pad/N`` for bf16/fp16 params; fp32 params have none (the flat buffer is
+      the master) unless offloaded, when every dtype keeps a host master.
+    * ``optimizer_state``: ``exp_avg`` and ``exp_avg_sq``, ``8·Ψ_pad/N``, plus a 4-byte ``step``
+      tensor per (param ∩ rank slice) piece, counted for the rank with the most pieces.
+    * with offload on CUDA, bf16/fp16 params also keep a pinned staging copy of the shard in the
+      param dtype (``b·Ψ_pad/N``, counted under ``params``).
+
+    Ψ_pad is Ψ with padding: params are laid out in reverse registration order, one flat buffer per
+    dtype, and cut into buckets of at most ``bucket_size_mb`` MiB of the param dtype (a larger
+    param gets a bucket of its own); each bucket is padded to a multiple of N, so Ψ_pad - Ψ is
+    below N elements per bucket (see ``zeroshard/partition.py``). A model is laid out exactly as
+    the optimizer lays it out when it is built on ``model.parameters()`` in one param group; each
+    more param group adds its own buckets' padding. An ``int`` counts as one param of that many
+    elements.
+
+    Args:
+        model_or_numel: the model (its trainable params, tied ones once), or Ψ.
+        stage: 1 or 2.
+        world_size: the number of data-parallel ranks.
+        dtype: the param dtype; ``None``: each param's own (fp32 for an ``int``).
+        offload: ``None`` or ``"cpu"`` (master, moments and a gradient copy in host memory).
+        shard_size: N for hybrid sharding (``zeroshard.hybrid_mesh(shard_size)``); ``None``: N is
+            ``world_size``. Replicas hold the same bytes as one shard group's ranks.
+        bucket_size_mb: as the optimizer's ``bucket_size_mb``.
+        device_type: the params' device type. ``"cpu"``: everything is ``device_bytes`` and no
+            pinned staging exists, as ``memory_usage()`` reports in a CPU-only run. Otherwise the
+            offloaded kinds and the ``step`` tensors (torch keeps them on the host) are
+            ``host_bytes``.
+
+    Returns:
+        A :class:`MemoryUsage` in bytes, ``by_kind`` with the kinds above.
+
+    Raises:
+        ValueError: ``stage`` not 1 or 2, ``world_size`` below 1, ``shard_size`` not dividing it,
+            ``offload`` not ``None``/``"cpu"``, a ``model_or_numel`` below 1 or a model without
+            trainable params, or a non-floating ``dtype``.
+    """
+    if stage not in (1, 2):
+        raise ValueError(f"stage={stage!r} must be 1 or 2")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+    shards = world_size if shard_size is None else shard_size
+    if not isinstance(shards, int) or shards < 1 or world_size % shards:
+        raise ValueError(f"shard_size={shard_size!r} must be an int >= 1 that divides world_size={world_size}")
+    if offload not in (None, "cpu"):
+        raise ValueError(f"offload={offload!r} must be None or 'cpu'")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} must be a floating-point dtype")
+    if isinstance(model_or_numel, nn.Module):
+        trainable = [p for p in model_or_numel.parameters() if p.requires_grad and p.numel() > 0]
+        if not trainable:
+            raise ValueError("the model has no trainable params")
+        sized = [(p.numel(), dtype or p.dtype) for p in reversed(trainable)]
+    else:
+        if int(model_or_numel) < 1:
+            raise ValueError(f"model_or_numel={model_or_numel!r} must be a model or an int >= 1")
+        sized = [(int(model_or_numel), dtype or torch.float32)]
+    on_cuda = device_type != "cpu"
+    kinds = dict.fromkeys(("params", "grads", "grad_shard", "master", "optimizer_state"), 0)
+    host = 0
+    for param_dtype in dict.fromkeys(d for _, d in sized):
+        layout = build_layout([n for n, d in sized if d == param_dtype], bucket_numel(bucket_size_mb, param_dtype), shards)
+        item, master_item = param_dtype.itemsize, max(4, param_dtype.itemsize)
+        shard = layout.shard_numel
+        steps = 4 * max(len(layout.pieces(rank)) for rank in range(shards))
+        kinds["params"] += item * layout.numel
+        kinds["grads"] += item * layout.numel if stage == 1 else 0
+        kinds["grad_shard"] += master_item * shard * (2 if offload else 1)
+        kinds["optimizer_state"] += 2 * master_item * shard + steps
+        master = master_item * shard if offload or item < 4 else 0
+        kinds["master"] += master
+        staging = item * shard if offload and on_cuda and item < 4 else 0
+        kinds["params"] += staging
+        if on_cuda:
+            host += steps + (master + 2 * master_item * shard + master_item * shard + staging if offload else 0)
+    total = sum(kinds.values())
+    return MemoryUsage(total - host, host, kinds)

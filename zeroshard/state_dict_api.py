@@ -1,4 +1,5 @@
-"""``ShardedOptimizer``'s checkpoint API: ``state_dict``, ``consolidate_state_dict``, ``load_state_dict``.
+"""``ShardedOptimizer``'s checkpoint API: ``state_dict``, ``consolidate_state_dict``, ``load_state_dict``,
+and ``params_own_storage`` for saving the model.
 
 The formats and their checks live in ``zeroshard/checkpoint.py``; this mixin connects them to the
 optimizer's attributes (``optimizer``, ``_shards``, ``_groups``, ``_param_index``,
@@ -8,8 +9,10 @@ optimizer's attributes (``optimizer``, ``_shards``, ``_groups``, ``_param_index`
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -132,3 +135,38 @@ class StateDictMixin:
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+
+    @contextlib.contextmanager
+    def params_own_storage(self) -> Iterator[None]:
+        """Context manager: inside, every trainable param has storage of its own, for saving the model.
+
+        The params are views of flat buffers (see ``docs/design.md``), so they share one storage.
+        ``safetensors.torch.save_model`` then refuses to save ("None is covering the entire
+        storage"), ``torch.save`` of any part of ``model.state_dict()`` writes the whole flat
+        buffer, padding included, and a shared-tensor check (older ``transformers``'
+        ``save_pretrained``) may take all params for tied weights. Inside the block each param is
+        a copy of itself (``p.data = p.data.clone()``: the model's bytes once more on its device,
+        for the duration of the block); on exit each becomes a view of its flat buffer again,
+        taking its current values (``FlatParamBuffer.follow``), so a model loaded or edited inside
+        the block keeps those values; bf16/fp16 masters keep their fp32 precision wherever the
+        param value is unchanged. Runs no collective and changes no value; tied params stay one
+        tensor. Do not train inside the block.
+
+        Example::
+
+            with opt.params_own_storage():
+                safetensors.torch.save_model(model, "model.safetensors")
+
+        Raises:
+            RuntimeError: on exit, a param that was moved to another device or cast to another
+                dtype inside the block (named), as at the next ``step()``.
+        """
+        with torch.no_grad():
+            for shard in self._shards:
+                for param in shard.buffer.params:
+                    param.data = param.data.clone()
+        try:
+            yield
+        finally:
+            for shard in self._shards:
+                shard.follow_all()

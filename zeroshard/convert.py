@@ -1,0 +1,174 @@
+"""Convert a DCP checkpoint into one file, without a process group: ``python -m zeroshard.convert CKPT OUT``.
+
+In the spirit of DeepSpeed's ``zero_to_fp32.py``. The checkpoint is read whole with
+``torch.distributed.checkpoint``'s own no-process-group loader (``_EmptyStateDictLoadPlanner``, as
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does): every ``DTensor`` comes back
+as one full tensor. The optimizer's sharded state — per bucket of every flat buffer, 1-D tensors
+over the bucket's params in layout order (see ``zeroshard/checkpoint.py``) — is then cut into
+per-param state by the checkpoint's own layout signature (each param's name
+``param_groups[g]['params'][j]`` and shape, params per bucket), keyed like ``torch.optim``.
+
+Outputs:
+
+* ``OUT`` ending in ``.safetensors``: the model's tensors (``CKPT``'s ``"model"`` entry), for
+  ``safetensors.torch.load_file`` / ``load_model``.
+* any other ``OUT``: ``torch.save`` of everything in the checkpoint, with the optimizer entry
+  (``"optim"``) in plain ``torch.optim`` format — ``state`` (per param index: ``exp_avg``,
+  ``exp_avg_sq``, ..., ``step``; params never stepped have none), ``param_groups`` (every
+  hyperparameter) — plus a ``"zeroshard"`` entry (fp32 masters of bf16/fp16 params, loss scaler)
+  that ``torch.optim`` ignores. It loads into ``torch.optim.AdamW(model.parameters())`` of the
+  unsharded model, or into a ``ShardedOptimizer`` at any world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from zeroshard.checkpoint import FULL_FORMAT, FULL_FORMAT_VERSION, SHARDED_FORMAT, _check_version
+from zeroshard.checkpoint_dir import METADATA, verify_checkpoint
+
+_PARAM_NAME = re.compile(r"param_groups\[(\d+)\]\['params'\]\[(\d+)\]")
+
+
+def load_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
+    """Everything in the DCP checkpoint directory ``checkpoint``, as full tensors; no process group.
+
+    Raises:
+        ValueError: naming the file that is missing, truncated or corrupted (``.metadata`` or a
+            data file), as :func:`zeroshard.verify_checkpoint` finds it.
+    """
+    if not (Path(checkpoint) / METADATA).is_file():
+        verify_checkpoint(checkpoint)  # raises at once, naming the missing .metadata (before DCP logs its own tracebacks)
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(state, storage_reader=FileSystemReader(str(checkpoint)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except (Exception, CheckpointException) as error:
+        verify_checkpoint(checkpoint)  # names the bad file; reads the checkpoint only when the load failed
+        raise ValueError(f"{checkpoint} cannot be read by torch.distributed.checkpoint: {error}") from error
+    return state
+
+
+def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") -> dict[str, Any]:
+    """A zeroshard sharded optimizer state dict with full tensors (as :func:`load_checkpoint` gives
+    it) in plain ``torch.optim`` format.
+
+    Each param's state is its run of every bucket tensor, reshaped to the param's shape and kept
+    in the saved dtype (fp32 for 16-bit params); ``step`` (a 0-dim fp32 tensor, as ``torch.optim``
+    keeps it) comes from the per-param step counts and is written for every optimizer but SGD
+    (a param group with ``dampening``), which keeps none. Params never stepped get no entry.
+
+    Args:
+        sharded: the ``"optim"`` entry of a loaded checkpoint.
+        source: what errors call the checkpoint (its path).
+
+    Raises:
+        ValueError: ``sharded`` is not a zeroshard sharded state dict of a version this zeroshard
+            reads, or a bucket's size does not match its params' shapes (both named).
+    """
+    meta = sharded.get("zeroshard") if isinstance(sharded, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != SHARDED_FORMAT:
+        found = sorted(sharded) if isinstance(sharded, dict) else type(sharded).__name__
+        raise ValueError(f"{source}: the optimizer entry is not a zeroshard sharded state dict (found {found})")
+    try:
+        _check_version(meta)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from error
+    groups = sharded["param_groups"]
+    steps = [int(s) for s in sharded["param_steps"].tolist()]
+    state: dict[int, dict[str, Any]] = {}
+    masters: dict[int, torch.Tensor] = {}
+    for k, (_, params, per_bucket) in enumerate(meta["layout"]):
+        first = 0
+        for b, count in enumerate(per_bucket):
+            name_of_bucket = f"{k}.{b}"
+            entry = sharded["buckets"].get(name_of_bucket, {})  # none when the optimizer keeps no per-element state
+            offset = 0
+            for name, shape in params[first : first + count]:
+                g, j = (int(x) for x in _PARAM_NAME.fullmatch(name).groups())
+                index, numel = groups[g]["params"][j], math.prod(shape)
+                for key, value in entry.items():
+                    if value.numel() < offset + numel:
+                        raise ValueError(f"{source}: bucket {name_of_bucket} {key!r} has {value.numel()} elements, too few for its params ({name} {tuple(shape)})")
+                    piece = value[offset : offset + numel].clone().view(tuple(shape))
+                    if key == "master":
+                        masters[index] = piece
+                    elif steps[index]:
+                        state.setdefault(index, {})[key] = piece
+                if steps[index] and "dampening" not in groups[g]:
+                    state.setdefault(index, {})["step"] = torch.tensor(float(steps[index]))
+                offset += numel
+            first += count
+    return {
+        "state": dict(sorted(state.items())),
+        "param_groups": groups,
+        "zeroshard": {"format": FULL_FORMAT, "version": FULL_FORMAT_VERSION, "master": masters, "loss_scaler": meta.get("loss_scaler")},
+    }
+
+
+def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key: str = "model", optim_key: str = "optim") -> None:
+    """Write the DCP checkpoint ``checkpoint`` to the single file ``out`` (see the module docstring).
+
+    Args:
+        checkpoint: the directory given to ``dcp.save``.
+        out: the file to write: ``*.safetensors`` for the model's tensors, else ``torch.save``.
+        model_key, optim_key: the keys the model state dict and the optimizer were saved under
+            (``dcp.save({model_key: model.state_dict(), optim_key: opt})``).
+
+    Raises:
+        ValueError: a bad checkpoint file (named); no ``optim_key`` entry (``torch.save``
+            output) or no ``model_key`` entry (safetensors output) in it, naming the keys found.
+        ImportError: safetensors output without the ``safetensors`` package.
+    """
+    state = load_checkpoint(checkpoint)
+    if str(out).endswith(".safetensors"):
+        if model_key not in state:
+            raise ValueError(f"{checkpoint} has no {model_key!r} entry to write to {out} (it has {sorted(state)}); pass --model-key")
+        from safetensors.torch import save_file  # optional: only this output needs it
+
+        tensors = {k: v.contiguous() for k, v in state[model_key].items() if torch.is_tensor(v)}
+        save_file(tensors, str(out), metadata={"format": "pt"})
+        return
+    if optim_key not in state:
+        raise ValueError(f"{checkpoint} has no {optim_key!r} entry (it has {sorted(state)}); pass --optim-key")
+    state[optim_key] = optimizer_to_torch(state[optim_key], str(checkpoint))
+    torch.save(state, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status (0, or 1 with the error on stderr)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m zeroshard.convert",
+        description=(
+            "Convert a torch.distributed.checkpoint (DCP) directory saved with dcp.save({'model': model.state_dict(), 'optim': opt}) "
+            "into one file, without a process group. OUT.safetensors: the model's tensors. Any other OUT: torch.save of the whole "
+            "checkpoint with the optimizer in plain torch.optim format (per-param exp_avg, exp_avg_sq, step keyed by param index), "
+            "which torch.optim.AdamW(model.parameters()).load_state_dict(torch.load(OUT)['optim']) loads on one process."
+        ),
+    )
+    parser.add_argument("checkpoint", metavar="CKPT", type=Path, help="the DCP checkpoint directory (what dcp.save's checkpoint_id named)")
+    parser.add_argument("out", metavar="OUT", type=Path, help="the file to write (.safetensors: model weights only; else torch.save)")
+    parser.add_argument("--model-key", default="model", help="the key the model state dict was saved under (default: model)")
+    parser.add_argument("--optim-key", default="optim", help="the key the ShardedOptimizer was saved under (default: optim)")
+    args = parser.parse_args(argv)
+    try:
+        convert(args.checkpoint, args.out, model_key=args.model_key, optim_key=args.optim_key)
+    except (ValueError, ImportError, OSError) as error:
+        print(f"python -m zeroshard.convert: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
