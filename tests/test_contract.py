@@ -480,10 +480,9 @@ def ddp_wrapped_worker(stage: int, wrapped_first: bool) -> list[int]:
             loss_fn(net, *batch(dist.get_rank(), step)).backward()
             o.step()
             net.zero_grad()
-        if wrapped_first or stage == 1:
-            assert _same(ref.module, model), f"step {step}: params differ from DDP alone (stage {stage})"
-        else:  # the first step's micro-steps were reduced one by one: another rounding order
-            assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(ref.module.parameters(), model.parameters())), step
+        # Found at the first backward inside no_sync, DDP's first micro-step is accumulated without
+        # communication too: the same rounding as DDP alone.
+        assert _same(ref.module, model), f"step {step}: params differ from DDP alone (stage {stage})"
         if step == 0:
             counts.append(reductions[0])
     counts.append(reductions[0])
