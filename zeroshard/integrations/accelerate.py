@@ -99,6 +99,8 @@ class ShardedAccelerator(accelerate.Accelerator):
 
     * :meth:`clip_grad_norm_` clips a ``ShardedOptimizer``'s params by their global norm.
     * :meth:`save_state` gathers each ``ShardedOptimizer``'s full state onto rank 0 first.
+    * :meth:`get_state_dict` (which ``save_state`` and ``save_model`` use) copies the params out of
+      the optimizer's flat buffers, which accelerate's safetensors writer would take for aliases.
     """
 
     def clip_grad_norm_(self, parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2) -> torch.Tensor:
@@ -110,6 +112,25 @@ class ShardedAccelerator(accelerate.Accelerator):
         parameters = list(parameters)
         norm = clip_sharded_grad_norm_(self._optimizers, parameters, max_norm, norm_type)
         return super().clip_grad_norm_(parameters, max_norm, norm_type) if norm is None else norm
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """``Accelerator.get_state_dict``, with params that share a ``ShardedOptimizer``'s flat buffer copied out.
+
+        The params of a ``ShardedOptimizer`` are views of one flat buffer per param group and dtype,
+        which accelerate's safetensors writer (``save_state`` and ``save_model``) takes for aliases of
+        one tensor and drops but one of them. Each distinct view is copied into its own tensor (tied
+        params stay one tensor under both names), at the cost of one copy of those params while saving.
+        """
+        state_dict = super().get_state_dict(model, unwrap)
+        flat = {shard.buffer.data.untyped_storage().data_ptr() for opt in sharded_optimizers(self._optimizers) for shard in opt._shards}
+        copies: dict[tuple[int, torch.Size, tuple[int, ...]], torch.Tensor] = {}
+        for name, tensor in state_dict.items():
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() in flat:
+                key = (tensor.data_ptr(), tensor.shape, tensor.stride())
+                if key not in copies:
+                    copies[key] = tensor.detach().clone()
+                state_dict[name] = copies[key]
+        return state_dict
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> str:
         """``Accelerator.save_state``, with each prepared ``ShardedOptimizer``'s state consolidated on rank 0 first.
