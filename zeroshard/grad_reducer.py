@@ -264,7 +264,13 @@ class GradReducer:
             self._ddp_no_sync, self._ddp_forward = self._ddp_forward and self._ddp_no_sync, False
             if not self._ddp_checked:
                 self._ddp_checked = True
-                self._ddp_reduced = self._switch_off_ddp()
+                syncs = self._switch_off_ddp()
+                self._ddp_reduced = bool(syncs)
+                if syncs and not any(syncs):
+                    # Found inside ``ddp.no_sync()``: a framework's first accumulation micro-step
+                    # (HF Trainer and accelerate run its backward in the block). Accumulate
+                    # without communication, as zeroshard does for the later ones.
+                    self._ddp_no_sync = self._unreduced = True
             self._check_flat_grads()
         if self.stage == 2:
             self._settle(k, i, param)
@@ -288,8 +294,11 @@ class GradReducer:
 
         return pre_hook
 
-    def _switch_off_ddp(self) -> bool:
-        """Switch off the gradient reduction of any ``DistributedDataParallel`` wrapping these params; whether a new one was found.
+    def _switch_off_ddp(self) -> list[bool]:
+        """Switch off the gradient reduction of any ``DistributedDataParallel`` wrapping these params.
+
+        Returns, for each wrapper newly found, whether its reduction was on when found
+        (``require_backward_grad_sync``; off inside ``ddp.no_sync()``).
 
         HF Trainer, accelerate and Lightning wrap the model in DDP by default. Both reducing would
         send every gradient twice, and DDP's C++ reducer writes its averaged gradients into
@@ -310,6 +319,7 @@ class GradReducer:
         wrappers = [obj for obj in gc.get_objects() if isinstance(obj, DistributedDataParallel)
                     and any(id(p) in ours for p in obj.module.parameters())]
         wrappers = [ddp for ddp in wrappers if not any(ref() is ddp for ref in self._ddp_wrappers)]
+        syncs = [ddp.require_backward_grad_sync for ddp in wrappers]
         for ddp in wrappers:
             ddp.require_backward_grad_sync = False
             self._hooks.append(ddp.register_forward_pre_hook(self._make_ddp_pre_hook()))
@@ -318,7 +328,7 @@ class GradReducer:
         if wrappers and dist.get_rank() == 0:
             logger.info("zeroshard: the model is wrapped in DistributedDataParallel; zeroshard reduces its gradients itself, so DDP's "
                         "gradient reduction is switched off from the next forward (its first backward was reduced by both)")
-        return bool(wrappers)
+        return syncs
 
     def _settle(self, k: int, i: int, param: nn.Parameter) -> None:
         """Stage 2: follow a ``model.zero_grad()`` done to param ``i`` of shard ``k`` since its gradient was reduced.

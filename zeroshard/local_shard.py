@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from zeroshard.flat_buffer import FlatParamBuffer
 from zeroshard.partition import ShardPiece
+from zeroshard.reduced_grad import VIRTUAL, reduced_grad
 
 
 # Set on every virtual parameter, so that a torch optimizer wrapped a second time is recognized.
@@ -72,6 +73,10 @@ class LocalShard:
         ]
         for vparam in self.virtual_params:
             setattr(vparam, _VIRTUAL, True)
+        # Between steps each virtual param's .grad says where its gradient is instead of None,
+        # which a framework clipping the optimizer's param_groups would take for "nothing to clip".
+        self._idle_grads = [reduced_grad(vparam, buffer.names[piece.param], VIRTUAL) for piece, vparam in zip(self.pieces, self.virtual_params)]
+        self.detach_grads()
         self._seen_versions = [p._version for p in buffer.params]
 
     @property
@@ -186,9 +191,9 @@ class LocalShard:
                 vparam.grad = None
 
     def detach_grads(self) -> None:
-        """Drop the virtual params' ``.grad`` views (the grad shard itself is kept)."""
-        for vparam in self.virtual_params:
-            vparam.grad = None
+        """Replace the virtual params' ``.grad`` views by ReducedGrads (the grad shard itself is kept)."""
+        for vparam, idle in zip(self.virtual_params, self._idle_grads):
+            vparam.grad = idle
 
     @torch.no_grad()
     def write_back(self) -> None:

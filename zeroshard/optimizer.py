@@ -29,6 +29,7 @@ from zeroshard.loss_scaler import DynamicLossScaler
 from zeroshard.memory import MemoryUsage, measure
 from zeroshard.memory_tracer import MemoryTracer
 from zeroshard.offload import MarginMeasurement, measure_margin, place_chunks
+from zeroshard.reduced_grad import GRAD_SCALER_REFUSED
 from zeroshard.sharding import NewShards, ShardedGroup, shard_param_groups
 from zeroshard.state_dict_api import StateDictMixin
 from zeroshard.step_path import apply_update, grad_multiplier
@@ -390,10 +391,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
     def _refuse_grad_scaler(self) -> None:
         if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
             self.found_inf = self.grad_scale = None
-            raise RuntimeError(
-                "torch.amp.GradScaler cannot drive ShardedOptimizer, which scales and checks gradients itself: "
-                "drop the GradScaler and use ShardedOptimizer(..., loss_scale='dynamic') with opt.backward(loss)"
-            )
+            raise RuntimeError(GRAD_SCALER_REFUSED)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Reduce what is left, update this rank's shard, all-gather the params.

@@ -30,6 +30,10 @@ _ALLOWED = frozenset({
     "is_contiguous", "is_floating_point", "is_complex", "requires_grad_", "detach_", "zero_", "_is_view",
     "_has_compatible_shallow_copy_type",
 })
+GRAD_SCALER_REFUSED = ("torch.amp.GradScaler cannot drive ShardedOptimizer, which scales and checks gradients itself: "
+                       "drop the GradScaler and use ShardedOptimizer(..., loss_scale='dynamic') with opt.backward(loss)")
+# What torch.amp.GradScaler calls on the optimizer's gradients: refused with GRAD_SCALER_REFUSED.
+_GRAD_SCALER = frozenset({"_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_"})
 # Conversions nn.Module._apply applies to every .grad (model.to(), .cpu(), .double(), ...). They return the
 # ReducedGrad itself: the gradient stays in the grad shard, and whether the params' move can be followed
 # is decided for the params (FlatParamBuffer.follow).
@@ -44,9 +48,10 @@ class ReducedGrad(torch.Tensor):
     """
 
     param_name: str  # how errors name the param: "param_groups[g]['params'][j]"
+    where: str  # where its gradient is, for errors
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # printing it shows no values it does not hold
-        return f"ReducedGrad({self.param_name}, shape={tuple(self.shape)}, dtype={self.dtype}: reduce-scattered into the optimizer's grad shard)"
+        return f"ReducedGrad({self.param_name}, shape={tuple(self.shape)}, dtype={self.dtype}: {self.where})"
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -55,19 +60,29 @@ class ReducedGrad(torch.Tensor):
         if name in _ALLOWED:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if name in _GRAD_SCALER:
+            raise RuntimeError(GRAD_SCALER_REFUSED)
         self = next((a for a in args if isinstance(a, ReducedGrad)), None)
         if self is not None and name in _CONVERSIONS:
             return self
-        label = self.param_name if self is not None else "a param"
+        label = f"{self.param_name}: {self.where}" if self is not None else "a param's gradient is in the optimizer's grad shard"
         raise RuntimeError(
-            f"{label}'s gradient was reduce-scattered into the optimizer's grad shard (ZeRO stage 2), so no rank holds it as a "
-            f"tensor (torch.{name} was called on it). Clip with ShardedOptimizer(..., max_grad_norm=...) or opt.clip_grad_norm_(...) "
+            f"{label}, so no rank holds it as a tensor (torch.{name} was called on it). Clip with ShardedOptimizer(..., max_grad_norm=...) or opt.clip_grad_norm_(...) "
             "and read opt.grad_norm; drop a batch with model.zero_grad() or opt.zero_grad(); use stage=1 to keep full gradients"
         )
 
 
-def reduced_grad(param: nn.Parameter, name: str) -> ReducedGrad:
-    """A new ``ReducedGrad`` for ``param`` (its shape, dtype and device; one element of storage)."""
+REDUCED = "its gradient was reduce-scattered into the optimizer's grad shard (ZeRO stage 2)"
+VIRTUAL = "a virtual param of the wrapped optimizer (this rank's piece of a param), whose gradient is attached only inside step()"
+
+
+def reduced_grad(param: nn.Parameter, name: str, where: str = REDUCED) -> ReducedGrad:
+    """A new ``ReducedGrad`` for ``param`` (its shape, dtype and device; one element of storage).
+
+    ``where`` says where the gradient is instead, for errors: :data:`REDUCED` for a model's param
+    under stage 2, :data:`VIRTUAL` for a virtual param between steps (a framework that clips the
+    optimizer's ``param_groups``, as Lightning does, would otherwise see ``None`` and clip nothing).
+    """
     grad = torch.Tensor._make_subclass(ReducedGrad, torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape))
-    grad.param_name = name
+    grad.param_name, grad.where = name, where
     return grad

@@ -1,0 +1,83 @@
+"""Run with 2 ranks under torch.distributed.run (CPU, gloo): HF Trainer with a ShardedOptimizer against
+the DDP Trainer with plain AdamW on a tiny Llama and real text, with max_grad_norm (clipping every
+step), gradient_accumulation_steps=2, a linear LR schedule, save_steps and resume_from_checkpoint.
+Rank 0 prints one JSON line ``hf-result {...}`` for the parent test to check."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).parent))
+from llama_text import TextDataset, tiny_llama, tolerance_ratio  # noqa: E402
+
+import zeroshard  # noqa: E402
+from zeroshard import collectives  # noqa: E402
+from zeroshard.integrations.hf import ShardedTrainer  # noqa: E402
+
+STEPS, SAVE_STEPS = 8, 4
+
+
+class CountReductions(TrainerCallback):
+    """Counts zeroshard's gradient reduce-scatters during training, and those made in non-final accumulation micro-steps."""
+
+    def __init__(self) -> None:
+        self.calls = self.during_micro_steps = self._at_step_begin = 0
+        self._real = collectives.reduce_scatter
+
+    def _counting(self, *args, **kwargs):
+        self.calls += 1
+        return self._real(*args, **kwargs)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        collectives.reduce_scatter = self._counting
+
+    def on_train_end(self, args, state, control, **kwargs):
+        collectives.reduce_scatter = self._real
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._at_step_begin = self.calls
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.during_micro_steps += self.calls - self._at_step_begin
+
+
+def train(out: Path, stage: int | None, resume: str | None = None, callbacks=()) -> tuple[list[torch.Tensor], list[float]]:
+    args = TrainingArguments(
+        str(out), use_cpu=True, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
+        max_grad_norm=0.5, learning_rate=3e-3, lr_scheduler_type="linear", seed=0, logging_steps=1, report_to=[],
+        disable_tqdm=True, save_strategy="steps" if stage is not None else "no", save_steps=SAVE_STEPS, dataloader_num_workers=0,
+    )
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
+    trainer_class = Trainer
+    if stage is not None:
+        opt, trainer_class = zeroshard.ShardedOptimizer(opt, stage=stage), ShardedTrainer
+    trainer = trainer_class(model=model, args=args, train_dataset=TextDataset(), optimizers=(opt, None), callbacks=list(callbacks))
+    trainer.train(resume_from_checkpoint=resume)
+    norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
+    return [p.detach().clone() for p in model.parameters()], norms
+
+
+def main(out: Path) -> None:
+    ddp, ddp_norms = train(out / "ddp", None)  # TrainingArguments initialized the gloo process group
+    result = {"ddp_norms": ddp_norms}
+    for stage in (1, 2):
+        counter = CountReductions()
+        sharded, norms = train(out / f"stage{stage}", stage, callbacks=[counter])
+        resumed, _ = train(out / f"stage{stage}", stage, resume=str(out / f"stage{stage}" / f"checkpoint-{SAVE_STEPS}"))
+        result[f"stage{stage}"] = {
+            "vs_ddp": tolerance_ratio(sharded, ddp), "resumed_vs_uninterrupted": tolerance_ratio(resumed, sharded),
+            "norms": norms, "reduce_scatters": counter.calls, "during_micro_steps": counter.during_micro_steps,
+        }
+    if dist.get_rank() == 0:
+        print("hf-result " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
