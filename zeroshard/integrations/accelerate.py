@@ -18,7 +18,10 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-import accelerate
+try:
+    import accelerate
+except ModuleNotFoundError as error:  # an optional adapter: say how to get what it needs
+    raise ModuleNotFoundError(f"{__name__} needs accelerate: pip install 'zeroshard[integrations]' ({error})") from error
 import torch
 from torch import nn
 

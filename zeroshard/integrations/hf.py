@@ -18,8 +18,11 @@ What the plain ``Trainer`` does around the optimizer, and what this changes:
 
 from __future__ import annotations
 
-import accelerate
-import transformers
+try:
+    import accelerate
+    import transformers
+except ModuleNotFoundError as error:  # an optional adapter: say how to get what it needs
+    raise ModuleNotFoundError(f"{__name__} needs accelerate and transformers: pip install 'zeroshard[integrations]' ({error})") from error
 
 from zeroshard.integrations.accelerate import ShardedAccelerator, check_one_writer, sharded_optimizers
 
