@@ -1,6 +1,6 @@
 """Train a small byte-level GPT with zeroshard.ShardedOptimizer on real text.
 
-    torchrun --nproc_per_node 2 examples/train_gpt.py            # ~3 minutes on 2 CPU cores
+    torchrun --nproc_per_node 2 examples/train_gpt.py            # 3 to 5 minutes on 2 CPU cores
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 20 # seconds
     torchrun --nproc_per_node 2 examples/train_gpt.py --ckpt-dir ckpt --steps 200
     torchrun --nproc_per_node 3 examples/train_gpt.py --ckpt-dir ckpt --steps 400 --resume  # on 3 ranks
@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked: a bad value exits with argparse's usage error naming it."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--stage", type=int, default=2, choices=(1, 2), help="ZeRO stage")
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the default takes about 3 minutes on 2 CPU ranks)")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the default takes 3 to 5 minutes on 2 CPU ranks)")
     p.add_argument("--data", type=Path, default=None, help="text file to train on (None: the stdlib sources)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
