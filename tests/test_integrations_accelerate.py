@@ -3,24 +3,15 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from torchrun_child import run_child
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-HERE = Path(__file__).parent
-
 
 def test_accelerate_loop_matches_ddp_with_accumulate_clip_and_save_load_state(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(HERE / "accelerate_child.py"), str(tmp_path)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=HERE.parent)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("accelerate-result ")).split(" ", 1)[1])
+    result = run_child("accelerate_child.py", str(tmp_path), result_prefix="accelerate-result")
     assert result["distributed"]  # Accelerator(cpu=True) under torchrun: 2 ranks, DDP-wrapped model
     assert min(result["ddp_norms"]) > 0.5 * 1.5  # clip_grad_norm_(..., 0.5) clipped every step
     # The clip coefficient comes from the norm summed in another order (shards vs per-param norms):

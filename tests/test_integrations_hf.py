@@ -6,24 +6,15 @@ the process group and the Trainer its DDP wrapper, as in a user's script.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from torchrun_child import run_child
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-HERE = Path(__file__).parent
-
 
 def test_trainer_matches_ddp_trainer_with_clipping_accumulation_and_resume(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(HERE / "hf_trainer_child.py"), str(tmp_path)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=HERE.parent)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("hf-result ")).split(" ", 1)[1])
+    result = run_child("hf_trainer_child.py", str(tmp_path), result_prefix="hf-result")
     ddp_norms = result["ddp_norms"]
     assert min(ddp_norms) > 0.5 * 1.5  # max_grad_norm=0.5 clipped every step
     for stage in ("stage1", "stage2"):

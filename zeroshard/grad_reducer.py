@@ -167,7 +167,6 @@ class GradReducer:
         self._no_sync = False
         self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
         self._reductions = 0  # backward passes reduced since reset
-        self._index_of: dict[int, tuple[int, int]] = {}  # id(param) -> (shard, param index)
         self._pieces_of: list[list[list[ShardPiece]]] = []  # per shard, per param: this rank's pieces of it
         # Stage 2: per (shard, param), the ReducedGrad left in .grad and its version then (absent: none left).
         self._reduced_grads: dict[tuple[int, int], ReducedGrad] = {}
@@ -216,7 +215,6 @@ class GradReducer:
         self._ready_count.append([0] * len(layout.buckets))
         self._used.append([False] * len(layout.slots))
         for i, param in enumerate(shard.buffer.params):
-            self._index_of[id(param)] = (k, i)
             self._hooks.append(param.register_hook(self._make_pre_hook(k, i, param)))
             self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(k, i)))
             _OWNERS[id(param)] = (weakref.ref(param), weakref.ref(self))
@@ -565,13 +563,6 @@ class GradReducer:
 
     def _is_flat_grad_view(self, k: int, i: int, param: nn.Parameter) -> bool:
         return param.grad.data_ptr() == self.shards[k].buffer.param_view(i, of=self._flat_grads[k]).data_ptr()
-
-    def owns_grad(self, param: nn.Parameter) -> bool:
-        """Whether ``param.grad`` is a view of a stage 1 flat grad buffer (zeroed by :meth:`reset`)."""
-        where = self._index_of.get(id(param))
-        return self.stage == 1 and where is not None and param.grad is not None and self._is_flat_grad_view(*where, param)
-
-    # -- step --------------------------------------------------------------------------------
 
     def reduce_for_step(self) -> None:
         """Reduce whatever is still local: gradients from ``no_sync``, or a step with no reduced backward.

@@ -1,0 +1,24 @@
+"""Run a test's child script under torch.distributed.run and read the JSON result it prints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).parent
+
+
+def run_child(script: str, *args: str, result_prefix: str, nproc: int = 2, timeout_s: int = 240) -> dict:
+    """Run ``tests/<script>`` on ``nproc`` gloo ranks; the JSON after ``result_prefix`` on its stdout.
+
+    Raises:
+        AssertionError: the run failed (its output's tail is in the message) or printed no result line.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), str(TESTS / script), *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=TESTS.parent)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith(result_prefix + " ")]
+    assert lines, run.stdout[-3000:]
+    return json.loads(lines[0].split(" ", 1)[1])
