@@ -1,7 +1,7 @@
 """Run with 2 ranks under torch.distributed.run (CPU, gloo): HF Trainer with a ShardedOptimizer against
 the DDP Trainer with plain AdamW on a tiny Llama and real text, with max_grad_norm (clipping every
-step), gradient_accumulation_steps=2, a linear LR schedule, save_steps and resume_from_checkpoint.
-Rank 0 prints one JSON line ``hf-result {...}`` for the parent test to check."""
+step), gradient_accumulation_steps=2, a linear LR schedule, save_steps and resume_from_checkpoint
+(with ``--resume-on-one-rank``: stage 2's checkpoint resumed on 1 rank). Rank 0 prints one JSON line ``hf-result {...}`` for the parent test to check."""
 
 from __future__ import annotations
 
@@ -47,9 +47,9 @@ class CountReductions(TrainerCallback):
         self.during_micro_steps += self.calls - self._at_step_begin
 
 
-def train(out: Path, stage: int | None, resume: str | None = None, callbacks=()) -> tuple[list[torch.Tensor], list[float]]:
+def train(out: Path, stage: int | None, resume: str | None = None, callbacks=(), batch_size: int = 2) -> tuple[list[torch.Tensor], list[float]]:
     args = TrainingArguments(
-        str(out), use_cpu=True, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
+        str(out), use_cpu=True, per_device_train_batch_size=batch_size, gradient_accumulation_steps=2, max_steps=STEPS,
         max_grad_norm=0.5, learning_rate=3e-3, lr_scheduler_type="linear", seed=0, logging_steps=1, report_to=[],
         disable_tqdm=True, save_strategy="steps" if stage is not None else "no", save_steps=SAVE_STEPS, dataloader_num_workers=0,
     )
@@ -76,8 +76,21 @@ def main(out: Path) -> None:
             "norms": norms, "reduce_scatters": counter.calls, "during_micro_steps": counter.during_micro_steps,
         }
     if dist.get_rank() == 0:
+        torch.save(sharded, out / "stage2-uninterrupted.pt")
         print("hf-result " + json.dumps(result), flush=True)
 
 
+def resume_on_one_rank(out: Path) -> None:
+    """Resume stage 2's 2-rank checkpoint on 1 rank with batch 4: the same samples per micro-step (the
+    seeded sampler's order, split 2 + 2 before), so the run should end where the 2-rank one did."""
+    resumed, _ = train(out / "stage2", 2, resume=str(out / "stage2" / f"checkpoint-{SAVE_STEPS}"), batch_size=4)
+    uninterrupted = torch.load(out / "stage2-uninterrupted.pt")
+    result = {"world_size": dist.get_world_size() if dist.is_initialized() else 1, "vs_uninterrupted": tolerance_ratio(resumed, uninterrupted)}
+    print("hf-result " + json.dumps(result), flush=True)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[2:] == ["--resume-on-one-rank"]:
+        resume_on_one_rank(Path(sys.argv[1]))
+    else:
+        main(Path(sys.argv[1]))

@@ -23,3 +23,7 @@ def test_trainer_matches_ddp_trainer_with_clipping_accumulation_and_resume(tmp_p
         assert r["resumed_vs_uninterrupted"] == 0.0, (stage, r)  # save_steps=4 + resume_from_checkpoint: bitwise equal
         assert r["norms"] == pytest.approx(ddp_norms, rel=1e-5)  # the logged grad_norm is the global pre-clip norm
         assert r["reduce_scatters"] > 0 and r["during_micro_steps"] == 0, (stage, r)  # accumulation reduces once per step
+    # The same checkpoint resumed on 1 rank with batch 4 (the same samples per micro-step as 2 x 2):
+    # the optimizer.pt written at 2 ranks loads at 1 and the run ends where the 2-rank one did.
+    one_rank = run_child("hf_trainer_child.py", str(tmp_path), "--resume-on-one-rank", result_prefix="hf-result", nproc=1)
+    assert one_rank["world_size"] == 1 and one_rank["vs_uninterrupted"] <= 1.0, one_rank  # rtol 1e-6: the batch is summed in another order
