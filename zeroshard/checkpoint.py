@@ -39,8 +39,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from zeroshard import collectives
 from zeroshard.local_shard import LocalShard
 from zeroshard.loss_scaler import DynamicLossScaler
+from zeroshard.validation import param_name
 
 try:  # torch >= 2.5
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -198,7 +200,7 @@ def _saves_master(shard: LocalShard) -> bool:
 
 
 def _param_names(view: CheckpointView) -> list[str]:
-    return [f"param_groups[{g}]['params'][{j}]" for g, params in enumerate(view.group_params) for j in range(len(params))]
+    return [param_name(g, j) for g, params in enumerate(view.group_params) for j in range(len(params))]
 
 
 # -- sharded format ----------------------------------------------------------------------------
@@ -357,7 +359,8 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
 def _inner_state_dict(view: CheckpointView, state: dict[Tensor, dict[str, Any]], saved_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The wrapped optimizer's ``state_dict`` format over its virtual params, with the saved
     hyperparameters (the caller has checked that there are as many groups)."""
-    index_of, groups = {}, []
+    index_of: dict[Tensor, int] = {}
+    groups = []
     for group, saved in zip(view.optimizer.param_groups, saved_groups):
         ids = []
         for vparam in group["params"]:
@@ -402,12 +405,11 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
                         value = view.optimizer.state.get(vparam, {}).get(key)
                         if value is not None:
                             local[offset : offset + piece.numel] = value.reshape(-1)
-                if view.world_size == 1:
-                    pieces = [local]
-                else:
+                pieces: list[Tensor] | None = [local]
+                if view.world_size > 1:
                     pieces = [torch.empty_like(local) for _ in range(view.world_size)] if here else None
-                    dist.gather(local, pieces, dst=to, group=view.shard_group)
-                if not here:
+                    collectives.gather(local, pieces, dst=to, group=view.shard_group)
+                if pieces is None:  # not the receiving rank
                     continue
                 full = torch.cat(pieces)
                 for i in bucket.params:

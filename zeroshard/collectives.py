@@ -91,6 +91,19 @@ def wait(work: dist.Work, timeout: datetime.timedelta | None, what: str, hint: s
         ) from error
 
 
+def gather(tensor: Tensor, outputs: list[Tensor] | None, dst: int, group: ProcessGroup) -> None:
+    """Gather every rank's ``tensor`` into ``outputs`` on global rank ``dst`` (blocking; ``torch.distributed.gather``).
+
+    Args:
+        tensor: any shape; the same shape, dtype and device on every rank.
+        outputs: on ``dst``, ``group.size()`` tensors like ``tensor`` (``outputs[r]`` gets group
+            rank r's); ``None`` on the other ranks.
+        dst: the global rank that receives.
+        group: the process group.
+    """
+    dist.gather(tensor, outputs, dst=dst, group=group)
+
+
 def broadcast_from_first_(tensors: Sequence[Tensor], group: ProcessGroup) -> None:
     """Overwrite ``tensors`` on every rank with those of the group's rank 0 (blocking)."""
     src = dist.get_global_rank(group, 0)

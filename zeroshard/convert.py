@@ -96,7 +96,10 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
             entry = sharded["buckets"].get(name_of_bucket, {})  # none when the optimizer keeps no per-element state
             offset = 0
             for name, shape in params[first : first + count]:
-                g, j = (int(x) for x in _PARAM_NAME.fullmatch(name).groups())
+                match = _PARAM_NAME.fullmatch(name)
+                if match is None:
+                    raise ValueError(f"{source}: its layout names a param {name!r}, not param_groups[g]['params'][j]")
+                g, j = int(match[1]), int(match[2])
                 index, numel = groups[g]["params"][j], math.prod(shape)
                 for key, value in entry.items():
                     if value.numel() < offset + numel:

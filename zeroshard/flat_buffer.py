@@ -1,33 +1,41 @@
 """Flat 1-D parameter storage for one (param group, dtype); params become views of it.
 
 [Note: zeroshard buffers]
-Every tensor zeroshard keeps is one of these (N = sharding degree, r = this rank):
+The terms every module uses (the same list as docs/design.md's glossary; N = sharding degree,
+D = data-parallel size, r = this rank):
 
-* **flat param buffer** (:class:`FlatParamBuffer`, ``data``): 1-D, param dtype, on the params'
-  device. All trainable params of one param group and dtype, laid out in reverse registration
-  order, bucket after bucket, each bucket padded to a multiple of N. The model's params are
-  views of it (``p.data = buffer.param_view(i)``), so the model sees full params at all times.
-* **bucket**: a contiguous run of the flat param buffer holding whole params; the unit of one
-  reduce-scatter (gradients) and one all-gather (params). See ``zeroshard/partition.py``.
-* **slice**: rank r's ``1/N`` of one bucket, ``[offset + r*S, offset + (r+1)*S)``.
-* **shard**: the concatenation of rank r's slices of all buckets of one flat buffer.
-* **grad shard** (``LocalShard.grad_shard``): 1-D, master dtype (fp32 for bf16/fp16 params),
-  this rank's reduced and averaged gradient, one element per shard element.
-* **chunk**: rank r's slice of one bucket seen as a unit of optimizer state: its master, its
-  ``exp_avg``/``exp_avg_sq`` and (offloaded) its host copy of the gradient live together, on the
-  device or in host memory (``offload``/``gpu_margin_mem_ratio``, ``zeroshard/offload.py``).
-* **master shard** (``LocalShard.masters``): per chunk, a 1-D fp32 copy of the slice for bf16/fp16
-  params (and, offloaded to host memory, for any dtype). For fp32/fp64 params on their device
-  there is no copy: the slices of the flat param buffer are the master weights.
-* **virtual parameter** (``LocalShard.virtual_params``): one 1-D ``nn.Parameter`` per
-  (param ∩ slice) piece, a view of the master (or of the flat param buffer for fp32). The wrapped
-  optimizer sees only these, so it creates state only for this rank's shard and keeps a ``step``
-  per piece, exactly as it would per param (Rajbhandari et al., "ZeRO", SC'20, §5.1; the
-  virtual-parameter scheme of the SageMaker model parallel library).
-* **flat grad buffer** (stage 1 only, ``GradReducer``): 1-D, param dtype, same layout as the flat
-  param buffer; the params' ``.grad`` are views of it, so a bucket is reduce-scattered in place.
-* **staging bucket** (stage 2 only, ``GradReducer``): one bucket's gradients in ``reduce_dtype``,
-  filled as params become ready and freed once reduce-scattered into the grad shard.
+* **flat param buffer** (1-D, param dtype, on the params' device): all trainable params of one
+  param group and dtype, in reverse registration order, bucket after bucket, each bucket padded to
+  a multiple of N (``FlatParamBuffer``). The model's params are views of it, so the model always
+  sees full params.
+* **bucket** (a contiguous part of a flat buffer): whole params (a param larger than
+  ``bucket_size_mb`` gets a bucket of its own); the unit of one gradient reduce-scatter and one
+  param all-gather.
+* **slice** (a range of indices): rank r's 1/N of one bucket: ``[offset + r*S, offset + (r+1)*S)``
+  with ``S`` the padded bucket size over N. It names where, not what: the tensors that hold a slice
+  form its chunk.
+* **shard** (rank r's slices of one flat buffer): everything rank r owns of one flat param buffer,
+  all its slices in bucket order (``LocalShard``).
+* **piece** (a range of indices): the intersection of one param with one slice (``ShardPiece``); a
+  param has one piece on each rank that owns part of it.
+* **chunk** (the tensors of one slice): what rank r keeps for one slice: its master, ``exp_avg``,
+  ``exp_avg_sq`` and, offloaded, its host gradient and host param. A chunk lives and moves as a
+  whole, on the device or in host memory.
+* **run** (adjacent pieces of one chunk): a maximal sequence of adjacent pieces with the same step
+  count; the fused update takes a run in one call.
+* **master** (1-D, master dtype (fp32 for bf16/fp16 params)): a chunk's full-precision copy of its
+  slice, for 16-bit params and offloaded chunks; for fp32/fp64 params on their device the slice of
+  the flat param buffer is the master, with no copy.
+* **grad shard** (1-D, master dtype): rank r's gradient for its shard, summed over the D
+  data-parallel ranks and divided by D.
+* **virtual parameter** (1-D ``nn.Parameter``, master dtype): one per piece, a view of its master.
+  The wrapped optimizer's ``param_groups[i]["params"]`` holds these, so it keeps state only for
+  this rank's shard, and a ``step`` per piece as it would per param (Rajbhandari et al., "ZeRO",
+  SC'20, section 5.1).
+* **flat grad buffer** (stage 1 only; 1-D, param dtype): the flat param buffer's layout for
+  gradients: the params' ``.grad`` are views of it, so a bucket is reduce-scattered in place.
+* **staging bucket** (stage 2 only; 1-D, ``reduce_dtype``): one bucket's gradients, filled as
+  params become ready during backward and freed once reduced into the grad shard.
 """
 
 from __future__ import annotations

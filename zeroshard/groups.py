@@ -10,6 +10,7 @@ across the replicate group; params are all-gathered within the shard group only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -90,7 +91,7 @@ def resolve_groups(process_group: ProcessGroup | DeviceMesh | None) -> ShardingG
         raise ValueError("process_group: torch.distributed is not initialized; call torch.distributed.init_process_group() first (torchrun sets up its environment)")
     replicate, mesh = None, None
     if process_group is None:
-        shard = dist.group.WORLD
+        shard = cast(ProcessGroup, dist.group.WORLD)  # not None: initialized above
     elif isinstance(process_group, ProcessGroup):
         shard = process_group
     elif isinstance(process_group, DeviceMesh):

@@ -16,7 +16,9 @@ import torch
 
 
 class MemoryTracer:
-    """Context manager measuring baseline and peak memory, on the device and on the host.
+    """Baseline and peak memory, on the device and on the host, between ``start()`` and ``stop()``.
+
+    Also a context manager (``with MemoryTracer() as tracer:`` starts and stops it).
 
     On CUDA the device figures come from the caching allocator (``max_memory_allocated`` after
     ``reset_peak_memory_stats``) and the capacity from ``mem_get_info``; host figures (and the
@@ -27,7 +29,7 @@ class MemoryTracer:
         device: the device to trace; default the current CUDA device if any, else the CPU.
         sample_interval_s: seconds between RSS samples (> 0).
 
-    Attributes (bytes, set on exit):
+    Attributes (bytes, set by ``stop()``):
         device_baseline_bytes, device_peak_bytes: allocated on entry, and the most at any point.
         device_capacity_bytes: the device's total memory (the machine's for the CPU).
         device_available_bytes: what this process could hold on the device on exit: CUDA's free
@@ -56,7 +58,8 @@ class MemoryTracer:
             self.host_peak_bytes = max(self.host_peak_bytes, self._process.memory_info().rss)
             self._stop.wait(self.sample_interval_s)
 
-    def __enter__(self) -> MemoryTracer:
+    def start(self) -> MemoryTracer:
+        """Take the baseline figures and start the RSS sampler; returns ``self``."""
         self.host_baseline_bytes = self.host_peak_bytes = self._process.memory_info().rss
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -67,11 +70,18 @@ class MemoryTracer:
         self._sampler.start()
         return self
 
-    def stop(self) -> None:
+    def cancel(self) -> None:
         """Stop the RSS sampler without taking the final figures (idempotent)."""
         self._stop.set()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def stop(self) -> None:
+        """Stop the sampler and take the final figures (the attributes above).
+
+        Raises:
+            RuntimeError: :meth:`start` was not called.
+        """
+        if self._sampler is None:
+            raise RuntimeError("MemoryTracer.stop() before start()")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._stop.set()
@@ -86,6 +96,12 @@ class MemoryTracer:
             memory = psutil.virtual_memory()
             self.device_capacity_bytes = memory.total
             self.device_available_bytes = memory.available + self._process.memory_info().rss
+
+    def __enter__(self) -> MemoryTracer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
 
     def non_model_peak_bytes(self, model_data_bytes: int) -> int:
         """Peak device memory not taken by model data: ``device_peak_bytes - model_data_bytes`` (>= 0).

@@ -187,9 +187,9 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self._fused = FusedAdam(optimizer, kind, offload=offload is not None) if (kind := fused_adam_kind(optimizer)) else None
         self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
         # Measures the first iteration, up to the first step(), for the placement (see _place_chunks).
-        self._margin_tracer = MemoryTracer(self._device, sample_interval_s=0.01).__enter__() if gpu_margin_mem_ratio > 0 else None
+        self._margin_tracer = MemoryTracer(self._device, sample_interval_s=0.01).start() if gpu_margin_mem_ratio > 0 else None
         if self._margin_tracer is not None:  # an optimizer dropped before its first step stops the sampler too
-            weakref.finalize(self, self._margin_tracer.stop)
+            weakref.finalize(self, self._margin_tracer.cancel)
         fp16 = any(s.buffer.dtype == torch.float16 for s in self._shards)
         self._scaler = loss_scale if isinstance(loss_scale, DynamicLossScaler) else (
             DynamicLossScaler() if loss_scale == "dynamic" or (loss_scale is None and fp16) else None)
@@ -462,7 +462,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
     def _place_chunks(self) -> None:
         """End the first iteration's tracer and move that margin's share of chunks to the device (logged once)."""
         tracer, self._margin_tracer = self._margin_tracer, None
-        tracer.__exit__(None, None, None)
+        tracer.stop()
         line = place_chunks(self._shards, self._fused, self._measure_margin(tracer), self.gpu_margin_mem_ratio, self._device)
         if self.rank == 0:
             logger.info("%s", line)

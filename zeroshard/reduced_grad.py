@@ -48,10 +48,10 @@ class ReducedGrad(torch.Tensor):
     """
 
     param_name: str  # how errors name the param: "param_groups[g]['params'][j]"
-    where: str  # where its gradient is, for errors
+    location: str  # where its gradient is, for errors (not ``where``: that is ``Tensor.where``)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # printing it shows no values it does not hold
-        return f"ReducedGrad({self.param_name}, shape={tuple(self.shape)}, dtype={self.dtype}: {self.where})"
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # shows no values it does not hold
+        return f"ReducedGrad({self.param_name}, shape={tuple(self.shape)}, dtype={self.dtype}: {self.location})"
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -65,7 +65,7 @@ class ReducedGrad(torch.Tensor):
         self = next((a for a in args if isinstance(a, ReducedGrad)), None)
         if self is not None and name in _CONVERSIONS:
             return self
-        label = f"{self.param_name}: {self.where}" if self is not None else "a param's gradient is in the optimizer's grad shard"
+        label = f"{self.param_name}: {self.location}" if self is not None else "a param's gradient is in the optimizer's grad shard"
         raise RuntimeError(
             f"{label}, so no rank holds it as a tensor (torch.{name} was called on it). Clip with ShardedOptimizer(..., max_grad_norm=...) or opt.clip_grad_norm_(...) "
             "and read opt.grad_norm (HF Trainer, accelerate, Lightning: use zeroshard.integrations, see docs/integrations.md); "
@@ -85,5 +85,5 @@ def reduced_grad(param: nn.Parameter, name: str, where: str = REDUCED) -> Reduce
     optimizer's ``param_groups``, as Lightning does, would otherwise see ``None`` and clip nothing).
     """
     grad = torch.Tensor._make_subclass(ReducedGrad, torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape))
-    grad.param_name, grad.where = name, where
+    grad.param_name, grad.location = name, where
     return grad

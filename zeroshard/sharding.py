@@ -16,7 +16,7 @@ from zeroshard.flat_buffer import FlatParamBuffer
 from zeroshard.grad_reducer import take_over
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
-from zeroshard.validation import check_params, is_sharded
+from zeroshard.validation import check_params, is_sharded, param_name
 
 
 @dataclass
@@ -98,11 +98,11 @@ def shard_param_groups(
     if params_of is None:
         params_of = [list(dict.fromkeys(optimizer.param_groups[g]["params"])) for g in indices]
     device = check_params(params_of, indices, device, first=first_shard == 0)
-    trainable = [(p, f"param_groups[{g}]['params'][{j}]") for g, params in zip(indices, params_of) for j, p in enumerate(params)
-                 if is_sharded(p) and id(p) not in already_sharded]
-    take_over([p for p, _ in trainable], [name for _, name in trainable])
+    taken = [(p, param_name(g, j)) for g, params in zip(indices, params_of) for j, p in enumerate(params)
+             if is_sharded(p) and id(p) not in already_sharded]
+    take_over([p for p, _ in taken], [name for _, name in taken])
     fingerprint = [
-        (f"param_groups[{g}]['params'][{j}]", tuple(p.shape), str(p.dtype), p.requires_grad)
+        (param_name(g, j), tuple(p.shape), str(p.dtype), p.requires_grad)
         for g, params in zip(indices, params_of)
         for j, p in enumerate(params)
     ]
@@ -115,7 +115,7 @@ def shard_param_groups(
     for g, params in zip(indices, params_of):
         trainable = [p for p in params if is_sharded(p) and id(p) not in already_sharded]
         index_of = {id(p): index + j for j, p in enumerate(params)}
-        name_of = {id(p): f"param_groups[{g}]['params'][{j}]" for j, p in enumerate(params)}
+        name_of = {id(p): param_name(g, j) for j, p in enumerate(params)}
         index += len(params)
         shard_ids = []
         for dtype in dict.fromkeys(p.dtype for p in trainable):

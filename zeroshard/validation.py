@@ -14,6 +14,11 @@ import torch
 from torch import nn
 
 
+def param_name(group: int, index: int) -> str:
+    """How errors and checkpoints name param ``index`` of param group ``group``: ``param_groups[g]['params'][j]``."""
+    return f"param_groups[{group}]['params'][{index}]"
+
+
 # torch.optim classes whose update is element-wise: each element's new value depends only on that
 # element's param, gradient and state, and on per-param scalars (the step count, NAdam's
 # mu_product, ASGD's eta and mu). They give the same numbers on flat 1-D slices as on whole params.
@@ -92,7 +97,7 @@ def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_com
         for j, p in enumerate(group["params"]):
             if is_virtual_param(p):
                 raise TypeError(
-                    f"optimizer {type(optimizer).__name__} is already wrapped by a ShardedOptimizer: its param_groups[{g}]['params'][{j}] "
+                    f"optimizer {type(optimizer).__name__} is already wrapped by a ShardedOptimizer: its {param_name(g, j)} "
                     f"is a virtual parameter (1-D, shape {tuple(p.shape)}) of that one's shard. Wrap each torch optimizer once; for a "
                     "new optimizer, build a new torch optimizer on model.parameters() and wrap that"
                 )
@@ -201,7 +206,7 @@ def check_params(params_of: list[list[nn.Parameter]], groups: range, device: tor
             non-floating trainable params, params on several devices, or on the meta device
             (named as ``param_groups[g]['params'][j]``).
     """
-    named = [(f"param_groups[{g}]['params'][{j}]", p) for g, params in zip(groups, params_of) for j, p in enumerate(params)]
+    named = [(param_name(g, j), p) for g, params in zip(groups, params_of) for j, p in enumerate(params)]
     params = [p for _, p in named]
     if first and not any(is_sharded(p) for p in params):
         raise ValueError(f"param_groups {list(groups)} hold {len(params)} params, none with requires_grad=True and at least one element: nothing to optimize")

@@ -41,7 +41,7 @@ def sharded_optimizers(optimizers: Iterable[Any]) -> list[ShardedOptimizer]:
 
 
 def clip_sharded_grad_norm_(
-    optimizers: Iterable[Any], parameters: Iterable[nn.Parameter] | nn.Parameter, max_norm: float, norm_type: float = 2.0
+    optimizers: Iterable[Any], parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
 ) -> torch.Tensor | None:
     """Clip ``parameters`` through the ``ShardedOptimizer`` that owns them; ``None`` when none owns any.
 

@@ -24,7 +24,6 @@ partitioning stays inside the optimizer, the strategy routes what Lightning does
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 try:
@@ -74,10 +73,14 @@ class _ClipsThroughShardedOptimizer:
         super().clip_grad_by_value(optimizer, clip_val)  # type: ignore[misc]
 
 
-@functools.cache
+_CLIPPING_CLASSES: dict[type, type] = {}
+
+
 def _clipping_class(precision_class: type) -> type:
     """``precision_class`` with :class:`_ClipsThroughShardedOptimizer` in front (one class per precision class)."""
-    return type(f"Sharded{precision_class.__name__}", (_ClipsThroughShardedOptimizer, precision_class), {})
+    if precision_class not in _CLIPPING_CLASSES:
+        _CLIPPING_CLASSES[precision_class] = type(f"Sharded{precision_class.__name__}", (_ClipsThroughShardedOptimizer, precision_class), {})
+    return _CLIPPING_CLASSES[precision_class]
 
 
 def _refuse_grad_scaler(precision: Any, optimizers: list[Any], precision_name: str) -> None:
