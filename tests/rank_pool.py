@@ -9,32 +9,28 @@ hang is a failure, never a wait) and the next ``run`` starts a fresh one.
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 import queue
-import socket
+import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
 PROCESS_GROUP_TIMEOUT_S = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+def _worker(rank: int, world_size: int, store_path: str, tasks: Any, results: Any) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{store_path}",  # a FileStore: no port to pick, none to race for
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
@@ -66,11 +62,11 @@ class RankPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        store_path = os.path.join(tempfile.mkdtemp(prefix="zeroshard-pool-"), "store")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(rank, self.world_size, port, self._tasks[rank], self._results), daemon=True)
+            ctx.Process(target=_worker, args=(rank, self.world_size, store_path, self._tasks[rank], self._results), daemon=True)
             for rank in range(self.world_size)
         ]
         for proc in self._procs:

@@ -149,6 +149,8 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         assume_elementwise: bool = False,
         collective_timeout_s: float | None = None,
     ) -> None:
+        if isinstance(optimizer, ShardedOptimizer):
+            raise TypeError("optimizer is already a ShardedOptimizer; wrap the plain torch optimizer once")
         check_arguments(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype)
         check_optimizer_kind(optimizer, assume_elementwise)
         check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio, collective_timeout_s)

@@ -13,6 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.fused_adam import fused_adam_kind
+from zeroshard.local_shard import is_virtual_param
+from zeroshard.loss_scaler import DynamicLossScaler
+
 
 def param_name(group: int, index: int) -> str:
     """How errors and checkpoints name param ``index`` of param group ``group``: ``param_groups[g]['params'][j]``."""
@@ -78,19 +82,14 @@ def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_com
     """Raise on an argument ``ShardedOptimizer`` cannot use.
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, is already sharded, or is
-            already wrapped by a ``ShardedOptimizer`` (its params are virtual parameters);
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is already wrapped by a
+            ``ShardedOptimizer`` (its params are virtual parameters);
             ``stage`` not an ``int``; ``bucket_size_mb`` not a number; ``overlap_comm`` not a
             ``bool``; ``reduce_dtype`` not ``None`` or a floating-point dtype.
         ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` not positive and finite;
             ``optimizer`` already stepped (state created at construction, as Adagrad's, is
             fine: see :func:`~zeroshard.sharding.shard_initial_state`).
     """
-    from zeroshard.local_shard import is_virtual_param
-    from zeroshard.optimizer import ShardedOptimizer
-
-    if isinstance(optimizer, ShardedOptimizer):
-        raise TypeError("optimizer is already a ShardedOptimizer; wrap the plain torch optimizer once")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}")
     for g, group in enumerate(optimizer.param_groups):
@@ -130,9 +129,6 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
             ``gpu_margin_mem_ratio`` outside [0, 1], or above 0 without ``offload="cpu"``;
             ``collective_timeout_s`` not finite and positive.
     """
-    from zeroshard.fused_adam import fused_adam_kind
-    from zeroshard.loss_scaler import DynamicLossScaler
-
     if offload not in (None, "cpu"):
         raise ValueError(f"offload={offload!r} must be None or 'cpu'")
     if offload is not None and fused_adam_kind(optimizer) is None:
@@ -167,8 +163,6 @@ def options_fingerprint(optimizer: torch.optim.Optimizer, stage: int, bucket_siz
     the process; in the second, the ranks' shards drift apart in silence.
     ``gpu_margin_mem_ratio`` only places this rank's state and may differ.
     """
-    from zeroshard.loss_scaler import DynamicLossScaler
-
     scale = ("DynamicLossScaler", sorted(vars(loss_scale).items())) if isinstance(loss_scale, DynamicLossScaler) else loss_scale
     return [
         ("optimizer", f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"),
