@@ -12,7 +12,7 @@ Two formats, both world-size independent (bucket boundaries depend on the params
   exactly zeroshard's "pad to a multiple of N, ``1/N`` each", so every rank's slice is its local
   shard and ``torch.distributed.checkpoint`` reshards it onto any other world size. Built with no
   collective.
-* **full** (after ``consolidate_state_dict``): plain ``torch.optim`` format keyed by the index of
+* **full** (after ``consolidate_state_dict``; built and read by ``zeroshard/full_state.py``): plain ``torch.optim`` format keyed by the index of
   each param in the wrapped optimizer's ``param_groups`` (as ``torch.optim.Optimizer.state_dict``
   numbers them), param-shaped state, plus a ``"zeroshard"`` entry (format, param shapes and
   dtypes, fp32 masters, loss scaler) that plain torch ignores. Loads into an unsharded ``torch.optim`` optimizer
@@ -39,7 +39,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from zeroshard import collectives
 from zeroshard.local_shard import LocalShard
 from zeroshard.loss_scaler import DynamicLossScaler
 from zeroshard.validation import param_name
@@ -128,13 +127,13 @@ def state_keys(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
     return per_element, "step" in sample
 
 
-def _group_state_keys(view: CheckpointView, groups: Sequence[dict[str, Any]]) -> list[tuple[list[str], bool]]:
+def group_state_keys(view: CheckpointView, groups: Sequence[dict[str, Any]]) -> list[tuple[list[str], bool]]:
     """:func:`state_keys` for each of ``groups`` (the live param groups, or a checkpoint's)."""
     device = view.shards[0].buffer.device
     return [state_keys(view.optimizer, group, view.shards[0].master_dtype, device) for group in groups]
 
 
-def _groups_without_params(optimizer: torch.optim.Optimizer, group_params: list[list[nn.Parameter]]) -> list[dict[str, Any]]:
+def groups_without_params(optimizer: torch.optim.Optimizer, group_params: list[list[nn.Parameter]]) -> list[dict[str, Any]]:
     """Each group's hyperparameters, with ``"params"`` as ``torch.optim`` numbers them."""
     groups, start = [], 0
     for group, params in zip(optimizer.param_groups, group_params):
@@ -146,7 +145,7 @@ def _groups_without_params(optimizer: torch.optim.Optimizer, group_params: list[
 def layout_signature(view: CheckpointView) -> list[tuple[Any, ...]]:
     """Per flat buffer, independent of world size: (dtype, (name, shape) of each param in layout
     order, params per bucket); a param is named ``param_groups[g]['params'][j]``."""
-    names = _param_names(view)
+    names = param_names(view)
     flat_params = [p for params in view.group_params for p in params]
     return [
         (
@@ -192,14 +191,14 @@ def check_layout(view: CheckpointView, saved_layout: Any) -> None:
         raise ValueError(_layout_mismatch(list(theirs), list(ours)))
 
 
-def _saves_master(shard: LocalShard) -> bool:
+def saves_master(shard: LocalShard) -> bool:
     """Whether checkpoints carry this shard's master: only 16-bit params have one that differs from
     the params (an fp32 master kept in host memory by offload equals them), so the formats do not
     depend on where the master lives."""
     return shard.has_master and shard.buffer.dtype.itemsize < 4
 
 
-def _param_names(view: CheckpointView) -> list[str]:
+def param_names(view: CheckpointView) -> list[str]:
     return [param_name(g, j) for g, params in enumerate(view.group_params) for j in range(len(params))]
 
 
@@ -214,7 +213,7 @@ def _local_range(view: CheckpointView, k: int, b: int) -> tuple[int, int]:
     return start, min(start + size, bucket.numel)
 
 
-def _bucket_pieces(view: CheckpointView, k: int, b: int):
+def bucket_pieces(view: CheckpointView, k: int, b: int):
     """(piece, virtual param, offset of the piece in this rank's local range of the bucket)."""
     shard = view.shards[k]
     bucket = shard.buffer.layout.buckets[b]
@@ -224,6 +223,18 @@ def _bucket_pieces(view: CheckpointView, k: int, b: int):
             yield piece, vparam, piece.flat_offset - start
 
 
+def local_state(view: CheckpointView, k: int, b: int, key: str, numel: int) -> Tensor:
+    """1-D, shard ``k``'s master dtype, ``numel`` elements: state ``key`` of this rank's part of
+    bucket ``b`` (from its local range's start), zero where no piece holds it (padding, params never stepped)."""
+    shard = view.shards[k]
+    local = torch.zeros(numel, dtype=shard.master_dtype, device=shard.buffer.device)
+    for piece, vparam, offset in bucket_pieces(view, k, b):
+        value = view.optimizer.state.get(vparam, {}).get(key)
+        if value is not None:
+            local[offset : offset + piece.numel] = value.reshape(-1)
+    return local
+
+
 def _dtensor(view: CheckpointView, local: Tensor, numel: int) -> DTensor:
     placements = [Shard(0)] if view.mesh.ndim == 1 else [Replicate(), Shard(0)]
     return DTensor.from_local(local, view.mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
@@ -231,21 +242,14 @@ def _dtensor(view: CheckpointView, local: Tensor, numel: int) -> DTensor:
 
 def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
     """This rank's shard as DTensors (see the module docstring). Copies; runs no collective."""
-    group_keys = _group_state_keys(view, view.optimizer.param_groups)
+    group_keys = group_state_keys(view, view.optimizer.param_groups)
     buckets: dict[str, dict[str, DTensor]] = {}
     for k, shard in enumerate(view.shards):
         keys, _ = group_keys[view.group_of_shard[k]]
         for bucket in shard.buffer.layout.buckets:
             lo, hi = _local_range(view, k, bucket.index)
-            entry = {}
-            for key in keys:
-                local = torch.zeros(hi - lo, dtype=shard.master_dtype, device=shard.buffer.device)
-                for piece, vparam, offset in _bucket_pieces(view, k, bucket.index):
-                    value = view.optimizer.state.get(vparam, {}).get(key)
-                    if value is not None:
-                        local[offset : offset + piece.numel] = value.reshape(-1)
-                entry[key] = _dtensor(view, local, bucket.numel)
-            if _saves_master(shard):  # this rank's slice starts the bucket's part of the master shard
+            entry = {key: _dtensor(view, local_state(view, k, bucket.index, key, hi - lo), bucket.numel) for key in keys}
+            if saves_master(shard):  # this rank's slice starts the bucket's part of the master shard
                 start = bucket.shard_offset
                 entry["master"] = _dtensor(view, shard.master_view(start, hi - lo).to(shard.buffer.device, copy=True), bucket.numel)
             buckets[f"{k}.{bucket.index}"] = entry
@@ -256,7 +260,7 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
             "rank": view.rank, "world_size": view.world_size,
             "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
         },
-        "param_groups": _groups_without_params(view.optimizer, view.group_params),
+        "param_groups": groups_without_params(view.optimizer, view.group_params),
         "param_steps": torch.tensor(view.param_steps, dtype=torch.int64),
         "buckets": buckets,
     }
@@ -295,7 +299,7 @@ def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys:
         keys, _ = group_keys[view.group_of_shard[k]]
         for bucket in shard.buffer.layout.buckets:
             entry = state_dict["buckets"].get(f"{k}.{bucket.index}")
-            wanted = keys + (["master"] if _saves_master(shard) else [])
+            wanted = keys + (["master"] if saves_master(shard) else [])
             if entry is None or sorted(entry) != sorted(wanted):
                 found = None if entry is None else sorted(entry)
                 if filled_in_place:
@@ -334,7 +338,7 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(view.optimizer.param_groups):
         raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(view.optimizer.param_groups)}")
-    group_keys = _group_state_keys(view, saved_groups)
+    group_keys = group_state_keys(view, saved_groups)
     _check_sharded(view, state_dict, group_keys, filled_in_place)
     steps = [int(s) for s in state_dict["param_steps"].tolist()]
     if len(steps) != len(view.param_steps):
@@ -345,7 +349,7 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
         keys, has_step = group_keys[view.group_of_shard[k]]
         for bucket in shard.buffer.layout.buckets:
             entry = {key: (v.to_local() if isinstance(v, DTensor) else v) for key, v in state_dict["buckets"][f"{k}.{bucket.index}"].items()}
-            for piece, vparam, offset in _bucket_pieces(view, k, bucket.index):
+            for piece, vparam, offset in bucket_pieces(view, k, bucket.index):
                 step = steps[view.param_index[k][piece.param]]
                 if step:
                     state[vparam] = {key: entry[key][offset : offset + piece.numel].clone() for key in keys}
@@ -353,10 +357,10 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
                         state[vparam]["step"] = torch.tensor(float(step))
             if "master" in entry:
                 masters.append((k, bucket.shard_offset, entry["master"]))
-    return _inner_state_dict(view, state, saved_groups), steps, masters
+    return inner_state_dict(view, state, saved_groups), steps, masters
 
 
-def _inner_state_dict(view: CheckpointView, state: dict[Tensor, dict[str, Any]], saved_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def inner_state_dict(view: CheckpointView, state: dict[Tensor, dict[str, Any]], saved_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The wrapped optimizer's ``state_dict`` format over its virtual params, with the saved
     hyperparameters (the caller has checked that there are as many groups)."""
     index_of: dict[Tensor, int] = {}
@@ -368,142 +372,6 @@ def _inner_state_dict(view: CheckpointView, state: dict[Tensor, dict[str, Any]],
             ids.append(index_of[vparam])
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
     return {"state": {index_of[v]: s for v, s in state.items()}, "param_groups": groups}
-
-
-# -- full format -------------------------------------------------------------------------------
-
-
-def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
-    """Gather the full state onto global rank ``to`` one bucket at a time; the full dict there, else ``None``.
-
-    A collective over ``to``'s shard group (other shard groups, replicas of it, return at once).
-    Ranks other than ``to`` never hold more than their own slice of one bucket. Each shard's
-    state and master are gathered in its own master dtype (fp32 for 16-bit and fp32 params, fp64
-    for fp64 ones), so every value arrives unrounded.
-    """
-    if to not in dist.get_process_group_ranks(view.shard_group):
-        return None
-    group_keys = _group_state_keys(view, view.optimizer.param_groups)
-    here = dist.get_rank() == to
-    flat_params = [p for params in view.group_params for p in params]
-    group_of_param = [g for g, params in enumerate(view.group_params) for _ in params]
-    state: dict[int, dict[str, Any]] = {
-        i: {"step": torch.tensor(float(s))} if group_keys[group_of_param[i]][1] else {} for i, s in enumerate(view.param_steps) if s
-    }
-    masters: dict[int, Tensor] = {}
-    for k, shard in enumerate(view.shards):
-        layout = shard.buffer.layout
-        keys, _ = group_keys[view.group_of_shard[k]]
-        for bucket in layout.buckets:
-            size = bucket.shard_numel(view.world_size)
-            for key in keys + (["master"] if _saves_master(shard) else []):
-                local = torch.zeros(size, dtype=shard.master_dtype, device=shard.buffer.device)
-                if key == "master":
-                    local.copy_(shard.master_slice(bucket.index))
-                else:
-                    for piece, vparam, offset in _bucket_pieces(view, k, bucket.index):
-                        value = view.optimizer.state.get(vparam, {}).get(key)
-                        if value is not None:
-                            local[offset : offset + piece.numel] = value.reshape(-1)
-                pieces: list[Tensor] | None = [local]
-                if view.world_size > 1:
-                    pieces = [torch.empty_like(local) for _ in range(view.world_size)] if here else None
-                    collectives.gather(local, pieces, dst=to, group=view.shard_group)
-                if pieces is None:  # not the receiving rank
-                    continue
-                full = torch.cat(pieces)
-                for i in bucket.params:
-                    slot = layout.slots[i]
-                    index = view.param_index[k][i]
-                    value = full[slot.offset - bucket.offset : slot.offset - bucket.offset + slot.numel].clone().view(flat_params[index].shape)
-                    if key == "master":
-                        masters[index] = value
-                    elif index in state:
-                        state[index][key] = value
-    if not here:
-        return None
-    return {
-        "state": state,
-        "param_groups": _groups_without_params(view.optimizer, view.group_params),
-        "zeroshard": {
-            "format": FULL_FORMAT,
-            "version": FULL_FORMAT_VERSION,
-            "params": [(tuple(p.shape), str(p.dtype)) for p in flat_params],
-            "master": masters,
-            "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
-        },
-    }
-
-
-def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[int], list[tuple[int, int, Tensor]]]:
-    """Check a full ``torch.optim``-format state dict and cut this rank's shard out of it.
-
-    Accepts dicts from :func:`consolidate` and from a plain unsharded ``torch.optim`` optimizer
-    of the same class over the same params, whatever the live optimizer's hyperparameters: the
-    state each param must hold is what its saved param group's hyperparameters keep. A 16-bit
-    param whose fp32 master the dict does not carry (a plain ``torch.optim`` dict) gets its
-    current value as master, as in a freshly built optimizer. Nothing is written here.
-
-    Raises:
-        ValueError: another group count, param count, param shape or dtype (named), or state
-            keys that the saved hyperparameters do not keep (named).
-    """
-    if not isinstance(state_dict.get("state"), dict) or not isinstance(state_dict.get("param_groups"), list):
-        raise ValueError("state_dict has no 'state' dict and 'param_groups' list: neither a zeroshard nor a torch.optim state dict")
-    names = _param_names(view)
-    flat_params = [p for params in view.group_params for p in params]
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(view.group_params):
-        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(view.group_params)}")
-    for g, (saved, params) in enumerate(zip(saved_groups, view.group_params)):
-        if len(saved["params"]) != len(params):
-            raise ValueError(f"state_dict param_groups[{g}] has {len(saved['params'])} params, this optimizer {len(params)}")
-    order = [i for saved in saved_groups for i in saved["params"]]  # saved index of each of our params
-    group_of_param = [g for g, params in enumerate(view.group_params) for _ in params]
-    meta = state_dict.get("zeroshard") or {}
-    for ours, (saved_index, p) in enumerate(zip(order, flat_params)):
-        if meta.get("params"):
-            shape, dtype = meta["params"][saved_index]
-            if (tuple(shape), dtype) != (tuple(p.shape), str(p.dtype)):
-                raise ValueError(f"{names[ours]} was saved with shape {tuple(shape)} and {dtype}, this model has {tuple(p.shape)} and {p.dtype}")
-    group_keys = _group_state_keys(view, saved_groups)
-    steps = [0] * len(flat_params)
-    for ours, saved_index in enumerate(order):
-        entry = state_dict["state"].get(saved_index)
-        if not entry:
-            continue
-        g = group_of_param[ours]
-        keys, has_step = group_keys[g]
-        if sorted(k for k in entry if k != "step") != keys:
-            raise ValueError(
-                f"state_dict state of {names[ours]} has {sorted(entry)}, {type(view.optimizer).__name__} keeps "
-                f"{keys + (['step'] if has_step else [])} with the state_dict's hyperparameters of param_groups[{g}]"
-            )
-        for key in keys:
-            if tuple(entry[key].shape) != tuple(flat_params[ours].shape):
-                raise ValueError(f"state_dict {key!r} of {names[ours]} has shape {tuple(entry[key].shape)}, the param {tuple(flat_params[ours].shape)}")
-        steps[ours] = int(float(entry["step"])) if "step" in entry else 1
-    state: dict[Tensor, dict[str, Any]] = {}
-    masters = []
-    saved_masters = meta.get("master") or {}
-    for k, shard in enumerate(view.shards):
-        keys, has_step = group_keys[view.group_of_shard[k]]
-        for piece, vparam in zip(shard.pieces, shard.virtual_params):
-            ours = view.param_index[k][piece.param]
-            entry = state_dict["state"].get(order[ours])
-            if steps[ours]:
-                state[vparam] = {key: entry[key].reshape(-1)[piece.param_offset : piece.param_offset + piece.numel].clone() for key in keys}
-                if has_step:
-                    state[vparam]["step"] = torch.tensor(float(steps[ours]))
-            if _saves_master(shard):
-                master = saved_masters.get(order[ours])
-                values = (
-                    shard.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel]
-                    if master is None
-                    else master.reshape(-1)[piece.param_offset : piece.param_offset + piece.numel]
-                )
-                masters.append((k, piece.shard_offset, values))
-    return _inner_state_dict(view, state, saved_groups), steps, masters
 
 
 def issued_tensors(state_dict: dict[str, Any]) -> list[Any]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard import checkpoint
+from zeroshard import checkpoint, full_state
 
 
 def _called_by_dcp() -> bool:
@@ -83,7 +83,7 @@ class StateDictMixin:
         """
         if not 0 <= to < dist.get_world_size():
             raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
-        self._consolidated = checkpoint.consolidate(self._checkpoint_view(), to)
+        self._consolidated = full_state.consolidate(self._checkpoint_view(), to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a sharded state dict (this layout, any world size via DCP) or a full one (any world size).
@@ -118,7 +118,7 @@ class StateDictMixin:
             filled_in_place = bool(tensors) and all(self._issued.get(id(t), lambda: None)() is t for t in tensors)
             inner, steps, masters = checkpoint.load_sharded(view, state_dict, filled_in_place)
         elif isinstance(state_dict, dict) and (meta is None or (isinstance(meta, dict) and meta.get("format") == checkpoint.FULL_FORMAT)):
-            inner, steps, masters = checkpoint.load_full(view, state_dict)
+            inner, steps, masters = full_state.load_full(view, state_dict)
         else:
             raise ValueError(f"state_dict is neither a zeroshard state dict nor a torch.optim one (zeroshard entry: {meta!r})")
         self.optimizer.load_state_dict(inner)
