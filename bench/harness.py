@@ -199,7 +199,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 answers[rank] = value
             except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs) or datetime.datetime.now() > deadline:
-                    raise RuntimeError(f"{fn.__name__}: ranks {sorted(set(range(world_size)) - set(answers))} gave no result (exit codes {[p.exitcode for p in procs]})") from None
+                    raise RuntimeError(f"{fn.__name__}: ranks {sorted(set(range(world_size)) - set(answers))} gave no result (exit codes "
+                                       f"{[p.exitcode for p in procs]})") from None
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -72,7 +72,9 @@ def rank_main(config: gpt.GPTConfig, method: str, stage: int, dtype: torch.dtype
         "method": method, "dtype": str(dtype).replace("torch.", ""), "params_M": numel / 1e6,
         **{f"{k}_MiB": v / 2**20 for k, v in kinds.items()},
         "measured_MiB": measured / 2**20, "formula_MiB": formula / 2**20, "measured/formula": measured / formula,
-        "process_growth_MiB": ((torch.cuda.memory_allocated() - allocated_before) if device.type == "cuda" else (psutil.Process().memory_info().rss - rss_before)) / 2**20,
+        "process_growth_MiB": (
+            (torch.cuda.memory_allocated() - allocated_before) if device.type == "cuda" else (psutil.Process().memory_info().rss - rss_before)
+        ) / 2**20,
     }
 
 

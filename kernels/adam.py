@@ -81,7 +81,9 @@ def _check_scalar(name: str, value: Tensor | None, like: Tensor) -> None:
     if value is None:
         return
     if value.numel() != 1 or value.dtype != torch.float32 or value.device != like.device:
-        raise ValueError(f"fused_adamw_: {name} must be a 1-element fp32 tensor on {like.device}; got shape {tuple(value.shape)}, {value.dtype}, {value.device}")
+        raise ValueError(
+            f"fused_adamw_: {name} must be a 1-element fp32 tensor on {like.device}; got shape {tuple(value.shape)}, {value.dtype}, {value.device}"
+        )
 
 
 def fused_adamw_(
@@ -135,7 +137,8 @@ def fused_adamw_(
         buffers["param_out"] = param_out
     for name, t in buffers.items():
         if t.dim() != 1 or not t.is_contiguous() or t.numel() != param.numel() or t.device != param.device:
-            raise ValueError(f"fused_adamw_: {name} must be 1-D, contiguous, with {param.numel()} elements on {param.device}; got shape {tuple(t.shape)} on {t.device}")
+            raise ValueError(f"fused_adamw_: {name} must be 1-D, contiguous, with {param.numel()} elements on {param.device}; got shape "
+                             f"{tuple(t.shape)} on {t.device}")
     for name in ("param", "exp_avg", "exp_avg_sq"):
         if buffers[name].dtype != torch.float32:
             raise ValueError(f"fused_adamw_: {name} must be fp32, got {buffers[name].dtype}")

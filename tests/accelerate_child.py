@@ -15,10 +15,10 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llama_text import TextDataset, tiny_llama, tolerance_ratio  # noqa: E402
+from llama_text import TextDataset, tiny_llama, tolerance_ratio
 
-import zeroshard  # noqa: E402
-from zeroshard.integrations.accelerate import ShardedAccelerator  # noqa: E402
+import zeroshard
+from zeroshard.integrations.accelerate import ShardedAccelerator
 
 STEPS, SAVE_AT, ACCUMULATION, MAX_NORM = 8, 4, 2, 0.5
 
@@ -62,7 +62,8 @@ def main(out: Path) -> None:
     resumed, _ = train(True, resume_dir=out / "state")
     result = {
         "ddp_norms": ddp_norms, "norms": norms, "distributed": dist.is_initialized() and dist.get_world_size() == 2,
-        "vs_ddp": tolerance_ratio(sharded, ddp), "vs_ddp_rtol_1e-5": tolerance_ratio(sharded, ddp, rtol=1e-5, atol=1e-6), "resumed_vs_uninterrupted": tolerance_ratio(resumed, sharded),
+        "vs_ddp": tolerance_ratio(sharded, ddp), "vs_ddp_rtol_1e-5": tolerance_ratio(sharded, ddp, rtol=1e-5, atol=1e-6),
+        "resumed_vs_uninterrupted": tolerance_ratio(resumed, sharded),
     }
     if dist.get_rank() == 0:
         print("accelerate-result " + json.dumps(result), flush=True)

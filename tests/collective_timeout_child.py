@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import TinyNet, batch, loss_fn, param_groups  # noqa: E402
+from models import TinyNet, batch, loss_fn, param_groups
 
-import zeroshard  # noqa: E402
+import zeroshard
 
 
 def main(out: Path) -> None:

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from rank_pool import RankPool  # noqa: E402
+from rank_pool import RankPool
 
 
 class Pools:

@@ -13,9 +13,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import TinyNet, batch, loss_fn, param_groups  # noqa: E402
+from models import TinyNet, batch, loss_fn, param_groups
 
-import zeroshard  # noqa: E402
+import zeroshard
 
 
 class StallBeforeMetadata(FileSystemWriter):

@@ -14,11 +14,11 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llama_text import TextDataset, tiny_llama, tolerance_ratio  # noqa: E402
+from llama_text import TextDataset, tiny_llama, tolerance_ratio
 
-import zeroshard  # noqa: E402
-from zeroshard import collectives  # noqa: E402
-from zeroshard.integrations.hf import ShardedTrainer  # noqa: E402
+import zeroshard
+from zeroshard import collectives
+from zeroshard.integrations.hf import ShardedTrainer
 
 STEPS, SAVE_STEPS = 8, 4
 

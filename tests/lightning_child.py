@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llama_text import TextDataset, tiny_llama, tolerance_ratio  # noqa: E402
+from llama_text import TextDataset, tiny_llama, tolerance_ratio
 
-import zeroshard  # noqa: E402
-from zeroshard.integrations.lightning import ShardedFabricStrategy, ShardedStrategy  # noqa: E402
+import zeroshard
+from zeroshard.integrations.lightning import ShardedFabricStrategy, ShardedStrategy
 
 # 32 sequences, 2 ranks, batch 2, 2 micro-steps: 4 optimizer steps an epoch.
 N_SEQUENCES, BATCH, ACCUMULATION, MAX_NORM = 32, 2, 2, 0.05

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from models import TinyNet, batch, loss_fn, param_groups, tolerance_ratio
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
-from models import TinyNet, batch, loss_fn, param_groups, tolerance_ratio
 
 BUCKET_MB = 100 * 4 / 2**20  # several buckets in TinyNet
 
@@ -174,7 +174,8 @@ def test_resume_at_another_world_size(pools, tmp_path, stage, saved_at, loaded_a
 
 
 def _snapshot(opt) -> list[torch.Tensor]:
-    return [v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)] + [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    state = [v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return state + [p.detach().clone() for g in opt.param_groups for p in g["params"]]
 
 
 def mismatch_worker() -> None:
@@ -555,7 +556,8 @@ def sgd_sharded_hyperparameters_worker(directory: str) -> None:
     _train(resumed, resumed_opt, range(3, 6))
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), model.parameters()))
     fresh = _sgd(TinyNet(), lr=0.01)
-    with pytest.raises(ValueError, match=r"the checkpoint holds optimizer state \['momentum_buffer'\].*Build the optimizer with the checkpoint's hyperparameters"):
+    with pytest.raises(ValueError, match=r"the checkpoint holds optimizer state \['momentum_buffer'\].*Build the optimizer with the checkpoint's "
+                                          "hyperparameters"):
         dcp.load({"optim": fresh}, checkpoint_id=directory)
     assert not fresh.state and fresh.param_groups[0]["momentum"] == 0
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from models import TinyNet, param_groups
 
 import zeroshard
-from models import TinyNet, param_groups
 
 HERE = Path(__file__).parent
 

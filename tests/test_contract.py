@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from models import TinyNet, batch, loss_fn, param_groups
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroshard
-from models import TinyNet, batch, loss_fn, param_groups
 
 BUCKET_MB = 100 * 4 / 2**20  # several buckets in TinyNet
 
@@ -146,7 +146,8 @@ def two_live_worker() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # keeps the first optimizer alive
     new = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2))
     _train_step(model, new, 0)
-    with pytest.raises(RuntimeError, match=r"cannot step: param_groups\[0\]\['params'\]\[0\] \(shape \(37, 13\)\) was taken over by a ShardedOptimizer built later"):
+    with pytest.raises(RuntimeError, match=r"cannot step: param_groups\[0\]\['params'\]\[0\] \(shape \(37, 13\)\) was taken over by a "
+                                            "ShardedOptimizer built later"):
         scheduler.optimizer.step()
     new.close()
     with pytest.raises(RuntimeError, match="cannot step: it was closed"):
@@ -330,8 +331,8 @@ def unfreeze_worker(stage: int, clip: bool, optimizer_class: type = torch.optim.
         ref_opt.step()
         ref_model.zero_grad()
         _train_step(model, opt, step)
-        assert _same(ref_model, model) if not clip else all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(ref_model.parameters(), model.parameters())), \
-            f"step {step}: params differ from torch.optim after unfreezing fc1.weight"
+        close = all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(ref_model.parameters(), model.parameters()))
+        assert _same(ref_model, model) if not clip else close, f"step {step}: params differ from torch.optim after unfreezing fc1.weight"
     assert not torch.equal(model.fc1.weight, TinyNet().fc1.weight)
 
 

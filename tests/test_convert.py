@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from models import TinyNet, batch, loss_fn, param_groups
 
 import zeroshard
-from models import TinyNet, batch, loss_fn, param_groups
 from zeroshard.convert import main
 
 

@@ -40,7 +40,8 @@ def test_train_gpt_checkpoints_and_resumes_on_another_number_of_ranks(tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000005", "step_000010"]
     # The resumed run offloads its state and keeps what the measured margin allows on the "device".
-    second = subprocess.run(base[:3] + ["--nproc_per_node", "3"] + base[3:] + ["--steps", "15", "--resume", "--offload", "cpu", "--gpu-margin-mem-ratio", "0.5"],
+    resumed_offloaded = ["--steps", "15", "--resume", "--offload", "cpu", "--gpu-margin-mem-ratio", "0.5"]
+    second = subprocess.run(base[:3] + ["--nproc_per_node", "3"] + base[3:] + resumed_offloaded,
                             capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert re.search(r"gpu_margin_mem_ratio=0.5 of a [\d,]+ MiB margin .*: (\d+) of \1 chunks", second.stderr), second.stderr[-3000:]

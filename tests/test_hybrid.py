@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
-import zeroshard
 from models import TinyNet, param_groups
 from test_parity import _same_on_all_ranks, _train_pair
+
+import zeroshard
 
 
 def hybrid_parity_worker(shard_size: int, stage: int, accumulation: str, offload: str | None = None) -> tuple[float, bool, int, int]:
@@ -16,9 +16,9 @@ def hybrid_parity_worker(shard_size: int, stage: int, accumulation: str, offload
     step, and this rank's exp_avg + exp_avg_sq bytes next to DDP's."""
     mesh = zeroshard.hybrid_mesh(shard_size)
     worst, identical = 0.0, True
-    for ref_model, model, opt in _train_pair(stage, accumulation, True, process_group=mesh, offload=offload):
-        from models import tolerance_ratio
+    from models import tolerance_ratio
 
+    for ref_model, model, opt in _train_pair(stage, accumulation, True, process_group=mesh, offload=offload):  # noqa: B007 (opt: read after the loop)
         worst = max(worst, tolerance_ratio(model, ref_model))
         identical &= _same_on_all_ranks(model)
     moments = sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items() if k != "step")

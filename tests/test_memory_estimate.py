@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import TinyNet, batch, loss_fn
 from torch import nn
 
 import zeroshard
-from models import TinyNet, batch, loss_fn
 
 # (model, stage, dtype, offload, bucket_size_mb): odd shapes, tied and frozen params (TinyNet), several
 # buckets with padding (an MLP with 0.002 MiB buckets), one big param, both stages, fp32 and bf16, offload.

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from models import TinyNet, batch, loss_fn, param_groups
 from torch import nn
 
 import zeroshard
-from models import TinyNet, batch, loss_fn, param_groups
 
 
 def _adamw(model: nn.Module, **kwargs) -> torch.optim.AdamW:

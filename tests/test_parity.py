@@ -13,10 +13,10 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolerance_ratio
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
-from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolerance_ratio
 
 STEPS = 20
 MICRO = 2
@@ -31,8 +31,9 @@ def _branch_used(rank: int, step: int) -> bool:
     return not (3 <= step <= 5 or (8 <= step <= 10 and rank == 0))
 
 
-def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.dtype = torch.float32, add_group_at: int | None = None, reduce_dtype: torch.dtype | None = None, process_group=None, ddp_group=None,
-                max_grad_norm: float | None = None, clip_api: bool = False, optimizer_class=torch.optim.AdamW, offload: str | None = None):
+def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.dtype = torch.float32, add_group_at: int | None = None,
+                reduce_dtype: torch.dtype | None = None, process_group=None, ddp_group=None, max_grad_norm: float | None = None,
+                clip_api: bool = False, optimizer_class=torch.optim.AdamW, offload: str | None = None):
     """Train DDP + AdamW and ShardedOptimizer(AdamW) side by side; yield after every step.
 
     ``process_group`` is what ShardedOptimizer shards over; ``ddp_group`` the group of the DDP

@@ -39,8 +39,11 @@ def test_every_element_owned_by_exactly_one_rank(numels, bucket_numel, world_siz
 shapes = st.lists(st.lists(st.integers(1, 7), min_size=0, max_size=3), min_size=1, max_size=8)
 
 
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64])
+
+
 @settings(max_examples=150, deadline=None)
-@given(shapes=shapes, bucket_numel=st.integers(1, 200), world_size=st.integers(1, 5), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
+@given(shapes=shapes, bucket_numel=st.integers(1, 200), world_size=st.integers(1, 5), dtype=DTYPES)
 def test_flatten_shard_gather_unflatten_round_trip(shapes, bucket_numel, world_size, dtype):
     torch.manual_seed(0)
     originals = [torch.randn(shape).to(dtype) for shape in shapes]

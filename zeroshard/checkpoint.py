@@ -176,7 +176,8 @@ def _layout_mismatch(theirs: list[tuple[Any, ...]], ours: list[tuple[Any, ...]])
         )
     for k, (a, b) in enumerate(zip(theirs, ours)):
         if a != b:
-            return f"state_dict flat buffer {k} has (dtype, params, params per bucket) {a}, this optimizer {b}: saved for another model, param groups or bucket_size_mb"
+            return (f"state_dict flat buffer {k} has (dtype, params, params per bucket) {a}, this optimizer {b}: "
+                    "saved for another model, param groups or bucket_size_mb")
     return f"state_dict has {len(theirs)} flat buffers, this optimizer {len(ours)}: saved for another model"
 
 

@@ -103,7 +103,8 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
                 index, numel = groups[g]["params"][j], math.prod(shape)
                 for key, value in entry.items():
                     if value.numel() < offset + numel:
-                        raise ValueError(f"{source}: bucket {name_of_bucket} {key!r} has {value.numel()} elements, too few for its params ({name} {tuple(shape)})")
+                        raise ValueError(f"{source}: bucket {name_of_bucket} {key!r} has {value.numel()} elements, too few for its params ({name} "
+                                         f"{tuple(shape)})")
                     piece = value[offset : offset + numel].clone().view(tuple(shape))
                     if key == "master":
                         masters[index] = piece

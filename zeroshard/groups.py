@@ -88,7 +88,8 @@ def resolve_groups(process_group: ProcessGroup | DeviceMesh | None) -> ShardingG
         TypeError: anything else.
     """
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("process_group: torch.distributed is not initialized; call torch.distributed.init_process_group() first (torchrun sets up its environment)")
+        raise ValueError("process_group: torch.distributed is not initialized; call torch.distributed.init_process_group() first (torchrun sets up "
+                         "its environment)")
     replicate, mesh = None, None
     if process_group is None:
         shard = cast(ProcessGroup, dist.group.WORLD)  # not None: initialized above
@@ -101,7 +102,8 @@ def resolve_groups(process_group: ProcessGroup | DeviceMesh | None) -> ShardingG
         elif process_group.ndim == 2 and names is not None and tuple(names) == HYBRID_DIMS:
             shard, replicate = process_group.get_group("shard"), process_group.get_group("replicate")
         else:
-            raise ValueError(f"process_group is a {process_group.ndim}-D DeviceMesh with dims {names}; use a 1-D mesh or a 2-D mesh with dims {HYBRID_DIMS} (zeroshard.hybrid_mesh builds one)")
+            raise ValueError(f"process_group is a {process_group.ndim}-D DeviceMesh with dims {names}; use a 1-D mesh or a 2-D mesh with dims "
+                             f"{HYBRID_DIMS} (zeroshard.hybrid_mesh builds one)")
     else:
         raise TypeError(f"process_group must be a ProcessGroup, a DeviceMesh or None, got {type(process_group).__name__}")
     if dist.get_rank(shard) < 0:

@@ -67,7 +67,8 @@ class ReducedGrad(torch.Tensor):
             return self
         label = f"{self.param_name}: {self.location}" if self is not None else "a param's gradient is in the optimizer's grad shard"
         raise RuntimeError(
-            f"{label}, so no rank holds it as a tensor (torch.{name} was called on it). Clip with ShardedOptimizer(..., max_grad_norm=...) or opt.clip_grad_norm_(...) "
+            f"{label}, so no rank holds it as a tensor (torch.{name} was called on it). Clip with ShardedOptimizer(..., max_grad_norm=...) or "
+            "opt.clip_grad_norm_(...) "
             "and read opt.grad_norm (HF Trainer, accelerate, Lightning: use zeroshard.integrations, see docs/integrations.md); "
             "drop a batch with model.zero_grad() or opt.zero_grad(); use stage=1 to keep full gradients on the model's params"
         )

@@ -113,7 +113,8 @@ def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_com
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise TypeError(f"reduce_dtype={reduce_dtype!r} must be None or a floating-point torch.dtype")
     if not _unstepped(optimizer.state):
-        raise ValueError(f"optimizer already holds state for {len(optimizer.state)} params; wrap it before its first step and load checkpoints through ShardedOptimizer.load_state_dict")
+        raise ValueError(f"optimizer already holds state for {len(optimizer.state)} params; wrap it before its first step and load checkpoints "
+                         "through ShardedOptimizer.load_state_dict")
 
 
 def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_scale: Any, offload: Any, gpu_margin_mem_ratio: Any,
@@ -132,11 +133,13 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
     if offload not in (None, "cpu"):
         raise ValueError(f"offload={offload!r} must be None or 'cpu'")
     if offload is not None and fused_adam_kind(optimizer) is None:
-        raise ValueError(f"offload='cpu' runs torch's fused CPU Adam/AdamW: it needs torch.optim.Adam or AdamW without amsgrad, capturable or differentiable, got {type(optimizer).__name__}")
+        raise ValueError("offload='cpu' runs torch's fused CPU Adam/AdamW: it needs torch.optim.Adam or AdamW without amsgrad, capturable or "
+                         f"differentiable, got {type(optimizer).__name__}")
     if isinstance(gpu_margin_mem_ratio, bool) or not isinstance(gpu_margin_mem_ratio, (int, float)) or not 0.0 <= gpu_margin_mem_ratio <= 1.0:
         raise ValueError(f"gpu_margin_mem_ratio={gpu_margin_mem_ratio!r} must be a number between 0.0 and 1.0")
     if gpu_margin_mem_ratio > 0 and offload is None:
-        raise ValueError(f"gpu_margin_mem_ratio={gpu_margin_mem_ratio!r} places offloaded state: it needs offload='cpu' (without offload all state is on the device)")
+        raise ValueError(f"gpu_margin_mem_ratio={gpu_margin_mem_ratio!r} places offloaded state: it needs offload='cpu' (without offload all state "
+                         "is on the device)")
     if max_grad_norm is not None and not _is_number(max_grad_norm):
         raise TypeError(f"max_grad_norm={max_grad_norm!r} must be None or a positive number, got {type(max_grad_norm).__name__}")
     if max_grad_norm is not None and not max_grad_norm > 0:
