@@ -15,8 +15,8 @@ Every tensor zeroshard keeps is one of these (N = sharding degree, r = this rank
   this rank's reduced and averaged gradient, one element per shard element.
 * **chunk**: rank r's slice of one bucket seen as a unit of optimizer state: its master, its
   ``exp_avg``/``exp_avg_sq`` and (offloaded) its host copy of the gradient live together, on the
-  device or in host memory (``offload``/``gpu_margin_mem_ratio``, ``zeroshard/offload.py``).
-* **master shard** (``LocalShard.masters``): per chunk, a 1-D fp32 copy of the slice for bf16/fp16
+  device or in host memory (``offload``/``gpu_margin_mem_ratio``; ``zeroshard/chunk.py``).
+* **master shard** (``Chunk.master``): per chunk, a 1-D fp32 copy of the slice for bf16/fp16
   params (and, offloaded to host memory, for any dtype). For fp32/fp64 params on their device
   there is no copy: the slices of the flat param buffer are the master weights.
 * **virtual parameter** (``LocalShard.virtual_params``): one 1-D ``nn.Parameter`` per
