@@ -135,6 +135,7 @@ class FusedAdam:
         self.adamw = kind == "adamw"
         self._pipeline = OffloadPipeline()
 
+    @torch.no_grad()
     def bind(self, shards: list[LocalShard]) -> None:
         """Allocate every chunk's moments where missing; make each piece's state a view of them.
 
