@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from unittest import mock
 
 import torch
 from torch import nn
@@ -42,8 +43,9 @@ from torch import nn
 import zeroshard
 from bench import gpt
 from bench.harness import RATIO_LEGEND, Table, Timing, progress, ratio, run_ranks
-from zeroshard.fused_adam import CPU_ADAM_RANGE, chunk_state_bytes, chunks_of
-from zeroshard.offload import MarginMeasurement
+from zeroshard.chunk import chunks_of
+from zeroshard.offload import CPU_ADAM_RANGE
+from zeroshard.placement import MarginMeasurement, chunk_device_bytes
 
 STEP_RANGE = "bench.offload.step"
 SUMMARY = "the CPU-offloaded step vs torch's fused CPU AdamW; training steps offloaded"
@@ -143,9 +145,10 @@ def training_rank_main(config: gpt.GPTConfig, steps: int) -> dict[str, Timing]:
         model = gpt.build(config, device).to(torch.bfloat16)
         opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(gpt.decay_groups(model), lr=1e-4), offload=offload,
                                          gpu_margin_mem_ratio=1.0 if share else 0.0)
-        if share:
-            sizes = [chunk_state_bytes(opt._shards[k], b) for k, b in chunks_of(opt._shards)]
-            opt._measure_margin = lambda tracer, margin=int(share * sum(sizes)): MarginMeasurement(margin, 0, 0, 0)
+        margin = contextlib.nullcontext()
+        if share:  # the first step places this share of the chunk bytes on the GPU, whatever the GPU has free
+            sizes = [chunk_device_bytes(chunk) for chunk in chunks_of(opt._shards)]
+            margin = mock.patch("zeroshard.placement.measure_margin", return_value=MarginMeasurement(int(share * sum(sizes)), 0, 0, 0))
 
         def train_step(model=model, opt=opt) -> None:
             opt.backward(model(x, y))
@@ -154,7 +157,8 @@ def training_rank_main(config: gpt.GPTConfig, steps: int) -> dict[str, Timing]:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-        timings[name] = _time(lambda: None, train_step, steps)
+        with margin:
+            timings[name] = _time(lambda: None, train_step, steps)
         if share:
             timings[f"{name}_cpu_adam"] = _profiled(lambda: None, train_step, steps, CPU_ADAM_RANGE)
         del model, opt

@@ -5,23 +5,26 @@ On a CPU-only machine offload keeps separate host buffers, so the device -> host
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
 import threading
 import time
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-
-import zeroshard
 from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolerance_ratio
 from test_parity import _train_pair
-from zeroshard.fused_adam import chunk_state_bytes, chunks_of
+
+import zeroshard
+from zeroshard.chunk import Chunk, chunks_of
+from zeroshard.flat_buffer import FlatParamBuffer
 from zeroshard.local_shard import LocalShard
-from zeroshard.offload import MarginMeasurement, measure_margin, plan_placement
+from zeroshard.placement import MarginMeasurement, chunk_device_bytes, measure_margin, plan_placement
 
 
 def offload_parity_worker(stage: int, accumulation: str, max_grad_norm: float | None) -> float:
@@ -89,11 +92,14 @@ def test_offload_memory_usage_counts_host_buffers(pools):
         assert state >= 8 * shard_numel  # flat exp_avg + exp_avg_sq (+ step counters)
 
 
-def _with_margin_of(opt: zeroshard.ShardedOptimizer, keep: int) -> None:
-    """Inject a first-iteration margin that holds exactly the first ``keep`` chunks (ratio 1)."""
-    sizes = [chunk_state_bytes(opt._shards[k], b) for k, b in chunks_of(opt._shards)]
-    margin = sum(sizes[:keep])
-    opt._measure_margin = lambda tracer: MarginMeasurement(margin, 0, 0, 0)
+def _chunk_bytes(opt: zeroshard.ShardedOptimizer) -> list[int]:
+    """Device bytes of each chunk of ``opt``, in layout order (what ``opt.placement.chunk_bytes`` will list)."""
+    return [chunk_device_bytes(chunk) for chunk in chunks_of(opt._shards)]
+
+
+def _margin_of(opt: zeroshard.ShardedOptimizer, keep: int) -> mock._patch:
+    """A patch of the first iteration's measured margin: exactly the first ``keep`` chunks (ratio 1)."""
+    return mock.patch("zeroshard.placement.measure_margin", return_value=MarginMeasurement(sum(_chunk_bytes(opt)[:keep]), 0, 0, 0))
 
 
 def across_offload_worker(directory: str) -> list[float]:
@@ -106,15 +112,14 @@ def across_offload_worker(directory: str) -> list[float]:
             torch.optim.AdamW(param_groups(model), lr=1e-2), offload=offload and "cpu", bucket_size_mb=200 * 4 / 2**20,
             gpu_margin_mem_ratio=1.0 if offload == "mixed" else 0.0,
         )
-        if offload == "mixed":
-            _with_margin_of(opt, 2)
         return model, opt
 
     def train(model, opt, steps):
-        for step in steps:
-            loss_fn(model, *batch(dist.get_rank(), step)).backward()
-            opt.step()
-            model.zero_grad()
+        with _margin_of(opt, 2):  # placed at the first step (with gpu_margin_mem_ratio)
+            for step in steps:
+                loss_fn(model, *batch(dist.get_rank(), step)).backward()
+                opt.step()
+                model.zero_grad()
 
     results = []
     for saver, loader in (("cpu", None), (None, "cpu"), ("mixed", None), (None, "mixed")):
@@ -129,7 +134,8 @@ def across_offload_worker(directory: str) -> list[float]:
         train(resumed, ropt, range(3, 6))
         results.append(tolerance_ratio(resumed, model))
         for o in (opt, ropt):  # the chunks placed on the device are the planned ones
-            assert o.gpu_margin_mem_ratio == 0 or len(o._fused.on_device) == 2, o._fused.on_device
+            assert o.gpu_margin_mem_ratio == 0 or sum(o.placement.on_device) == 2, o.placement
+            assert (o.placement is None) == (o.gpu_margin_mem_ratio == 0)
     return results
 
 
@@ -214,28 +220,30 @@ def placement_worker(keep: int | None, ratio: float, dtype: torch.dtype) -> tupl
             torch.optim.AdamW(param_groups(model), lr=1e-2), stage=2, bucket_size_mb=200 * 4 / 2**20, offload=offload,
             gpu_margin_mem_ratio=ratio if offload else 0.0,
         )
+        injected = contextlib.nullcontext()
         if offload and keep is not None:
-            sizes = [chunk_state_bytes(opt._shards[k], b) for k, b in chunks_of(opt._shards)]
-            margin = math.ceil(sum(sizes[:keep]) / ratio)  # ratio x margin: the first ``keep`` chunks, give or take a byte
+            margin = math.ceil(sum(_chunk_bytes(opt)[:keep]) / ratio)  # ratio x margin: the first ``keep`` chunks, give or take a byte
             # capacity - non-model peak - model data - headroom = margin
-            opt._measure_margin = lambda tracer, margin=margin: MarginMeasurement(margin + 900, 500, 300, 100)
-        for step in range(20):
-            loss_fn(model, *batch(dist.get_rank(), step)).backward()
-            opt.step()
-            model.zero_grad()
+            injected = mock.patch("zeroshard.placement.measure_margin", return_value=MarginMeasurement(margin + 900, 500, 300, 100))
+        with injected:
+            for step in range(20):
+                loss_fn(model, *batch(dist.get_rank(), step)).backward()
+                opt.step()
+                model.zero_grad()
         models[offload], opts[offload] = model, opt
     logging.getLogger("zeroshard").removeHandler(handler)
     opt = opts["cpu"]
+    assert opt.placement.chunk_bytes == tuple(_chunk_bytes(opt)) and opt.placement.ratio == ratio
+    assert opt.placement.device_bytes + opt.placement.host_bytes == sum(opt.placement.chunk_bytes)
+    assert opt.placement.device_bytes <= ratio * opt.placement.measurement.margin_bytes
     chunks = chunks_of(opt._shards)
-    placed = [c in opt._fused.on_device for c in chunks]
-    for shard in opt._shards:  # the optimizer's params (virtual params) follow their chunk and hold its values
-        for piece, vparam in zip(shard.pieces, shard.virtual_params):
-            values = shard.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel]
-            assert vparam.data_ptr() == shard.master_view(piece.shard_offset, piece.numel).data_ptr()
-            assert torch.equal(vparam.detach().to(values.dtype), values)
-    host_grads = [c in opt._fused.host_grad for c in chunks]
+    for chunk in chunks:  # the optimizer's params (virtual params) follow their chunk and hold its values
+        for piece, vparam in zip(chunk.pieces, chunk.virtual_params):
+            assert vparam.data_ptr() == chunk.view(piece).data_ptr()
+            assert torch.equal(vparam.detach().to(chunk.params.dtype), chunk.view(piece, chunk.params))
+    host_grads = [chunk.host_grad is not None for chunk in chunks]
     error = tolerance_ratio(models["cpu"], models[None]) if dtype == torch.float32 else relative_error(models["cpu"], models[None])
-    return placed, host_grads, error, [r for r in records if "gpu_margin_mem_ratio" in r]
+    return list(opt.placement.on_device), host_grads, error, [r for r in records if "gpu_margin_mem_ratio" in r]
 
 
 @pytest.mark.parametrize("keep, ratio, dtype", [
@@ -290,16 +298,13 @@ def placement_oom_worker() -> tuple[list[bool], float, list[str]]:
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("zeroshard").addHandler(handler)
     logging.getLogger("zeroshard").setLevel(logging.INFO)
-    calls = []
-    original = LocalShard.place_master
+    original = Chunk.move_to_device
 
-    def flaky_place_master(self, bucket, on_host):
-        calls.append(bucket)
-        if len(calls) == 2:
+    def flaky_move_to_device(chunk):
+        if flaky.call_count == 2:
             raise torch.cuda.OutOfMemoryError("injected: no room for this chunk")
-        original(self, bucket, on_host)
+        original(chunk)
 
-    LocalShard.place_master = flaky_place_master
     try:
         models = {}
         for offload in (None, "cpu"):
@@ -307,19 +312,18 @@ def placement_oom_worker() -> tuple[list[bool], float, list[str]]:
             model = TinyNet()
             opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), bucket_size_mb=200 * 4 / 2**20,
                                              offload=offload, gpu_margin_mem_ratio=1.0 if offload else 0.0)
-            if offload:
-                _with_margin_of(opt, 3)
-            for step in range(10):
-                loss_fn(model, *batch(dist.get_rank(), step)).backward()
-                opt.step()
-                model.zero_grad()
+            with _margin_of(opt, 3), mock.patch.object(Chunk, "move_to_device", autospec=True, side_effect=flaky_move_to_device) as flaky:
+                for step in range(10):
+                    loss_fn(model, *batch(dist.get_rank(), step)).backward()
+                    opt.step()
+                    model.zero_grad()
             models[offload] = (model, opt)
     finally:
-        LocalShard.place_master = original
         logging.getLogger("zeroshard").removeHandler(handler)
     opt = models["cpu"][1]
-    placed = [c in opt._fused.on_device for c in chunks_of(opt._shards)]
-    separate = [opt._shards[k].masters[b] is not None for k, b in chunks_of(opt._shards)]
+    placed = list(opt.placement.on_device)
+    assert opt.placement.planned[:3] == (True, True, True) and opt.placement.ran_out_of_memory
+    separate = [chunk.master is not None for chunk in chunks_of(opt._shards)]
     assert separate == [not p for p in placed], "chunks left on the host keep a master of their own"
     return placed, tolerance_ratio(models["cpu"][0], models[None][0]), [r for r in records if "gpu_margin_mem_ratio" in r]
 
@@ -330,3 +334,40 @@ def test_placement_stops_at_out_of_memory_and_training_goes_on(pools):
         assert worst <= 1.0, worst
         if rank == 0:
             assert lines and lines[0].endswith("(the device ran out of memory after 1 of the 3 planned)"), lines
+
+
+def test_chunk_moves_all_or_nothing():
+    """A chunk whose move runs out of memory halfway (its exp_avg copied, its exp_avg_sq not) is left
+    exactly as it was; a move that succeeds takes master, moments and virtual params along and drops
+    the host buffers. One process, no process group: a shard of rank 1 of 2."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 3, 8)]
+    shard = LocalShard(FlatParamBuffer(params, 6, 2), 1, host_master=True)
+    chunk = shard.chunks[0]
+    chunk.allocate_moments()
+    chunk.exp_avg.fill_(1.0)
+    chunk.host_grad_buffer()
+    owned = (chunk.master, chunk.exp_avg, chunk.exp_avg_sq, chunk.host_grad)
+    views = [v.data_ptr() for v in chunk.virtual_params]
+    original, copies = torch.Tensor.to, []
+
+    def second_copy_fails(tensor, *args, **kwargs):
+        copies.append(tensor)
+        if len(copies) == 2:
+            raise torch.cuda.OutOfMemoryError("injected: no room for exp_avg_sq")
+        return original(tensor, *args, **kwargs)
+
+    with mock.patch.object(torch.Tensor, "to", new=second_copy_fails), pytest.raises(torch.cuda.OutOfMemoryError):
+        chunk.move_to_device()
+    assert len(copies) == 2 and copies[0] is chunk.exp_avg and copies[1] is chunk.exp_avg_sq
+    assert chunk.on_host and chunk.device == torch.device("cpu")
+    assert all(now is then for now, then in zip((chunk.master, chunk.exp_avg, chunk.exp_avg_sq, chunk.host_grad), owned))
+    assert [v.data_ptr() for v in chunk.virtual_params] == views
+
+    master_values = chunk.master.clone()
+    chunk.move_to_device()  # on a CPU-only machine the params' device is the host: fp32 params drop their master
+    assert not chunk.on_host and chunk.master is None and chunk.host_grad is None
+    assert torch.equal(chunk.params, master_values) and torch.equal(chunk.exp_avg, torch.ones(chunk.numel))
+    for piece, vparam in zip(chunk.pieces, chunk.virtual_params):
+        assert vparam.data_ptr() == chunk.view(piece, chunk.params).data_ptr()
+    assert chunk_device_bytes(chunk) == 8 * chunk.numel
+    assert all(c.on_host for c in shard.chunks[1:]), "the other chunks stay where they were"

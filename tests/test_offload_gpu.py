@@ -6,14 +6,17 @@ same model. Skipped without CUDA; run with ``python -m pytest -m gpu``.
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
+from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolerance_ratio
 
 import zeroshard
-from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolerance_ratio
-from zeroshard.fused_adam import chunk_state_bytes, chunks_of
-from zeroshard.offload import MarginMeasurement
+from zeroshard.chunk import chunks_of
+from zeroshard.placement import MarginMeasurement, chunk_device_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -39,14 +42,16 @@ def _train(dtype: torch.dtype, offload: str | None, ratio: float = 0.0, keep: in
         opt = zeroshard.ShardedOptimizer(
             torch.optim.AdamW(param_groups(model), lr=1e-2), bucket_size_mb=BUCKET_MB, offload=offload, gpu_margin_mem_ratio=ratio,
         )
-        if keep is not None:
-            sizes = [chunk_state_bytes(opt._shards[k], b) for k, b in chunks_of(opt._shards)]
-            opt._measure_margin = lambda tracer: MarginMeasurement(sum(sizes[:keep]), 0, 0, 0)
-    for step in range(STEPS):
-        x, y = (t.cuda() for t in batch(0, step))
-        loss_fn(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
+    injected = contextlib.nullcontext()
+    if keep is not None:
+        sizes = [chunk_device_bytes(chunk) for chunk in chunks_of(opt._shards)]
+        injected = mock.patch("zeroshard.placement.measure_margin", return_value=MarginMeasurement(sum(sizes[:keep]), 0, 0, 0))
+    with injected:
+        for step in range(STEPS):
+            x, y = (t.cuda() for t in batch(0, step))
+            loss_fn(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
     torch.cuda.synchronize()
     return model, opt
 
@@ -58,13 +63,15 @@ def test_cuda_offload_matches_torch_adamw(nccl_group, offload, ratio, keep):
     assert tolerance_ratio(model, reference, rtol=1e-5, atol=1e-6) <= 1.0
     chunks = chunks_of(opt._shards)
     if offload:
-        on_device = [c in opt._fused.on_device for c in chunks]
+        on_device = list(opt.placement.on_device) if ratio > 0 else [False] * len(chunks)
         expected = [i < keep for i in range(len(chunks))] if keep is not None else [ratio > 0] * len(chunks)
         assert on_device == expected  # ratio 1.0 measured on a GPU with gigabytes free: everything
-        for (k, b), here in zip(chunks, on_device):
-            assert opt._fused.exp_avg[(k, b)].device.type == ("cuda" if here else "cpu")
-            assert here or opt._shards[k].master_slice(b).is_pinned()  # fp32: the master is the DMA source
-            assert here or opt._fused.host_grad[(k, b)].is_pinned()
+        for chunk, here in zip(chunks, on_device):
+            assert chunk.exp_avg.device.type == chunk.exp_avg_sq.device.type == ("cuda" if here else "cpu")
+            assert here or chunk.master.is_pinned()  # fp32: the master is the DMA source
+            assert here or chunk.host_grad.is_pinned()
+            assert here or not chunk.exp_avg.is_pinned()  # the moments never leave the host
+            assert (chunk.master is None) == here and (chunk.host_grad is None) == here
 
 
 def test_cuda_offload_bf16_and_memory_usage(nccl_group):

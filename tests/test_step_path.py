@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolerance_ratio
+from test_parity import _train_pair
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
-from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolerance_ratio
-from test_parity import _train_pair
 
 
 def test_loss_scaler_follows_the_scripted_trajectory():
@@ -172,3 +172,30 @@ def configured_implementation_worker(flag: str) -> bool:
 @pytest.mark.parametrize("flag", ["foreach", "fused"])
 def test_cpu_step_uses_the_configured_torch_implementation(pools, flag):
     assert pools[1].run(configured_implementation_worker, flag) == [True]
+
+
+@pytest.mark.parametrize("adamw, flags", [(True, {}), (True, {"foreach": True}), (False, {}), (True, {"fused": True})])
+def test_device_adam_equals_torch_per_param(adamw, flags):
+    """The device update's math, called as a function: two runs at different step counts, with a
+    gradient multiplier and a 16-bit param_out, against torch.optim's own Adam/AdamW stepping each
+    run as a param (bitwise: the same implementation, the gradient multiplied the same way)."""
+    from zeroshard.fused_adam import Run, device_adam
+
+    g = torch.Generator().manual_seed(0)
+    group = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1, "maximize": False, **flags}
+    multiplier = 0.25
+    runs, references = [], []
+    for numel, step in ((7, 1), (13, 4)):
+        param, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+        exp_avg, exp_avg_sq = torch.randn(numel, generator=g) * 0.1, torch.rand(numel, generator=g) * 0.01
+        reference = torch.nn.Parameter(param.clone())
+        reference.grad = grad * multiplier
+        optimizer = (torch.optim.AdamW if adamw else torch.optim.Adam)([reference], **group)
+        optimizer.state[reference] = {"step": torch.tensor(float(step - 1)), "exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone()}
+        optimizer.step()
+        references.append((reference.detach(), optimizer.state[reference]))
+        runs.append(Run(param, grad, exp_avg, exp_avg_sq, torch.empty(numel, dtype=torch.bfloat16), step))
+    device_adam(runs, group, multiplier, adamw, torch.device("cpu"))
+    for run, (param, state) in zip(runs, references):
+        assert torch.equal(run.param, param) and torch.equal(run.exp_avg, state["exp_avg"]) and torch.equal(run.exp_avg_sq, state["exp_avg_sq"])
+        assert torch.equal(run.param_out, param.to(torch.bfloat16))

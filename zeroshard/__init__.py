@@ -10,6 +10,10 @@ from zeroshard.loss_scaler import DynamicLossScaler
 from zeroshard.memory import MemoryUsage, estimate_memory
 from zeroshard.memory_tracer import MemoryTracer
 from zeroshard.optimizer import ShardedOptimizer
+from zeroshard.placement import MarginMeasurement, Placement
 
-__all__ = ["DynamicLossScaler", "MemoryTracer", "MemoryUsage", "ShardedOptimizer", "estimate_memory", "hybrid_mesh", "latest_checkpoint", "verify_checkpoint"]
+__all__ = [
+    "DynamicLossScaler", "MarginMeasurement", "MemoryTracer", "MemoryUsage", "Placement", "ShardedOptimizer",
+    "estimate_memory", "hybrid_mesh", "latest_checkpoint", "verify_checkpoint",
+]
 __version__ = "0.1.0"

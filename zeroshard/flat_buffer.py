@@ -18,7 +18,7 @@ D = data-parallel size, r = this rank):
   all its slices in bucket order (``LocalShard``).
 * **piece** (a range of indices): the intersection of one param with one slice (``ShardPiece``); a
   param has one piece on each rank that owns part of it.
-* **chunk** (the tensors of one slice): what rank r keeps for one slice: its master, ``exp_avg``,
+* **chunk** (the tensors of one slice): what rank r keeps for one slice (``Chunk``): its master, ``exp_avg``,
   ``exp_avg_sq`` and, offloaded, its host gradient and host param. A chunk lives and moves as a
   whole, on the device or in host memory.
 * **run** (adjacent pieces of one chunk): a maximal sequence of adjacent pieces with the same step

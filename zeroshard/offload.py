@@ -1,113 +1,138 @@
-"""Where offloaded optimizer state lives: the measured GPU margin and the chunk placement.
+"""``offload="cpu"``: which host buffers are pinned, and the copies around the CPU update.
 
-With ``offload="cpu"`` every chunk (this rank's slice of one bucket: master, ``exp_avg``,
-``exp_avg_sq``) starts in host memory. ``gpu_margin_mem_ratio`` > 0 keeps part of it on the device,
-as PatrickStar (Fang et al., 2021, §5) and ColossalAI's ``ShardedOptimizerV2`` do:
+See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py`` for chunks, masters and shards.
 
-1. a :class:`~zeroshard.MemoryTracer` runs from the optimizer's construction to the first
-   ``step()``, the first training iteration, and measures its peak device memory;
-2. the margin is what that iteration leaves unused: device capacity − peak non-model memory
-   (activations, temporaries) − model data (params, gradients, grad shards) − a fragmentation
-   headroom of :data:`FRAGMENTATION_HEADROOM` of the capacity;
-3. ``ratio × margin`` bytes of chunks move to the device, whole chunks, first fit in layout order
-   (:func:`plan_placement`); they take the fused device kernel from then on, the rest the CPU.
+With ``offload="cpu"`` a chunk (:class:`~zeroshard.chunk.Chunk`, this rank's slice of one bucket)
+keeps its master, ``exp_avg`` and ``exp_avg_sq`` in host memory and takes torch's fused CPU
+Adam/AdamW (ZeRO-Offload, Ren et al., USENIX ATC 2021). Each step its gradient goes device →
+host and its updated params host → device. :class:`OffloadPipeline` runs those copies; the
+update itself is :meth:`zeroshard.fused_adam.FusedAdam.step`'s.
+
+Pinning rules. Page-locked memory is scarce, so only what crosses PCIe every step is pinned, and
+only when the params are on CUDA (a CPU-only run has nothing to copy to or from):
+
+* the host copy of a chunk's gradient (:func:`host_grad_buffer`): the destination of the
+  device → host copy;
+* the source of the copy back: the host master itself for fp32/fp64 params
+  (:func:`host_master_buffer`), or, for 16-bit params, a staging buffer in the param dtype that
+  receives the cast of the updated master (:func:`host_param_buffer`);
+* never the moments, which do not leave the host, nor a 16-bit param's fp32 master, which is
+  cast into the staging buffer first (pinning them would only speed up checkpoint copies).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
-from zeroshard.fused_adam import FusedAdam, chunk_state_bytes, chunks_of
-from zeroshard.local_shard import LocalShard
-from zeroshard.memory_tracer import MemoryTracer
+if TYPE_CHECKING:
+    from zeroshard.chunk import Chunk
 
-FRAGMENTATION_HEADROOM = 0.05  # fraction of the device capacity left free for the allocator's fragmentation
+CPU_ADAM_RANGE = "zeroshard.offload.cpu_adam"  # torch.profiler range of each host chunk's CPU update
 
 
-@dataclass(frozen=True)
-class MarginMeasurement:
-    """What the first iteration left free on the device (bytes).
+def host_grad_buffer(numel: int, dtype: torch.dtype, params_device: torch.device) -> Tensor:
+    """An empty 1-D host tensor of ``numel`` elements of ``dtype`` for a chunk's gradient copy; pinned when ``params_device`` is CUDA."""
+    return torch.empty(numel, dtype=dtype, pin_memory=params_device.type == "cuda")
 
-    Attributes:
-        capacity_bytes: memory this process can use on the device (CUDA: free + already reserved
-            by torch's caching allocator; CPU-only: available + this process's RSS).
-        non_model_peak_bytes: peak memory not taken by model data (activations, temporaries).
-        model_data_bytes: params, gradient buffers, grad shards, masters and state on the device.
-        headroom_bytes: left free for fragmentation.
+
+def host_master_buffer(numel: int, dtype: torch.dtype, params_device: torch.device, param_dtype: torch.dtype) -> Tensor:
+    """An empty 1-D host tensor for a chunk's master weights (``dtype``, the master dtype).
+
+    Pinned only where it is the source of the copy back to the device: params on CUDA whose
+    dtype is the master dtype (fp32, fp64). A 16-bit param's master is cast into
+    :func:`host_param_buffer` first, so it stays pageable.
+    """
+    return torch.empty(numel, dtype=dtype, pin_memory=params_device.type == "cuda" and dtype == param_dtype)
+
+
+def host_param_buffer(numel: int, param_dtype: torch.dtype) -> Tensor:
+    """An empty pinned 1-D host tensor (``param_dtype``, 16-bit) for the cast of a chunk's updated master on its way to CUDA."""
+    return torch.empty(numel, dtype=param_dtype, pin_memory=True)
+
+
+class OffloadPipeline:
+    """The copies of one step's host chunks: gradients to the host, updated params back.
+
+    Per step: :meth:`start` with the chunks that take the CPU update; then, chunk by chunk in
+    layout order, :meth:`receive_grad` before the CPU update and :meth:`send_params` after it;
+    finally :meth:`finish`. On CUDA the copies run on two streams of their own (created on first
+    use, kept), so that while the CPU updates chunk i, chunk i+1's gradient is on its way to the
+    host and chunk i-1's params on their way back to the device and into their all-gather. On a
+    CPU-only machine (or in a step without host chunks) the same calls are plain copies, in order.
     """
 
-    capacity_bytes: int
-    non_model_peak_bytes: int
-    model_data_bytes: int
-    headroom_bytes: int
+    def __init__(self) -> None:
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # (device -> host, host -> device)
+        self._arrived: dict[Chunk, torch.cuda.Event] = {}  # per host chunk: its gradient copy has landed
+        self._compute: torch.cuda.Stream | None = None  # the stream the update and the all-gathers are queued on; None: no CUDA copies
 
-    @property
-    def margin_bytes(self) -> int:
-        """``capacity − non-model peak − model data − headroom``, at least 0."""
-        return max(0, self.capacity_bytes - self.non_model_peak_bytes - self.model_data_bytes - self.headroom_bytes)
+    def start(self, chunks: list[Chunk]) -> None:
+        """Queue every device → host gradient copy of ``chunks`` (the host chunks with used pieces).
 
+        On CUDA this queues them all on the copy stream at once, one event per chunk, before the
+        device chunks' kernels are launched, so the first host chunk can be updated without
+        waiting for those kernels. Elsewhere nothing is queued: :meth:`receive_grad` copies.
+        Each chunk's ``host_grad`` must be allocated.
+        """
+        self._arrived = {}
+        self._compute = None
+        if not chunks or chunks[0].params.device.type != "cuda":
+            return
+        device = chunks[0].params.device
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        d2h, h2d = self._streams
+        self._compute = torch.cuda.current_stream(device)
+        # Hand-off 1: the grad shards are complete (reduce-scatter, norm) once the compute stream
+        # reaches this point, and the backward no longer reads the params: both copy streams
+        # start from here (not after the device chunks' kernels, queued next on the compute stream).
+        d2h.wait_stream(self._compute)
+        h2d.wait_stream(self._compute)
+        with torch.cuda.stream(d2h):
+            for chunk in chunks:
+                chunk.host_grad.copy_(chunk.grad, non_blocking=True)
+                self._arrived[chunk] = torch.cuda.Event()
+                self._arrived[chunk].record(d2h)
 
-def measure_margin(tracer: MemoryTracer, model_data_bytes: int, headroom: float = FRAGMENTATION_HEADROOM) -> MarginMeasurement:
-    """The margin from a finished ``tracer`` and the model data on the device now (bytes)."""
-    capacity = tracer.device_available_bytes
-    return MarginMeasurement(capacity, tracer.non_model_peak_bytes(model_data_bytes), model_data_bytes, int(headroom * capacity))
+    def receive_grad(self, chunk: Chunk) -> None:
+        """Return once ``chunk.host_grad`` holds the chunk's gradient (blocks the CPU on CUDA)."""
+        if self._compute is None:
+            chunk.host_grad.copy_(chunk.grad)
+            return
+        # Hand-off 2: the CPU reads the host copy of this chunk only once it has landed; the
+        # copies of the following chunks continue meanwhile.
+        self._arrived[chunk].synchronize()
 
+    def send_params(self, chunk: Chunk) -> None:
+        """Write ``chunk``'s updated host master into its slice of the flat param buffer, cast to the param dtype.
 
-def plan_placement(chunk_bytes: Sequence[int], margin_bytes: int, ratio: float) -> list[bool]:
-    """Which chunks stay on the device: first fit, in order, within ``ratio × margin_bytes``.
+        On CUDA the copy is queued on the host → device stream, and the compute stream is made
+        to wait for it: whatever is queued there next (the bucket's all-gather) sees the params.
+        """
+        master, target = chunk.master, chunk.params
+        if self._compute is None:
+            target.copy_(master)
+            return
+        source = master
+        if master.dtype != target.dtype:  # cast on the host, into pinned memory, then one DMA copy
+            source = chunk.host_param_buffer().copy_(master)
+        h2d = self._streams[1]
+        with torch.cuda.stream(h2d):
+            # Hand-off 3: the source is written by the CPU above, before this copy is queued.
+            target.copy_(source, non_blocking=True)
+        # Hand-off 4: the bucket's all-gather, queued next on the compute stream by the
+        # optimizer's step(), reads the params just copied: the compute stream waits for the copy.
+        self._compute.wait_stream(h2d)
 
-    Args:
-        chunk_bytes: device bytes each chunk would take there (see
-            :func:`~zeroshard.fused_adam.chunk_state_bytes`).
-        margin_bytes: the measured margin (:attr:`MarginMeasurement.margin_bytes`).
-        ratio: ``gpu_margin_mem_ratio``, 0.0 (everything on the host) to 1.0 (the whole margin).
-
-    Returns:
-        One flag per chunk, ``True`` for the device. A chunk larger than what is left of the
-        budget stays on the host (a later, smaller one may still fit); the chosen chunks never
-        sum to more than ``ratio × margin_bytes``.
-
-    Raises:
-        ValueError: ``ratio`` outside [0, 1] or a negative size.
-    """
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"gpu_margin_mem_ratio={ratio!r} must be between 0.0 and 1.0")
-    if margin_bytes < 0 or any(size < 0 for size in chunk_bytes):
-        raise ValueError(f"plan_placement: sizes must be >= 0, got margin {margin_bytes} and chunks {list(chunk_bytes)[:8]}")
-    budget = int(ratio * margin_bytes)
-    plan = []
-    for size in chunk_bytes:
-        fits = size <= budget
-        budget -= size if fits else 0
-        plan.append(fits)
-    return plan
-
-
-def place_chunks(shards: list[LocalShard], fused: FusedAdam, measurement: MarginMeasurement, ratio: float, device: torch.device) -> str:
-    """Plan the placement of every chunk of ``shards`` and move the chosen ones to the device.
-
-    Returns the log line (:func:`describe_placement`), which also says when the device ran out
-    of memory before every planned chunk had moved (those stay on the host; nothing fails).
-    """
-    chunks = chunks_of(shards)
-    sizes = [chunk_state_bytes(shards[k], b) for k, b in chunks]
-    plan = plan_placement(sizes, measurement.margin_bytes, ratio)
-    moved = set(fused.place_on_device(shards, [c for c, keep in zip(chunks, plan) if keep]))
-    line = describe_placement(measurement, ratio, sizes, [c in moved for c in chunks], device)
-    return line if len(moved) == sum(plan) else f"{line} (the device ran out of memory after {len(moved)} of the {sum(plan)} planned)"
-
-
-def describe_placement(measurement: MarginMeasurement, ratio: float, chunk_bytes: Sequence[int], on_device: Sequence[bool], device: torch.device) -> str:
-    """The one log line of a placement: the margin's terms, and the chunks (count, MiB) on each side."""
-    mib = 2**20
-    kept = sum(size for size, keep in zip(chunk_bytes, on_device) if keep)
-    return (
-        f"zeroshard: gpu_margin_mem_ratio={ratio} of a {measurement.margin_bytes / mib:,.0f} MiB margin "
-        f"(capacity {measurement.capacity_bytes / mib:,.0f} - non-model peak {measurement.non_model_peak_bytes / mib:,.0f} "
-        f"- model data {measurement.model_data_bytes / mib:,.0f} - headroom {measurement.headroom_bytes / mib:,.0f} MiB): "
-        f"{sum(on_device)} of {len(chunk_bytes)} chunks ({kept / mib:,.1f} MiB of optimizer state) on {device}, "
-        f"{len(chunk_bytes) - sum(on_device)} ({(sum(chunk_bytes) - kept) / mib:,.1f} MiB) in host memory"
-    )
+    def finish(self) -> None:
+        """End the step's copies (after the last :meth:`send_params`)."""
+        if self._compute is not None:
+            # Hand-off 5: the next backward's reset writes the grad shards the gradient copies
+            # read. The host buffers are next written after the next step's hand-off 2, which
+            # follows all of this step's copies.
+            self._compute.wait_stream(self._streams[0])
+        self._arrived = {}
+        self._compute = None

@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard import collectives
+from zeroshard.chunk import chunks_of
 from zeroshard.fused_adam import FusedAdam, fused_adam_kind
 from zeroshard.grad_norm import NORM_TYPES, GradStats, gather_grad_stats
 from zeroshard.grad_reducer import GradReducer
@@ -28,11 +29,11 @@ from zeroshard.local_shard import LocalShard
 from zeroshard.loss_scaler import DynamicLossScaler
 from zeroshard.memory import MemoryUsage, measure
 from zeroshard.memory_tracer import MemoryTracer
-from zeroshard.offload import MarginMeasurement, measure_margin, place_chunks
+from zeroshard.placement import Placement, place_chunks
 from zeroshard.reduced_grad import GRAD_SCALER_REFUSED
 from zeroshard.sharding import NewShards, ShardedGroup, shard_param_groups
 from zeroshard.state_dict_api import StateDictMixin
-from zeroshard.step_path import apply_update, grad_multiplier
+from zeroshard.step_path import grad_multiplier, wrapped_step
 from zeroshard.validation import check_arguments, check_optimizer_kind, check_options, is_sharded, options_fingerprint
 
 logger = logging.getLogger("zeroshard")
@@ -90,7 +91,8 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             from construction to the first ``step()``) that offloaded state may take back: that
             many bytes of chunks move to the device at the first step and take the device kernel
             from then on (PatrickStar; ColossalAI's ``ShardedOptimizerV2``). 0.0 is full offload.
-            See ``zeroshard/offload.py``. On CUDA the tracer resets the allocator's peak statistics.
+            :attr:`placement` reports the result (see ``zeroshard/placement.py``). On CUDA the
+            tracer resets the allocator's peak statistics.
         loss_scale: ``"dynamic"`` (a :class:`~zeroshard.DynamicLossScaler`), a fixed positive
             number, a ``DynamicLossScaler`` instance, or ``None``: dynamic when any trainable
             param is fp16, else none. With a loss scale active, call :meth:`backward` (or
@@ -186,8 +188,9 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self._clip_norm: float | None = None  # max_norm of a clip_grad_norm_ call, for the coming step
         self._group_of_shard: list[int] = []  # per shard: its param group
         self._shard_groups(range(len(optimizer.param_groups)))
-        self._fused = FusedAdam(optimizer, kind, offload=offload is not None) if (kind := fused_adam_kind(optimizer)) else None
+        self._fused = FusedAdam(optimizer, kind) if (kind := fused_adam_kind(optimizer)) else None
         self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
+        self._placement: Placement | None = None
         # Measures the first iteration, up to the first step(), for the placement (see _place_chunks).
         self._margin_tracer = MemoryTracer(self._device, sample_interval_s=0.01).start() if gpu_margin_mem_ratio > 0 else None
         if self._margin_tracer is not None:  # an optimizer dropped before its first step stops the sampler too
@@ -449,14 +452,16 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             for i, stepped in enumerate(flags):
                 self._param_steps[self._param_index[k][i]] += stepped
         steps = [[self._param_steps[index] if flag else 0 for index, flag in zip(self._param_index[k], flags)] for k, flags in enumerate(stats.used)]
+        for shard in self._shards:
+            shard.refresh_master()
+        if self._fused is not None:
+            final = self._fused.step(self._shards, self._group_of_shard, steps, multiplier)
+        else:
+            final = wrapped_step(self.optimizer, self._shards, stats.used, multiplier)
         works = []
-
-        def all_gather(k: int, b: int) -> None:  # each bucket as soon as this rank's slice is final
+        for chunk in final:  # in layout order on every rank, each as soon as this rank's slice of its bucket is final
             if self.world_size > 1:
-                buffer = self._shards[k].buffer
-                works.append(collectives.all_gather(buffer.bucket_view(b), buffer.slice_view(b, self.rank), self.process_group))
-
-        apply_update(self.optimizer, self._shards, self._fused, self._group_of_shard, stats.used, steps, multiplier, all_gather)
+                works.append(collectives.all_gather(chunk.bucket_params, chunk.params, self.process_group))
         for work in works:
             # The params must hold every rank's update before the next forward reads them.
             collectives.wait(work, self._collective_timeout(), "step(): the all-gather of the updated params", "call step()")
@@ -465,13 +470,24 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         """End the first iteration's tracer and move that margin's share of chunks to the device (logged once)."""
         tracer, self._margin_tracer = self._margin_tracer, None
         tracer.stop()
-        line = place_chunks(self._shards, self._fused, self._measure_margin(tracer), self.gpu_margin_mem_ratio, self._device)
+        model_data_bytes = self.memory_usage().device_bytes
+        for shard in self._shards:
+            shard.refresh_master()  # params loaded or written since construction reach the masters before they move
+        self._fused.bind(self._shards)  # every chunk has its moments (zero, or loaded) before it moves
+        self._placement = place_chunks(chunks_of(self._shards), tracer, model_data_bytes, self.gpu_margin_mem_ratio, self._device)
+        self._fused.bind(self._shards)  # the state entries become views of the moved moments
         if self.rank == 0:
-            logger.info("%s", line)
+            logger.info("%s", self._placement.summary())
 
-    def _measure_margin(self, tracer: MemoryTracer) -> MarginMeasurement:
-        """What the first iteration left free on the device, from ``tracer`` and the model data now."""
-        return measure_margin(tracer, self.memory_usage().device_bytes)
+    @property
+    def placement(self) -> Placement | None:
+        """Where ``gpu_margin_mem_ratio`` put this rank's chunks of optimizer state (see :class:`~zeroshard.Placement`).
+
+        ``None`` before the first ``step()`` and without ``gpu_margin_mem_ratio``; afterwards the
+        first iteration's measured margin, and per chunk its bytes and whether it is on the device.
+        Placement happens once: it does not change later.
+        """
+        return self._placement
 
     def _log_skip(self) -> None:
         self._skipped_steps += 1
@@ -513,21 +529,22 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
 
     def memory_usage(self) -> MemoryUsage:
         """Bytes this optimizer owns on this rank: flat params, gradient buffers, shards, optimizer state."""
-        fused_keys = ("exp_avg", "exp_avg_sq") if self._fused is not None else ()
-        state = [v for s in self.optimizer.state.values() for k, v in s.items() if isinstance(v, Tensor) and k not in fused_keys]
-        state += self._fused.state_tensors() if self._fused is not None else []
-        host_grads = self._fused.host_grad_tensors() if self._fused is not None else []
-        staging = self._fused.staging_tensors() if self._fused is not None else []
-        return measure(
-            {
-                "params": [s.buffer.data for s in self._shards] + staging,
-                "grads": self._reducer.grad_buffers(),
-                "grad_shard": [s.grad_shard for s in self._shards] + host_grads,
-                "master": [m for s in self._shards for m in s.masters if m is not None],
-                "optimizer_state": state,
-            },
-            self._device,
-        )
+        owned = {
+            "params": [s.buffer.data for s in self._shards],
+            "grads": self._reducer.grad_buffers(),
+            "grad_shard": [s.grad_shard for s in self._shards],
+            "master": [],
+            "optimizer_state": [],
+        }
+        chunk_storages = set()
+        for chunk in chunks_of(self._shards):
+            for kind, tensors in chunk.owned_tensors().items():
+                owned[kind] += tensors
+                chunk_storages.update(t.untyped_storage().data_ptr() for t in tensors)
+        # The wrapped optimizer's own state, but not its entries that are views of chunks' moments (counted above).
+        owned["optimizer_state"] += [v for s in self.optimizer.state.values() for v in s.values()
+                                     if isinstance(v, Tensor) and v.untyped_storage().data_ptr() not in chunk_storages]
+        return measure(owned, self._device)
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(stage={self.stage}, world_size={self.world_size}, rank={self.rank}, optimizer={self.optimizer!r})"

@@ -1,15 +1,20 @@
-"""The update of one step once the gradients are reduced: unscale and clip, then fused or wrapped step.
+"""The update of one step once the gradients are reduced, for optimizers other than the fused Adam/AdamW.
 
 See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py``.
+
+:func:`grad_multiplier` gives what every path multiplies the gradients by; :func:`wrapped_step`
+runs the wrapped optimizer's own ``step()`` on the virtual params. Like
+:meth:`zeroshard.fused_adam.FusedAdam.step`, it yields the chunks whose params are final, in
+layout order, and ``ShardedOptimizer.step`` launches their all-gathers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import torch
 
-from zeroshard.fused_adam import FusedAdam, chunks_of
+from zeroshard.chunk import Chunk, chunks_of
 from zeroshard.local_shard import LocalShard
 
 
@@ -24,33 +29,15 @@ def grad_multiplier(norm: float, loss_scale: float, max_norm: float | None) -> f
 
 
 @torch.no_grad()
-def apply_update(
-    optimizer: torch.optim.Optimizer,
-    shards: list[LocalShard],
-    fused: FusedAdam | None,
-    group_of_shard: list[int],
-    used: list[list[bool]],
-    steps: list[list[int]],
-    multiplier: float,
-    chunk_done: Callable[[int, int], None],
-) -> None:
-    """Update every used piece of every shard and cast 16-bit masters into the flat param buffers.
+def wrapped_step(optimizer: torch.optim.Optimizer, shards: list[LocalShard], used: list[list[bool]], multiplier: float) -> Iterator[Chunk]:
+    """Run ``optimizer.step()`` on the virtual params; then yield every chunk, in layout order.
 
-    Adam/AdamW (``fused``) take one kernel pass per run with the multiplier folded in; any other
-    optimizer gets the multiplier applied to the grad shards and its own ``step()`` on the
-    virtual params, whose ``.grad`` is ``None`` for params unused on every rank. ``steps``: per
-    shard, per param, its step number after this update (0 where unused), for the fused path.
-
-    ``chunk_done(k, b)`` is called once per chunk (shard ``k``, bucket ``b``), in layout order on
-    every rank, as soon as this rank's slice of the bucket holds its final params (on CUDA: once
-    the current stream is ordered after them), so the caller can launch the bucket's all-gather
-    while later chunks are still being updated.
+    The grad shards are multiplied by ``multiplier`` in place (they are consumed), each virtual
+    param's ``.grad`` is its piece of them, or ``None`` where ``used`` (per shard, per param)
+    says no rank gave the param a gradient, so the optimizer skips it as ``torch.optim`` does.
+    Afterwards 16-bit params receive the cast of their updated fp32 masters. All chunks are final
+    together, once the whole update is done. The caller must exhaust the iterator.
     """
-    for shard in shards:
-        shard.refresh_master()
-    if fused is not None:
-        fused.step(shards, group_of_shard, steps, multiplier, chunk_done)
-        return
     for shard, flags in zip(shards, used):
         if multiplier != 1.0:
             shard.grad_shard.mul_(multiplier)
@@ -59,5 +46,4 @@ def apply_update(
     for shard in shards:
         shard.detach_grads()
         shard.write_back()
-    for k, b in chunks_of(shards):
-        chunk_done(k, b)
+    yield from chunks_of(shards)

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.chunk import is_virtual_param
 from zeroshard.fused_adam import fused_adam_kind
-from zeroshard.local_shard import is_virtual_param
 from zeroshard.loss_scaler import DynamicLossScaler
 
 
