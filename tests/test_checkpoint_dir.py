@@ -27,7 +27,7 @@ def load_worker(directory: str) -> tuple[int, list[int]]:
     zeroshard.verify_checkpoint(directory)
     state = {"model": model.state_dict(), "optim": opt}
     dcp.load(state, checkpoint_id=directory)
-    return len(opt.state), sorted(set(opt._param_steps))
+    return len(opt.state), sorted(set(opt._shard_set.param_steps))
 
 
 def test_save_killed_midway_leaves_previous_checkpoint_loadable(pools, tmp_path):

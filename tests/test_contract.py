@@ -425,7 +425,7 @@ def dcp_after_consolidate_worker(directory: str) -> None:
     dcp.load({"optim": fresh}, checkpoint_id=directory)
     for ours, theirs in zip(opt.state.values(), fresh.state.values()):
         assert all(torch.equal(ours[key], theirs[key]) for key in ours), "dcp.load after consolidate_state_dict gave other state"
-    assert fresh._param_steps == opt._param_steps
+    assert fresh._shard_set.param_steps == opt._shard_set.param_steps
     if dist.get_rank() == 0:  # the consolidation stays pending for the caller's own state_dict()
         assert opt.state_dict()["zeroshard"]["format"] == zeroshard.checkpoint.FULL_FORMAT
 

@@ -23,7 +23,7 @@ Both formats carry the param groups' hyperparameters, which win on load (as in `
 the state a checkpoint must hold is derived from them, not from the live optimizer's
 (:func:`state_keys`).
 
-Per-param steps are kept replicated on every rank (``ShardedOptimizer._param_steps``): a param is
+Per-param steps are kept replicated on every rank (``ShardSet.param_steps``): a param is
 stepped exactly when it got a gradient on some rank, which every rank knows after ``step()``.
 """
 
@@ -62,11 +62,10 @@ class CheckpointView:
 
     Attributes:
         optimizer: the wrapped optimizer (its params are the virtual parameters).
-        shards: the local shards, in flat-buffer order.
+        shards: the local shards, in flat-buffer order (each knows its param group and its
+            params' ``torch.optim`` indices).
         group_params: per param group, the user's params in order (frozen ones included).
-        param_index: per shard, per layout position: the param's index in ``torch.optim`` numbering.
         param_steps: per param (``torch.optim`` numbering): how many updates it has had; replicated.
-        group_of_shard: per shard, the index of its param group.
         mesh: the device mesh the DTensors live on (1-D shard, or 2-D replicate x shard).
         shard_group: the process group that shares one copy of the state.
         loss_scaler: the dynamic loss scaler, whose state travels in both formats, or ``None``.
@@ -75,9 +74,7 @@ class CheckpointView:
     optimizer: torch.optim.Optimizer
     shards: list[LocalShard]
     group_params: list[list[nn.Parameter]]
-    param_index: list[list[int]]
     param_steps: list[int]
-    group_of_shard: list[int]
     mesh: DeviceMesh
     shard_group: dist.ProcessGroup
     loss_scaler: DynamicLossScaler | None = None
@@ -150,7 +147,7 @@ def layout_signature(view: CheckpointView) -> list[tuple[Any, ...]]:
     return [
         (
             str(s.buffer.dtype),
-            tuple((names[i], tuple(flat_params[i].shape)) for i in view.param_index[k]),
+            tuple((names[i], tuple(flat_params[i].shape)) for i in view.shards[k].param_indices),
             tuple(len(b.params) for b in s.buffer.layout.buckets),
         )
         for k, s in enumerate(view.shards)
@@ -246,7 +243,7 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
     group_keys = group_state_keys(view, view.optimizer.param_groups)
     buckets: dict[str, dict[str, DTensor]] = {}
     for k, shard in enumerate(view.shards):
-        keys, _ = group_keys[view.group_of_shard[k]]
+        keys, _ = group_keys[view.shards[k].group]
         for bucket in shard.buffer.layout.buckets:
             lo, hi = _local_range(view, k, bucket.index)
             entry = {key: _dtensor(view, local_state(view, k, bucket.index, key, hi - lo), bucket.numel) for key in keys}
@@ -297,7 +294,7 @@ def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys:
             f"hyperparameters keeps {[keys for keys, _ in group_keys]}"
         )
     for k, shard in enumerate(view.shards):
-        keys, _ = group_keys[view.group_of_shard[k]]
+        keys, _ = group_keys[view.shards[k].group]
         for bucket in shard.buffer.layout.buckets:
             entry = state_dict["buckets"].get(f"{k}.{bucket.index}")
             wanted = keys + (["master"] if saves_master(shard) else [])
@@ -347,11 +344,11 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
     state: dict[Tensor, dict[str, Any]] = {}
     masters = []
     for k, shard in enumerate(view.shards):
-        keys, has_step = group_keys[view.group_of_shard[k]]
+        keys, has_step = group_keys[view.shards[k].group]
         for bucket in shard.buffer.layout.buckets:
             entry = {key: (v.to_local() if isinstance(v, DTensor) else v) for key, v in state_dict["buckets"][f"{k}.{bucket.index}"].items()}
             for piece, vparam, offset in bucket_pieces(view, k, bucket.index):
-                step = steps[view.param_index[k][piece.param]]
+                step = steps[view.shards[k].param_indices[piece.param]]
                 if step:
                     state[vparam] = {key: entry[key][offset : offset + piece.numel].clone() for key in keys}
                     if has_step:

@@ -154,14 +154,16 @@ class Chunk:
         """
         if not self.on_host:
             return
+        host_master = self.master
+        assert host_master is not None, "a chunk in host memory has a master of its own"
         device = self.params.device
         master = None
         if self.master_dtype != self.params.dtype:
-            master = torch.empty(self.numel, dtype=self.master_dtype, device=device).copy_(self.master)
+            master = torch.empty(self.numel, dtype=self.master_dtype, device=device).copy_(host_master)
         exp_avg = self.exp_avg.to(device) if self.exp_avg is not None else None
         exp_avg_sq = self.exp_avg_sq.to(device) if self.exp_avg_sq is not None else None
         if master is None:
-            self.params.copy_(self.master)
+            self.params.copy_(host_master)
         self.master, self.exp_avg, self.exp_avg_sq = master, exp_avg, exp_avg_sq
         self.host_grad = self.host_param = None
         self.on_host = False

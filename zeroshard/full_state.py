@@ -45,7 +45,7 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
     masters: dict[int, Tensor] = {}
     for k, shard in enumerate(view.shards):
         layout = shard.buffer.layout
-        keys, _ = group_keys[view.group_of_shard[k]]
+        keys, _ = group_keys[view.shards[k].group]
         for bucket in layout.buckets:
             size = bucket.shard_numel(view.world_size)
             for key in keys + (["master"] if saves_master(shard) else []):
@@ -62,7 +62,7 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
                 full = torch.cat(pieces)
                 for i in bucket.params:
                     slot = layout.slots[i]
-                    index = view.param_index[k][i]
+                    index = view.shards[k].param_indices[i]
                     value = full[slot.offset - bucket.offset : slot.offset - bucket.offset + slot.numel].clone().view(flat_params[index].shape)
                     if key == "master":
                         masters[index] = value
@@ -135,9 +135,9 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[st
     masters = []
     saved_masters = meta.get("master") or {}
     for k, shard in enumerate(view.shards):
-        keys, has_step = group_keys[view.group_of_shard[k]]
+        keys, has_step = group_keys[view.shards[k].group]
         for piece, vparam in zip(shard.pieces, shard.virtual_params):
-            ours = view.param_index[k][piece.param]
+            ours = view.shards[k].param_indices[piece.param]
             entry = state_dict["state"].get(order[ours])
             if steps[ours]:
                 state[vparam] = {key: entry[key].reshape(-1)[piece.param_offset : piece.param_offset + piece.numel].clone() for key in keys}

@@ -161,13 +161,13 @@ class FusedAdam:
         each loaded piece's state copied in, so pieces without loaded state start from zero, as
         in a freshly built optimizer (not from the moments they had before the load)."""
         for chunk in chunks_of(shards):
-            if chunk.exp_avg is not None:
+            if chunk.exp_avg is not None and chunk.exp_avg_sq is not None:
                 chunk.exp_avg.zero_()
                 chunk.exp_avg_sq.zero_()
         self.bind(shards)
 
     @torch.no_grad()
-    def step(self, shards: list[LocalShard], group_of_shard: list[int], steps: list[list[int]], multiplier: float) -> Iterator[Chunk]:
+    def step(self, shards: list[LocalShard], steps: list[list[int]], multiplier: float) -> Iterator[Chunk]:
         """Update every used piece of every shard; yield each chunk, in layout order, once its params are final.
 
         Unused pieces and their state stay untouched. The host chunks' gradient copies are
@@ -178,8 +178,7 @@ class FusedAdam:
         before asking for the next chunk. The caller must exhaust the iterator.
 
         Args:
-            shards: this rank's shards.
-            group_of_shard: for each shard, the index of its param group (hyperparameters).
+            shards: this rank's shards (each knows its param group, whose hyperparameters apply).
             steps: per shard, per param: its step number after this update (the optimizer's
                 replicated host count), or 0 when it got no gradient on any rank.
             multiplier: what the gradients are multiplied by (``1/loss_scale`` times the clip
@@ -194,16 +193,16 @@ class FusedAdam:
                     (host_runs[chunk] if chunk.on_host else device_runs[k]).append(run)
         self._pipeline.start(list(host_runs))
         for k, runs in device_runs.items():
-            device_adam(runs, self.optimizer.param_groups[group_of_shard[k]], multiplier, self.adamw, shards[k].grad_shard.device)
+            device_adam(runs, self.optimizer.param_groups[shards[k].group], multiplier, self.adamw, shards[k].grad_shard.device)
         # torch's fused kernel divides the gradients by grad_scale as it reads them: no extra pass.
         grad_scale = None if multiplier == 1.0 else torch.tensor(1.0 / multiplier)
         for k, shard in enumerate(shards):
             for chunk in shard.chunks:
-                runs = host_runs.get(chunk)
-                if runs is not None:
+                chunk_runs = host_runs.get(chunk)
+                if chunk_runs is not None:
                     self._pipeline.receive_grad(chunk)
                     with torch.profiler.record_function(CPU_ADAM_RANGE):
-                        functional_adam(runs, self.optimizer.param_groups[group_of_shard[k]], self.adamw, foreach=None, fused=True,
+                        functional_adam(chunk_runs, self.optimizer.param_groups[shards[k].group], self.adamw, foreach=None, fused=True,
                                         grad_scale=grad_scale)
                     self._pipeline.send_params(chunk)
                 yield chunk
@@ -216,7 +215,8 @@ class FusedAdam:
         reading ``state["step"]`` (which torch may keep on the device): no host-device
         synchronization per piece. A host chunk's runs read its host gradient copy (allocated here).
         """
-        start, run_step = None, None
+        start: int | None = None  # the current run's first piece
+        run_step = 0  # the current run's step
         for i, (piece, vparam) in enumerate(zip(chunk.pieces, chunk.virtual_params)):
             step = steps[piece.param]
             if not step:
@@ -244,7 +244,9 @@ class FusedAdam:
         """The :class:`Run` of ``chunk``'s pieces ``[start, end)``."""
         first, last = chunk.pieces[start], chunk.pieces[end - 1]
         lo, hi = chunk.offset_of(first), chunk.offset_of(last) + last.numel
+        assert chunk.exp_avg is not None and chunk.exp_avg_sq is not None, "bind() allocates every chunk's moments before a step"
         if chunk.on_host:  # params copied back whole by the offload pipeline
+            assert chunk.master is not None, "a chunk in host memory has a master of its own"
             param, grad, param_out = chunk.master[lo:hi], chunk.host_grad_buffer()[lo:hi], None
         else:
             param, grad = chunk.weights[lo:hi], chunk.grad[lo:hi]

@@ -30,8 +30,13 @@ class LocalShard:
         rank: this rank's index in the sharding group.
         host_master: start every chunk in host memory with a master of its own, whatever the
             param dtype (CPU offload; see ``zeroshard/offload.py`` for which buffers are pinned).
+        group: the index of the wrapped optimizer's param group the params belong to.
+        param_indices: per param of ``buffer`` (layout order), its ``torch.optim`` index (params
+            numbered across param groups in order, as ``state_dict()`` numbers them); default
+            ``0, 1, ...``.
 
     Attributes:
+        group, param_indices: as passed.
         pieces: the (param ∩ slice) pieces this rank owns, in flat order.
         chunks: one :class:`~zeroshard.chunk.Chunk` per bucket, in layout order (``chunks[b]``
             is bucket ``b``'s).
@@ -41,9 +46,13 @@ class LocalShard:
             weights; what the wrapped optimizer steps.
     """
 
-    def __init__(self, buffer: FlatParamBuffer, rank: int, host_master: bool = False) -> None:
+    def __init__(
+        self, buffer: FlatParamBuffer, rank: int, host_master: bool = False, group: int = 0, param_indices: list[int] | None = None
+    ) -> None:
         self.buffer = buffer
         self.rank = rank
+        self.group = group
+        self.param_indices = list(range(len(buffer.params))) if param_indices is None else param_indices
         layout = buffer.layout
         self.pieces: list[ShardPiece] = layout.pieces(rank)
         self.master_dtype = master_dtype_for(buffer.dtype)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from zeroshard.chunk import chunks_of
+from zeroshard.local_shard import LocalShard
 from zeroshard.partition import build_layout
 from zeroshard.sharding import bucket_numel
 
@@ -49,6 +51,34 @@ def measure(tensors_by_kind: dict[str, list[Tensor]], device: torch.device) -> M
             else:
                 elsewhere += size
     return MemoryUsage(on_device, elsewhere, by_kind)
+
+
+def owned_memory(shards: list[LocalShard], grad_buffers: list[Tensor], optimizer: torch.optim.Optimizer, device: torch.device) -> MemoryUsage:
+    """What a ``ShardedOptimizer`` owns on this rank (``ShardedOptimizer.memory_usage``), by kind and place.
+
+    Args:
+        shards: its local shards: their flat param buffers, grad shards and chunks (each chunk
+            says what it owns: master, moments, host buffers).
+        grad_buffers: the gradient reducer's buffers (stage 1's flat grads, stage 2's staging).
+        optimizer: the wrapped optimizer, whose own state (keyed by virtual param) counts too,
+            except entries that are views of the chunks' moments (counted once).
+        device: the params' device.
+    """
+    owned: dict[str, list[Tensor]] = {
+        "params": [s.buffer.data for s in shards],
+        "grads": list(grad_buffers),
+        "grad_shard": [s.grad_shard for s in shards],
+        "master": [],
+        "optimizer_state": [],
+    }
+    chunk_storages: set[int] = set()
+    for chunk in chunks_of(shards):
+        for kind, tensors in chunk.owned_tensors().items():
+            owned[kind] += tensors
+            chunk_storages.update(t.untyped_storage().data_ptr() for t in tensors)
+    owned["optimizer_state"] += [v for s in optimizer.state.values() for v in s.values()
+                                 if isinstance(v, Tensor) and v.untyped_storage().data_ptr() not in chunk_storages]
+    return measure(owned, device)
 
 
 def estimate_memory(

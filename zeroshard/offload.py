@@ -93,14 +93,14 @@ class OffloadPipeline:
         h2d.wait_stream(self._compute)
         with torch.cuda.stream(d2h):
             for chunk in chunks:
-                chunk.host_grad.copy_(chunk.grad, non_blocking=True)
+                chunk.host_grad_buffer().copy_(chunk.grad, non_blocking=True)
                 self._arrived[chunk] = torch.cuda.Event()
                 self._arrived[chunk].record(d2h)
 
     def receive_grad(self, chunk: Chunk) -> None:
         """Return once ``chunk.host_grad`` holds the chunk's gradient (blocks the CPU on CUDA)."""
         if self._compute is None:
-            chunk.host_grad.copy_(chunk.grad)
+            chunk.host_grad_buffer().copy_(chunk.grad)
             return
         # Hand-off 2: the CPU reads the host copy of this chunk only once it has landed; the
         # copies of the following chunks continue meanwhile.
@@ -113,7 +113,8 @@ class OffloadPipeline:
         to wait for it: whatever is queued there next (the bucket's all-gather) sees the params.
         """
         master, target = chunk.master, chunk.params
-        if self._compute is None:
+        assert master is not None, "a chunk in host memory has a master of its own"
+        if self._compute is None or self._streams is None:
             target.copy_(master)
             return
         source = master
@@ -129,7 +130,7 @@ class OffloadPipeline:
 
     def finish(self) -> None:
         """End the step's copies (after the last :meth:`send_params`)."""
-        if self._compute is not None:
+        if self._compute is not None and self._streams is not None:
             # Hand-off 5: the next backward's reset writes the grad shards the gradient copies
             # read. The host buffers are next written after the next step's hand-off 2, which
             # follows all of this step's copies.

@@ -9,7 +9,6 @@ import contextlib
 import datetime
 import logging
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -21,24 +20,25 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard import collectives
 from zeroshard.chunk import chunks_of
+from zeroshard.delegating import DelegatingOptimizer
 from zeroshard.fused_adam import FusedAdam, fused_adam_kind
 from zeroshard.grad_norm import NORM_TYPES, GradStats, gather_grad_stats
 from zeroshard.grad_reducer import GradReducer
 from zeroshard.groups import ShardingGroups, resolve_groups
 from zeroshard.local_shard import LocalShard
 from zeroshard.loss_scaler import DynamicLossScaler
-from zeroshard.memory import MemoryUsage, measure
+from zeroshard.memory import MemoryUsage, owned_memory
 from zeroshard.memory_tracer import MemoryTracer
 from zeroshard.placement import Placement, place_chunks
 from zeroshard.reduced_grad import GRAD_SCALER_REFUSED
-from zeroshard.sharding import NewShards, ShardedGroup, shard_param_groups
+from zeroshard.shard_set import ShardSet
 from zeroshard.state_dict_api import StateDictMixin
 from zeroshard.step_path import grad_multiplier, wrapped_step
-from zeroshard.validation import check_arguments, check_optimizer_kind, check_options, is_sharded, options_fingerprint
+from zeroshard.validation import check_arguments, check_optimizer_kind, check_options, options_fingerprint
 
 logger = logging.getLogger("zeroshard")
 
-class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
+class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
     """ZeRO stage 1/2 data parallelism around an already-built ``torch.optim`` optimizer.
 
     Each param group's trainable params are copied into one flat buffer per dtype and become
@@ -112,27 +112,18 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             collective completes. Each rank may set its own bound.
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, is already sharded, or is
-            already wrapped by a ``ShardedOptimizer`` (its params are virtual parameters);
-            ``process_group`` is neither a ``ProcessGroup`` nor a ``DeviceMesh``; an argument of
-            the wrong type (``stage`` not an ``int``; ``bucket_size_mb``, ``max_grad_norm`` or
-            ``collective_timeout_s`` not a number; ``overlap_comm`` or ``assume_elementwise``
-            not a ``bool``; a ``bool`` ``loss_scale``; ``reduce_dtype`` not a floating-point
-            ``torch.dtype``), named with its value.
-        ValueError: an optimizer whose update is not element-wise (Adafactor, Muon, LBFGS,
-            SparseAdam), or another class than torch.optim's element-wise ones without
-            ``assume_elementwise=True``, named; ``stage`` not in {1, 2}; ``bucket_size_mb`` or
-            ``collective_timeout_s`` not finite and positive, ``max_grad_norm`` not positive; a
-            ``loss_scale`` of another kind or not finite; ``offload`` not ``None``/``"cpu"``, or
-            with an optimizer other than Adam/AdamW; ``gpu_margin_mem_ratio`` outside [0, 1] or
-            set without offload; torch.distributed not initialized, this rank not in
-            ``process_group``, or a 2-D mesh whose dims are not ("replicate", "shard"); no
-            trainable params; params on several devices, on the meta device (named), sparse or
-            complex params; an optimizer that already holds state. All these are raised before
-            any collective. Then, on every rank: ranks passing different options (``stage``,
-            ``bucket_size_mb``, ``overlap_comm``, ``reduce_dtype``, ``max_grad_norm``,
-            ``loss_scale``, ``offload``, the optimizer class), named with both values, or holding
-            different param shapes, naming the param.
+        TypeError: an argument of the wrong type (named, with its value), ``process_group`` of
+            another kind, or an ``optimizer`` that is not a ``torch.optim.Optimizer`` or is
+            already wrapped (a ``ShardedOptimizer``, or one whose params are virtual params).
+        ValueError: before any collective: an argument out of range (named, with its value); an
+            optimizer whose update is not element-wise (Adafactor, Muon, LBFGS, SparseAdam), or
+            outside torch.optim's element-wise ones without ``assume_elementwise=True``;
+            ``offload`` with another optimizer than Adam/AdamW, or ``gpu_margin_mem_ratio``
+            without it; torch.distributed not initialized, this rank not in ``process_group``, a
+            2-D mesh with other dims; no trainable params, params on several devices or the meta
+            device (named), sparse or complex params; an optimizer that already holds state.
+            Then on every rank: ranks passing different options or params of different shapes
+            (named, with both values). ``docs/api.md`` lists every check.
     """
 
     def __init__(
@@ -160,7 +151,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload)
         for group in self.groups.all():
             collectives.check_same_on_all_ranks("option", options, group)
-        self.optimizer = optimizer
+        DelegatingOptimizer.__init__(self, optimizer)
         self.stage = stage
         self.process_group = self.groups.shard
         self.world_size = self.groups.shard_size
@@ -170,24 +161,22 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self.overlap_comm = overlap_comm
         self.reduce_dtype = reduce_dtype
         self.collective_timeout_s = collective_timeout_s
-        self._init_optimizer_hooks()
 
-        self._groups: list[ShardedGroup] = []
-        self._shards: list[LocalShard] = []
-        self._param_index: list[list[int]] = []  # per shard, per layout position: torch.optim param index
-        self._param_steps: list[int] = []  # per torch.optim param index: updates so far (replicated)
+        self._shard_set = ShardSet(optimizer, self.groups, self.bucket_size_mb, host_master=offload is not None)
+        self._shards = self._shard_set.shards  # the same list, grown in place (add_param_group, unfreezing)
         self._consolidated: dict[str, Any] | None = None  # full state, on the consolidate_state_dict rank
         self._issued: dict[int, weakref.ref] = {}  # id -> tensor, for those the last state_dict() returned
-        self._device: torch.device | None = None
-        self._reducer: GradReducer | None = None
         self.max_grad_norm = max_grad_norm
         self.grad_norm: Tensor | None = None  # the last step's pre-clip global norm (unscaled)
         self.step_was_skipped = False  # whether the last step was skipped for inf/NaN gradients
         self._skipped_steps = 0
         self._stats: GradStats | None = None  # from clip_grad_norm_, for the coming step
         self._clip_norm: float | None = None  # max_norm of a clip_grad_norm_ call, for the coming step
-        self._group_of_shard: list[int] = []  # per shard: its param group
-        self._shard_groups(range(len(optimizer.param_groups)))
+        self._reducer = GradReducer(
+            self._shard_set.add_groups(range(len(optimizer.param_groups))), stage=stage, groups=self.groups, reduce_dtype=reduce_dtype,
+            overlap_comm=overlap_comm, timeout=self._collective_timeout(),
+        )
+        self._device = self._shards[0].buffer.device  # every param on one device (checked)
         self._fused = FusedAdam(optimizer, kind) if (kind := fused_adam_kind(optimizer)) else None
         self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
         self._placement: Placement | None = None
@@ -199,116 +188,15 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         self._scaler = loss_scale if isinstance(loss_scale, DynamicLossScaler) else (
             DynamicLossScaler() if loss_scale == "dynamic" or (loss_scale is None and fp16) else None)
         self._static_scale = float(loss_scale) if isinstance(loss_scale, (int, float)) else None
-        self._log_layout()
-
-    def _init_optimizer_hooks(self) -> None:
-        """Set up what ``torch.optim.Optimizer.__init__`` sets up for hooks, without taking params.
-
-        The wrapped optimizer owns ``param_groups``, ``state`` and ``defaults`` (see the
-        properties below); this object adds the step/state-dict hook registries torch's
-        ``register_step_pre_hook`` and friends use, and torch's profiling wrapper around ``step``.
-        """
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._patch_step_function()
-
-    # -- the wrapped optimizer's live attributes ---------------------------------------------
-
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's live ``param_groups``; ``"params"`` holds virtual parameters."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        """The wrapped optimizer's state, keyed by virtual parameter (this rank's shard only)."""
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
-        """The wrapped optimizer's ``defaults``."""
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
+        if self.rank == 0:
+            logger.info("%s", self._shard_set.layout_summary(stage))
 
     # -- partitioning ------------------------------------------------------------------------
 
-    def _shard_groups(self, indices: range) -> None:
-        """Shard param groups ``indices`` (see :func:`~zeroshard.sharding.shard_param_groups`) and hook them up."""
-        new = shard_param_groups(
-            self.optimizer, indices, self.groups, bucket_size_mb=self.bucket_size_mb, device=self._device,
-            first_shard=len(self._shards), first_param_index=len(self._param_steps), host_master=self.offload is not None,
-        )
-        self._groups.extend(new.groups)
-        self._param_steps.extend([0] * sum(len(g.params) for g in new.groups))
-        self._add_shards(new)
-
-    def _shard_unfrozen(self) -> None:
-        """Shard the params that were frozen when their group was sharded and are trainable now.
-
-        Gradual unfreezing: ``torch.optim`` trains a param once it has a gradient. Each group with
-        such params gets flat buffers of its own for them, appended to it (a collective; every rank
-        unfreezes the same params, which the cross-rank check verifies); then the whole backward
-        is reduced again, so that their gradients, still local, are reduced too.
-        """
-        sharded = frozenset(id(p) for shard in self._shards for p in shard.buffer.params)
-        first_param_index = 0
-        for g, record in enumerate(self._groups):
-            if any(is_sharded(p) and id(p) not in sharded for p in record.params):
-                new = shard_param_groups(
-                    self.optimizer, range(g, g + 1), self.groups, bucket_size_mb=self.bucket_size_mb, device=self._device,
-                    first_shard=len(self._shards), first_param_index=first_param_index, host_master=self.offload is not None,
-                    params_of=[record.params], already_sharded=sharded,
-                )
-                record.shards.extend(new.groups[0].shards)
-                self._add_shards(new)
-                self._reducer.reduce_again()
-                if self.rank == 0:
-                    logger.info("zeroshard: param group %d: %d params trainable since the optimizer was built are now sharded",
-                                g, sum(len(s.buffer.params) for s in new.shards))
-            first_param_index += len(record.params)
-
-    def _add_shards(self, new: NewShards) -> None:
-        self._device = new.device
-        self._shards.extend(new.shards)
-        self._param_index.extend(new.param_index)
-        self._group_of_shard.extend(new.group_of_shard)
-        if self._reducer is None:
-            self._reducer = GradReducer(
-                new.shards, stage=self.stage, groups=self.groups, reduce_dtype=self.reduce_dtype, overlap_comm=self.overlap_comm,
-                timeout=self._collective_timeout(),
-            )
-        else:
-            for shard in new.shards:
-                self._reducer.add_shard(shard)
-
-    def _log_layout(self) -> None:
-        if self.rank != 0:
-            return
-        numel = sum(s.buffer.layout.numel for s in self._shards)
-        buckets = sum(len(s.buffer.layout.buckets) for s in self._shards)
-        params = sum(len(s.buffer.params) for s in self._shards)
-        shard = sum(s.buffer.layout.shard_numel for s in self._shards)
-        replicas = self.groups.data_parallel_size // self.world_size
-        logger.info(
-            "zeroshard: stage %d, sharded over %d ranks x %d replicas: %d params (%d elements with padding) in %d flat buffers, "
-            "%d buckets of <= %.1f MiB; each rank holds optimizer state for %d elements",
-            self.stage, self.world_size, replicas, params, numel, len(self._shards), buckets, self.bucket_size_mb, shard,
-        )
+    def _hook_up(self, shards: list[LocalShard]) -> None:
+        """Have the gradient reducer take shards added after construction."""
+        for shard in shards:
+            self._reducer.add_shard(shard)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the wrapped optimizer and shard it (a collective: call on every rank).
@@ -321,19 +209,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             TypeError, ValueError: as ``torch.optim.Optimizer.add_param_group`` does, and for the
                 param checks of the constructor. On error the optimizer is left as it was.
         """
-        params = param_group.get("params") if isinstance(param_group, dict) else None
-        params = [params] if isinstance(params, Tensor) else list(params or [])
-        sharded = {id(p) for record in self._groups for p in record.params}
-        again = [tuple(p.shape) for p in params if id(p) in sharded]
-        if again:
-            raise ValueError(f"param_group holds params already in another param group (shapes {again[:5]}); a param can be in one group only")
-        self.optimizer.add_param_group(param_group)
-        index = len(self.optimizer.param_groups) - 1
-        try:
-            self._shard_groups(range(index, index + 1))
-        except BaseException:
-            self.optimizer.param_groups.pop()
-            raise
+        self._hook_up(self._shard_set.add_param_group(param_group))
 
     # -- training ----------------------------------------------------------------------------
 
@@ -367,7 +243,10 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         return None if self.collective_timeout_s is None else datetime.timedelta(seconds=self.collective_timeout_s)
 
     def _gather_stats(self, norm_type: float, caller: str) -> GradStats:
-        self._shard_unfrozen()
+        unfrozen = self._shard_set.add_unfrozen()
+        if unfrozen:
+            self._hook_up(unfrozen)
+            self._reducer.reduce_again()  # their gradients are still local
         self._reducer.reduce_for_step()
         return gather_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._collective_timeout(), caller)
 
@@ -430,8 +309,8 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             for shard in self._shards:  # before any collective: raises alike on every rank
                 shard.follow_all()
             stats = self._stats or self._gather_stats(2.0, "step()")
-            if self._margin_tracer is not None:
-                self._place_chunks()
+            if self._margin_tracer is not None and self._fused is not None:  # gpu_margin_mem_ratio: offload, so the fused update
+                self._place_chunks(self._margin_tracer, self._fused)
             scale = self.loss_scale or 1.0
             self.grad_norm = torch.tensor(stats.norm / scale)
             self.step_was_skipped = stats.found_inf
@@ -448,14 +327,11 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
     def _update(self, stats: GradStats, scale: float) -> None:
         max_norm = self._clip_norm if self._clip_norm is not None else self.max_grad_norm
         multiplier = grad_multiplier(stats.norm, scale, max_norm)
-        for k, flags in enumerate(stats.used):
-            for i, stepped in enumerate(flags):
-                self._param_steps[self._param_index[k][i]] += stepped
-        steps = [[self._param_steps[index] if flag else 0 for index, flag in zip(self._param_index[k], flags)] for k, flags in enumerate(stats.used)]
+        steps = self._shard_set.count_steps(stats.used)
         for shard in self._shards:
             shard.refresh_master()
         if self._fused is not None:
-            final = self._fused.step(self._shards, self._group_of_shard, steps, multiplier)
+            final = self._fused.step(self._shards, steps, multiplier)
         else:
             final = wrapped_step(self.optimizer, self._shards, stats.used, multiplier)
         works = []
@@ -466,16 +342,16 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
             # The params must hold every rank's update before the next forward reads them.
             collectives.wait(work, self._collective_timeout(), "step(): the all-gather of the updated params", "call step()")
 
-    def _place_chunks(self) -> None:
+    def _place_chunks(self, tracer: MemoryTracer, fused: FusedAdam) -> None:
         """End the first iteration's tracer and move that margin's share of chunks to the device (logged once)."""
-        tracer, self._margin_tracer = self._margin_tracer, None
+        self._margin_tracer = None
         tracer.stop()
         model_data_bytes = self.memory_usage().device_bytes
         for shard in self._shards:
             shard.refresh_master()  # params loaded or written since construction reach the masters before they move
-        self._fused.bind(self._shards)  # every chunk has its moments (zero, or loaded) before it moves
+        fused.bind(self._shards)  # every chunk has its moments (zero, or loaded) before it moves
         self._placement = place_chunks(chunks_of(self._shards), tracer, model_data_bytes, self.gpu_margin_mem_ratio, self._device)
-        self._fused.bind(self._shards)  # the state entries become views of the moved moments
+        fused.bind(self._shards)  # the state entries become views of the moved moments
         if self.rank == 0:
             logger.info("%s", self._placement.summary())
 
@@ -502,18 +378,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
         same way (see ``zeroshard/reduced_grad.py``).
         """
         self._reducer.reset()
-        for record in self._groups:
-            for p in record.params:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
-                    else:
-                        p.grad.requires_grad_(False)
-                    p.grad.zero_()
+        self._shard_set.zero_grad(set_to_none)
         self._stats = self._clip_norm = None
 
     def close(self) -> None:
@@ -529,22 +394,7 @@ class ShardedOptimizer(StateDictMixin, torch.optim.Optimizer):
 
     def memory_usage(self) -> MemoryUsage:
         """Bytes this optimizer owns on this rank: flat params, gradient buffers, shards, optimizer state."""
-        owned = {
-            "params": [s.buffer.data for s in self._shards],
-            "grads": self._reducer.grad_buffers(),
-            "grad_shard": [s.grad_shard for s in self._shards],
-            "master": [],
-            "optimizer_state": [],
-        }
-        chunk_storages = set()
-        for chunk in chunks_of(self._shards):
-            for kind, tensors in chunk.owned_tensors().items():
-                owned[kind] += tensors
-                chunk_storages.update(t.untyped_storage().data_ptr() for t in tensors)
-        # The wrapped optimizer's own state, but not its entries that are views of chunks' moments (counted above).
-        owned["optimizer_state"] += [v for s in self.optimizer.state.values() for v in s.values()
-                                     if isinstance(v, Tensor) and v.untyped_storage().data_ptr() not in chunk_storages]
-        return measure(owned, self._device)
+        return owned_memory(self._shards, self._reducer.grad_buffers(), self.optimizer, self._device)
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(stage={self.stage}, world_size={self.world_size}, rank={self.rank}, optimizer={self.optimizer!r})"

@@ -20,34 +20,19 @@ from zeroshard.validation import check_params, is_sharded, param_name
 
 
 @dataclass
-class ShardedGroup:
-    """What zeroshard keeps for one param group of the wrapped optimizer.
-
-    Attributes:
-        params: the group's original params, in the user's order (frozen ones included).
-        shards: indices of its shards (one per dtype of trainable params) in the optimizer's list.
-    """
-
-    params: list[nn.Parameter]
-    shards: list[int]
-
-
-@dataclass
 class NewShards:
-    """The result of :func:`shard_param_groups`, to append to the optimizer's lists.
+    """The result of :func:`shard_param_groups`.
 
     Attributes:
-        groups: one record per sharded param group.
-        shards: the new local shards, in order.
-        param_index: per new shard, per layout position: the param's ``torch.optim`` index.
-        group_of_shard: per new shard, the index of its param group.
+        group_params: per sharded param group, its original params in the user's order (frozen
+            ones included).
+        shards: the new local shards, each group's (one per dtype of its trainable params) in
+            group order; each knows its group and its params' ``torch.optim`` indices.
         device: the device all params are on.
     """
 
-    groups: list[ShardedGroup]
+    group_params: list[list[nn.Parameter]]
     shards: list[LocalShard]
-    param_index: list[list[int]]
-    group_of_shard: list[int]
     device: torch.device
 
 
@@ -109,35 +94,31 @@ def shard_param_groups(
     for group in groups.all():
         collectives.check_same_on_all_ranks("param", fingerprint, group)
 
-    buffers: list[FlatParamBuffer] = []
-    records, param_index, group_of_shard = [], [], []
+    buffers: list[tuple[FlatParamBuffer, int, list[int]]] = []  # (buffer, its param group, its params' torch.optim indices)
     index = first_param_index
     for g, params in zip(indices, params_of):
         trainable = [p for p in params if is_sharded(p) and id(p) not in already_sharded]
         index_of = {id(p): index + j for j, p in enumerate(params)}
         name_of = {id(p): param_name(g, j) for j, p in enumerate(params)}
         index += len(params)
-        shard_ids = []
         for dtype in dict.fromkeys(p.dtype for p in trainable):
             # Reverse registration order approximates the order gradients become ready.
             same_dtype = [p for p in reversed(trainable) if p.dtype == dtype]
-            shard_ids.append(first_shard + len(buffers))
-            buffers.append(FlatParamBuffer(same_dtype, bucket_numel(bucket_size_mb, dtype), groups.shard_size, [name_of[id(p)] for p in same_dtype]))
-            param_index.append([index_of[id(p)] for p in same_dtype])
-            group_of_shard.append(g)
-        records.append(ShardedGroup(params=params, shards=shard_ids))
+            buffer = FlatParamBuffer(same_dtype, bucket_numel(bucket_size_mb, dtype), groups.shard_size, [name_of[id(p)] for p in same_dtype])
+            buffers.append((buffer, g, [index_of[id(p)] for p in same_dtype]))
     frozen = [p.data for params in params_of for p in params if not is_sharded(p)] if not already_sharded else []
     # Replicas take replica 0's values, then each shard group its first rank's: all equal rank (0, 0).
     for group in reversed(groups.all()):
         if dist.get_world_size(group) > 1:
-            collectives.broadcast_from_first_([b.data for b in buffers] + frozen, group)
+            collectives.broadcast_from_first_([b.data for b, _, _ in buffers] + frozen, group)
 
-    shards = [LocalShard(buffer, dist.get_rank(groups.shard), host_master) for buffer in buffers]
-    for g, record in zip(indices, records):
-        virtual = [v for k in record.shards for v in shards[k - first_shard].virtual_params]
+    rank = dist.get_rank(groups.shard)
+    shards = [LocalShard(buffer, rank, host_master, group=g, param_indices=indices_of) for buffer, g, indices_of in buffers]
+    for g in indices:
+        virtual = [v for shard in shards if shard.group == g for v in shard.virtual_params]
         optimizer.param_groups[g]["params"] = (optimizer.param_groups[g]["params"] if already_sharded else []) + virtual
     shard_initial_state(optimizer, shards)
-    return NewShards(records, shards, param_index, group_of_shard, device)
+    return NewShards(params_of, shards, device)
 
 
 @torch.no_grad()

@@ -1,10 +1,9 @@
 """``ShardedOptimizer``'s checkpoint API: ``state_dict``, ``consolidate_state_dict``, ``load_state_dict``,
 and ``params_own_storage`` for saving the model.
 
-The formats and their checks live in ``zeroshard/checkpoint.py``; this mixin connects them to the
-optimizer's attributes (``optimizer``, ``_shards``, ``_groups``, ``_param_index``,
-``_param_steps``, ``_group_of_shard``, ``groups``, ``process_group``, ``_scaler``, ``_fused``,
-``_consolidated``, ``_issued``).
+The formats and their checks live in ``zeroshard/checkpoint.py`` and ``zeroshard/full_state.py``;
+this mixin connects them to the optimizer's attributes, declared on :class:`StateDictMixin` (what
+the host class must provide) so that the dependency is written down and type-checked.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +19,11 @@ import torch
 import torch.distributed as dist
 
 from zeroshard import checkpoint, full_state
+from zeroshard.fused_adam import FusedAdam
+from zeroshard.groups import ShardingGroups
+from zeroshard.local_shard import LocalShard
+from zeroshard.loss_scaler import DynamicLossScaler
+from zeroshard.shard_set import ShardSet
 
 
 def _called_by_dcp() -> bool:
@@ -30,9 +35,24 @@ def _called_by_dcp() -> bool:
 class StateDictMixin:
     """Checkpoint methods of :class:`~zeroshard.ShardedOptimizer` (see ``docs/checkpoint.md``)."""
 
+    # What the host (ShardedOptimizer) provides.
+    optimizer: torch.optim.Optimizer
+    groups: ShardingGroups
+    process_group: dist.ProcessGroup
+    _shard_set: ShardSet
+    _shards: list[LocalShard]
+    _scaler: DynamicLossScaler | None
+    _fused: FusedAdam | None
+    _consolidated: dict[str, Any] | None  # the full state, on the rank that ran consolidate_state_dict
+    _issued: dict[int, weakref.ref]  # id -> tensor, for those the last state_dict() returned
+    _optimizer_state_dict_pre_hooks: OrderedDict
+    _optimizer_state_dict_post_hooks: OrderedDict
+    _optimizer_load_state_dict_pre_hooks: OrderedDict
+    _optimizer_load_state_dict_post_hooks: OrderedDict
+
     def _checkpoint_view(self) -> checkpoint.CheckpointView:
         return checkpoint.CheckpointView(
-            self.optimizer, self._shards, [g.params for g in self._groups], self._param_index, self._param_steps, self._group_of_shard,
+            self.optimizer, self._shards, self._shard_set.group_params, self._shard_set.param_steps,
             self.groups.mesh, self.process_group, self._scaler,
         )
 
@@ -127,7 +147,7 @@ class StateDictMixin:
         with torch.no_grad():
             for k, offset, values in masters:
                 self._shards[k].master_view(offset, values.numel()).copy_(values)
-        self._param_steps[:] = steps
+        self._shard_set.param_steps[:] = steps
         scaler_state = (state_dict.get("zeroshard") or {}).get("loss_scaler")
         if self._scaler is not None and scaler_state is not None:
             self._scaler.load_state_dict(scaler_state)

@@ -60,7 +60,7 @@ def clip_sharded_grad_norm_(
     trainable = {id(p) for p in parameters if p.requires_grad}
     owners = []
     for opt in sharded_optimizers(optimizers):
-        owned = {id(p) for group in opt._groups for p in group.params if p.requires_grad}
+        owned = {id(p) for params in opt._shard_set.group_params for p in params if p.requires_grad}
         if owned & trainable:
             owners.append((opt, owned))
     if not owners:

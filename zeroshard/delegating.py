@@ -1,0 +1,63 @@
+"""``DelegatingOptimizer``: a ``torch.optim.Optimizer`` whose params, state and defaults are another optimizer's.
+
+``ShardedOptimizer`` is one: LR schedulers, ``register_step_pre_hook`` and code that reads
+``opt.param_groups`` / ``opt.state`` see the wrapped optimizer's live objects, as with
+``torch.distributed.optim.ZeroRedundancyOptimizer``'s ``optim``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+
+class DelegatingOptimizer(torch.optim.Optimizer):
+    """An optimizer that owns no params: ``param_groups``, ``state`` and ``defaults`` are ``optimizer``'s.
+
+    Sets up what ``torch.optim.Optimizer.__init__`` sets up for hooks (the step and state-dict
+    hook registries that ``register_step_pre_hook`` and friends use, and torch's profiling
+    wrapper around ``step``) without taking params.
+
+    Args:
+        optimizer: the wrapped ``torch.optim.Optimizer`` (``self.optimizer``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # not torch's __init__, which takes params
+        self.optimizer = optimizer
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._patch_step_function()
+
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's live ``param_groups`` (a ``ShardedOptimizer``'s hold virtual parameters)."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's state (a ``ShardedOptimizer``'s: keyed by virtual parameter, this rank's shard only)."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``defaults``."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value

@@ -1,0 +1,157 @@
+"""``ShardSet``: this rank's local shards of the wrapped optimizer's param groups, as they grow.
+
+A ``ShardedOptimizer`` shards its param groups at construction, a group added later with
+``add_param_group``, and params frozen at construction once they become trainable (gradual
+unfreezing). This file keeps that bookkeeping, and the per-param step counts, out of the
+optimizer's orchestration. Each :class:`~zeroshard.local_shard.LocalShard` records its param
+group and its params' ``torch.optim`` indices itself, so there are no parallel lists.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from zeroshard.groups import ShardingGroups
+from zeroshard.local_shard import LocalShard
+from zeroshard.sharding import shard_param_groups
+from zeroshard.validation import is_sharded
+
+logger = logging.getLogger("zeroshard")
+
+
+class ShardSet:
+    """This rank's :class:`~zeroshard.local_shard.LocalShard` s of every sharded param group.
+
+    Args:
+        optimizer: the wrapped optimizer.
+        groups: the shard (and replicate) groups.
+        bucket_size_mb: bucket size in MiB of the param dtype.
+        host_master: keep master weights in host memory (CPU offload).
+
+    Attributes:
+        shards: in the order they were built: each param group's (one per dtype of its
+            trainable params), then those of groups added later and of params unfrozen later.
+        group_params: per param group, its original params in the user's order (frozen ones
+            included): the params ``torch.optim`` numbers, across groups in order.
+        param_steps: per ``torch.optim`` param index, the updates so far (the same on every rank:
+            a param is stepped when it got a gradient on some rank).
+        device: the params' device (``None`` before the first group).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: ShardingGroups, bucket_size_mb: float, host_master: bool) -> None:
+        self.optimizer = optimizer
+        self.groups = groups
+        self.bucket_size_mb = bucket_size_mb
+        self.host_master = host_master
+        self.shards: list[LocalShard] = []
+        self.group_params: list[list[nn.Parameter]] = []
+        self.param_steps: list[int] = []
+        self.device: torch.device | None = None
+
+    def add_groups(self, indices: range) -> list[LocalShard]:
+        """Shard the optimizer's param groups ``indices`` (a collective); returns the new shards.
+
+        Raises:
+            ValueError: see :func:`~zeroshard.sharding.shard_param_groups`.
+        """
+        new = shard_param_groups(
+            self.optimizer, indices, self.groups, bucket_size_mb=self.bucket_size_mb, device=self.device,
+            first_shard=len(self.shards), first_param_index=len(self.param_steps), host_master=self.host_master,
+        )
+        self.group_params.extend(new.group_params)
+        self.param_steps.extend([0] * sum(len(params) for params in new.group_params))
+        self.device = new.device
+        self.shards.extend(new.shards)
+        return new.shards
+
+    def add_param_group(self, param_group: dict[str, Any]) -> list[LocalShard]:
+        """Add ``param_group`` to the optimizer and shard it (``ShardedOptimizer.add_param_group``); the new shards.
+
+        Raises:
+            ValueError: a param already in another group (before anything changes); as
+                ``torch.optim.Optimizer.add_param_group`` and :meth:`add_groups` raise, with the
+                optimizer's param groups as they were.
+        """
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        params = [params] if isinstance(params, Tensor) else list(params or [])
+        sharded = {id(p) for group in self.group_params for p in group}
+        again = [tuple(p.shape) for p in params if id(p) in sharded]
+        if again:
+            raise ValueError(f"param_group holds params already in another param group (shapes {again[:5]}); a param can be in one group only")
+        self.optimizer.add_param_group(param_group)
+        index = len(self.optimizer.param_groups) - 1
+        try:
+            return self.add_groups(range(index, index + 1))
+        except BaseException:
+            self.optimizer.param_groups.pop()
+            raise
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """``torch.optim.Optimizer.zero_grad`` over the groups' original params (frozen ones included)."""
+        for params in self.group_params:
+            for p in params:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+
+    def add_unfrozen(self) -> list[LocalShard]:
+        """Shard the params that were frozen when their group was sharded and are trainable now.
+
+        Gradual unfreezing: ``torch.optim`` trains a param once it has a gradient. Each group with
+        such params gets flat buffers of its own for them, appended to it (a collective; every rank
+        unfreezes the same params, which the cross-rank check verifies). Returns the new shards
+        (none: no collective ran); their gradients are still local, for the caller to reduce.
+        """
+        sharded = frozenset(id(p) for shard in self.shards for p in shard.buffer.params)
+        added: list[LocalShard] = []
+        first_param_index = 0
+        for g, params in enumerate(self.group_params):
+            if any(is_sharded(p) and id(p) not in sharded for p in params):
+                new = shard_param_groups(
+                    self.optimizer, range(g, g + 1), self.groups, bucket_size_mb=self.bucket_size_mb, device=self.device,
+                    first_shard=len(self.shards), first_param_index=first_param_index, host_master=self.host_master,
+                    params_of=[params], already_sharded=sharded,
+                )
+                self.shards.extend(new.shards)
+                added.extend(new.shards)
+                if dist.get_rank(self.groups.shard) == 0:
+                    logger.info("zeroshard: param group %d: %d params trainable since the optimizer was built are now sharded",
+                                g, sum(len(s.buffer.params) for s in new.shards))
+            first_param_index += len(params)
+        return added
+
+    def count_steps(self, used: list[list[bool]]) -> list[list[int]]:
+        """Count a step for every param used on some rank; per shard, per param, its new step (0: not stepped).
+
+        ``used[k][i]``: param ``i`` (layout order) of ``shards[k]`` got a gradient on some rank.
+        """
+        for shard, flags in zip(self.shards, used):
+            for index, stepped in zip(shard.param_indices, flags):
+                self.param_steps[index] += stepped
+        return [[self.param_steps[index] if flag else 0 for index, flag in zip(shard.param_indices, flags)]
+                for shard, flags in zip(self.shards, used)]
+
+    def layout_summary(self, stage: int) -> str:
+        """One log line: the stage, the sharding, params, elements, flat buffers, buckets, and this rank's share."""
+        numel = sum(s.buffer.layout.numel for s in self.shards)
+        buckets = sum(len(s.buffer.layout.buckets) for s in self.shards)
+        params = sum(len(s.buffer.params) for s in self.shards)
+        shard = sum(s.buffer.layout.shard_numel for s in self.shards)
+        replicas = self.groups.data_parallel_size // self.groups.shard_size
+        return (
+            f"zeroshard: stage {stage}, sharded over {self.groups.shard_size} ranks x {replicas} replicas: {params} params "
+            f"({numel} elements with padding) in {len(self.shards)} flat buffers, {buckets} buckets of <= {self.bucket_size_mb:.1f} MiB; "
+            f"each rank holds optimizer state for {shard} elements"
+        )
