@@ -35,15 +35,13 @@ class GradStats:
     """What one step needs to know about the reduced gradients of all ranks.
 
     Attributes:
-        norm: the global ``norm_type`` norm of the gradients as they sit in the grad shards
-            (still multiplied by the loss scale, if any); inf or NaN on overflow.
+        norm: the global norm (of the ``norm_type`` asked for) of the gradients as they sit in
+            the grad shards (still multiplied by the loss scale, if any); inf or NaN on overflow.
         used: per shard, per param: whether the param got a gradient on some rank.
-        norm_type: 2.0 or ``math.inf``.
     """
 
     norm: float
     used: list[list[bool]]
-    norm_type: float
 
     @property
     def found_inf(self) -> bool:
@@ -100,4 +98,4 @@ def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
     for per_shard in local_used:
         used.append([v > 0 for v in flat[start : start + len(per_shard)]])
         start += len(per_shard)
-    return GradStats(norm, used, norm_type)
+    return GradStats(norm, used)
