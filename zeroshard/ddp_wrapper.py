@@ -173,6 +173,8 @@ def check_supported(ddp: nn.Module) -> None:
             raise RuntimeError(f"zeroshard cannot release and rebuild DDP's reducer on torch {torch.__version__}: "
                                f"DistributedDataParallel.{name} is missing or takes other arguments than ({', '.join(parameters)}) "
                                f"as in torch 2.4 to 2.13; {_WAY_OUT}")
+    if not callable(getattr(getattr(ddp, "reducer", None), "_remove_autograd_hooks", None)):  # torch >= 2.1
+        raise RuntimeError(f"zeroshard cannot release DDP's reducer on torch {torch.__version__}: it has no _remove_autograd_hooks; {_WAY_OUT}")
     _hooks_to_register_again(ddp)
 
 
