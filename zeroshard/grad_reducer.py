@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import logging
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 
 from zeroshard import collectives
+from zeroshard.ddp_wrapper import DDPWrappers, find_wrappers, watch_new_wrappers
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
 from zeroshard.partition import ShardPiece
@@ -84,21 +84,30 @@ def _divides_first(reduce_dtype: torch.dtype) -> bool:
     return reduce_dtype == torch.float16
 
 
-def _release(handles: list[torch.utils.hooks.RemovableHandle], ddp_wrappers: list[weakref.ref]) -> None:
-    """Remove a reducer's hooks and give each DDP wrapper it silenced its gradient reduction back."""
+def _release(handles: list[torch.utils.hooks.RemovableHandle], ddps: DDPWrappers) -> None:
+    """Remove a reducer's hooks and give each DDP wrapper it silenced its reducer and its gradient reduction back."""
     for handle in handles:
         handle.remove()
     handles.clear()
-    for ref in ddp_wrappers:
-        ddp = ref()
-        if ddp is not None:
-            ddp.require_backward_grad_sync = True
-    ddp_wrappers.clear()
+    ddps.close()
 
 
-def _restore_ddp_sync(ddp: nn.Module, args: object, output: object) -> None:
-    """A forward hook on a DDP wrapper: give ``require_backward_grad_sync`` back the value the forward started with."""
-    ddp.require_backward_grad_sync = ddp._zeroshard_sync
+def _weak(method: Callable) -> Callable:
+    """``method`` (bound to a GradReducer) called through a weak reference: a no-op once the reducer is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: object) -> None:
+        live = ref()
+        if live is not None:
+            live(*args)
+
+    return call
+
+
+def _wrappers_of_owners(params: Iterable[nn.Parameter]) -> list[DDPWrappers]:
+    """The :class:`DDPWrappers` of every live reducer that owns one of ``params``."""
+    owners = {id(owner): owner for p in params if (owner := _owner(p)) is not None}
+    return [owner._ddps for owner in owners.values()]
 
 
 @dataclass
@@ -173,18 +182,22 @@ class GradReducer:
         self._reduced_grad_versions: dict[tuple[int, int], int] = {}
         self._flat_grad_versions: list[int] = []  # stage 1: each flat grad's version after zeroshard last wrote it
         self._backward_started = False  # a gradient of the current backward pass has arrived
-        self._ddp_checked = False  # looked for a DistributedDataParallel wrapping these params
         self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
         self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates without communication
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._ddp_wrappers: list[weakref.ref] = []  # DDP wrappers whose gradient reduction is switched off
-        # The hooks hold this reducer weakly, so they go with it (or with close()).
-        self._remove_hooks = weakref.finalize(self, _release, self._hooks, self._ddp_wrappers)
+        # DDP wrappers around these params: switched off, their reducers released (see _adopt_ddps).
+        self._ddps = DDPWrappers(_weak(self._on_ddp_forward), _weak(self._sync_next_backward))
+        # The hooks hold this reducer weakly, so they go with it (or with close()). Not at exit:
+        # DDP would get a reducer back for nothing, maybe after its process group is destroyed.
+        self._remove_hooks = weakref.finalize(self, _release, self._hooks, self._ddps)
+        self._remove_hooks.atexit = False
         self.closed_because = ""
         for shard in shards:
             self.add_shard(shard)
-        self._switch_off_ddp()  # a model wrapped before the optimizer was built
+        watch_new_wrappers(_wrappers_of_owners)
+        self._adopt_ddps(find_wrappers(p for shard in self.shards for p in shard.buffer.params))
+        self._ddps.release()  # a model wrapped before the optimizer was built: not in a backward now
 
     @property
     def closed(self) -> bool:
@@ -258,13 +271,14 @@ class GradReducer:
     def _before_accumulate(self, k: int, i: int, param: nn.Parameter) -> None:
         """Read what was done to the gradients since zeroshard last wrote them; clear a ReducedGrad."""
         if not self._backward_started:
+            # DDP wrappers built since the last backward; adopting one may raise: nothing changed yet.
+            syncs = self._adopt_ddps([ddp for ref in self._ddps.new if (ddp := ref()) is not None]) if self._ddps.new else []
+            self._ddps.new.clear()
             self._backward_started = True
             self._ddp_no_sync, self._ddp_forward = self._ddp_forward and self._ddp_no_sync, False
-            if not self._ddp_checked:
-                self._ddp_checked = True
-                syncs = self._switch_off_ddp()
-                self._ddp_reduced = bool(syncs)
-                if syncs and not any(syncs):
+            if syncs:
+                self._ddp_reduced = self._ddp_reduced or any(syncs)
+                if not any(syncs):
                     # Found inside ``ddp.no_sync()``: a framework's first accumulation micro-step
                     # (HF Trainer and accelerate run its backward in the block). Accumulate
                     # without communication, as zeroshard does for the later ones.
@@ -276,54 +290,39 @@ class GradReducer:
                 param.grad = None  # autograd then stores the new gradient instead of adding to it
                 del self._reduced_grad_versions[(k, i)]
 
-    def _make_ddp_pre_hook(self):
-        reducer = weakref.ref(self)
+    def _on_ddp_forward(self, no_sync: bool) -> None:
+        """Before a forward of an adopted DDP wrapper: under ``ddp.no_sync()`` its backward accumulates without communication."""
+        self._ddp_forward = True
+        self._ddp_no_sync = no_sync
+        self._unreduced = self._unreduced or no_sync
 
-        def pre_hook(ddp: nn.Module, args: object) -> None:
-            # Under ``ddp.no_sync()`` (gradient accumulation) zeroshard accumulates without
-            # communication too; either way DDP's reducer sits this forward's backward out.
-            ddp._zeroshard_sync = ddp.require_backward_grad_sync
-            live = reducer()
-            if live is not None:
-                live._ddp_forward = True
-                live._ddp_no_sync = not ddp.require_backward_grad_sync
-                live._unreduced = live._unreduced or live._ddp_no_sync
-            ddp.require_backward_grad_sync = False
+    def _sync_next_backward(self) -> None:
+        """A framework asked DDP's (released) reducer to reduce the coming backward (``prepare_for_backward``): reduce it."""
+        self._ddp_no_sync = False
 
-        return pre_hook
+    def _adopt_ddps(self, candidates: list[nn.Module]) -> list[bool]:
+        """Switch off the gradient reduction of the ``DistributedDataParallel`` wrappers in ``candidates`` (see :class:`DDPWrappers`).
 
-    def _switch_off_ddp(self) -> list[bool]:
-        """Switch off the gradient reduction of any ``DistributedDataParallel`` wrapping these params.
-
-        Returns, for each wrapper newly found, whether its reduction was on when found
-        (``require_backward_grad_sync``; off inside ``ddp.no_sync()``).
+        Returns, for each wrapper newly adopted, whether DDP's last forward prepared its reducer
+        to reduce the coming backward (not under ``ddp.no_sync()``).
 
         HF Trainer, accelerate and Lightning wrap the model in DDP by default. Both reducing would
         send every gradient twice, and DDP's C++ reducer writes its averaged gradients into
         ``.grad``, where zeroshard keeps its own (stage 1: the local sum; stage 2: a ReducedGrad).
-        DDP's ``no_sync`` switch, turned off by a forward pre-hook before every forward of the
-        wrapper (``require_backward_grad_sync = False``; ``ddp.no_sync()`` restores it on exit),
-        stops its reducer from the next forward on (DDP still broadcasts module buffers) until
-        this reducer is closed. A forward under ``ddp.no_sync()`` makes zeroshard accumulate the
-        backward that follows without communication too, as its own :meth:`no_sync` does. The
-        backward under way when the wrapper is found was prepared by DDP's forward already, so
-        what DDP writes into ``.grad`` until the next step is ignored. Looked for once, at the
-        first backward and at construction (one pass over the objects the garbage collector
-        tracks); a wrapper found at construction has run no forward, so nothing is ignored.
-        """
-        from torch.nn.parallel import DistributedDataParallel
+        A forward under ``ddp.no_sync()`` makes zeroshard accumulate the backward that follows
+        without communication too, as its own :meth:`no_sync` does. Wrappers are found at
+        construction (one pass over the objects the garbage collector tracks) and, when built
+        later, by a module registration hook at the next backward. That backward was prepared by
+        DDP's forward already, so what DDP writes into ``.grad`` until the next step is ignored,
+        and DDP's reducer is released only at the next forward of the wrapper or ``step()``: DDP
+        reduces one backward, zeroshard every one. A wrapper found at construction is released
+        at once and reduces nothing.
 
-        ours = {id(p) for shard in self.shards for p in shard.buffer.params}
-        wrappers = [obj for obj in gc.get_objects() if isinstance(obj, DistributedDataParallel)
-                    and any(id(p) in ours for p in obj.module.parameters())]
-        wrappers = [ddp for ddp in wrappers if not any(ref() is ddp for ref in self._ddp_wrappers)]
-        syncs = [ddp.require_backward_grad_sync for ddp in wrappers]
-        for ddp in wrappers:
-            ddp.require_backward_grad_sync = False
-            self._hooks.append(ddp.register_forward_pre_hook(self._make_ddp_pre_hook()))
-            self._hooks.append(ddp.register_forward_hook(_restore_ddp_sync, always_call=True))
-            self._ddp_wrappers.append(weakref.ref(ddp))
-        if wrappers and dist.get_rank() == 0:
+        Raises:
+            RuntimeError: a DDP option zeroshard cannot follow (:func:`~zeroshard.ddp_wrapper.check_supported`).
+        """
+        syncs = self._ddps.adopt(candidates)
+        if syncs and dist.get_rank() == 0:
             logger.info("zeroshard: the model is wrapped in DistributedDataParallel; zeroshard reduces its gradients itself, so DDP's "
                         "gradient reduction is switched off from the next forward (its first backward was reduced by both)")
         return syncs
@@ -598,6 +597,7 @@ class GradReducer:
             for shard in self.shards:
                 for param in shard.buffer.params:
                     param.grad = None
+        self._ddps.release()  # between backward passes: the one a DDP wrapper found at a backward reduced is over
         for k, shard in enumerate(self.shards):
             shard.grad_shard.zero_()
             flat_grad = self._flat_grads[k]
