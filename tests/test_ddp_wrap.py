@@ -17,12 +17,12 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from models import TinyNet, batch, loss_fn, param_groups
+from rank_pool import RankPool
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
-from models import TinyNet, batch, loss_fn, param_groups
-from rank_pool import RankPool
 
 BUCKET_MB = 100 * 4 / 2**20  # several buckets in TinyNet
 

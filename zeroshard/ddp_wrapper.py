@@ -160,7 +160,8 @@ def check_supported(ddp: nn.Module) -> None:
             registered again, or a torch whose DDP lacks the private methods a reducer is rebuilt with.
     """
     if getattr(ddp, "mixed_precision", None) is not None:
-        raise RuntimeError(f"DistributedDataParallel(mixed_precision=...) casts the params itself, which zeroshard cannot follow: use bf16 params or autocast, {_WAY_OUT}")
+        raise RuntimeError("DistributedDataParallel(mixed_precision=...) casts the params itself, which zeroshard cannot follow: use bf16 params "
+                           f"or autocast, {_WAY_OUT}")
     if getattr(ddp, "_delay_all_reduce_params", None):
         raise RuntimeError("DistributedDataParallel(delay_all_reduce_named_params=...) all-reduces those params' gradients in a hook "
                            f"that zeroshard cannot switch off (a second reduction): leave the option out, {_WAY_OUT}")
@@ -244,7 +245,7 @@ def find_wrappers(params: Iterable[nn.Parameter]) -> list[nn.Module]:
             and any(id(p) in ours for p in obj.module.parameters())]
 
 
-def _restore_sync(ddp: nn.Module, args: object, output: object) -> None:
+def _restore_sync(ddp: Any, args: object, output: object) -> None:  # Any: DDP, with zeroshard's attributes set on it
     """A forward hook on a DDP wrapper: its switches as DDP alone would have left them after this forward.
 
     ``require_backward_grad_sync`` gets back the value the forward started with (``ddp.no_sync()``
@@ -287,7 +288,19 @@ class DDPWrappers:
         self.new: list[weakref.ref] = []
 
     def adopt(self, candidates: Iterable[nn.Module]) -> list[bool]:
-        """Switch off the gradient reduction of each wrapper in ``candidates`` not adopted yet.
+        """Switch off the gradient reduction of each wrapper in ``candidates`` not adopted yet (logged once).
+
+        HF Trainer, accelerate and Lightning wrap the model in DDP by default. Both reducing would
+        send every gradient twice, and DDP's C++ reducer writes its averaged gradients into
+        ``.grad``, where zeroshard keeps its own (stage 1: the local sum; stage 2: a ReducedGrad).
+        A forward under ``ddp.no_sync()`` makes zeroshard accumulate the backward that follows
+        without communication too, as its own ``no_sync`` does. Wrappers are found at
+        construction (one pass over the objects the garbage collector tracks) and, when built
+        later, by a module registration hook at the next backward. That backward was prepared by
+        DDP's forward already, so what DDP writes into ``.grad`` until the next step is ignored,
+        and DDP's reducer is released only at the next forward of the wrapper or ``step()``: DDP
+        reduces one backward, zeroshard every one. A wrapper found at construction is released
+        at once and reduces nothing.
 
         Returns:
             for each wrapper adopted now, whether its last forward prepared DDP's reducer to reduce
@@ -298,7 +311,7 @@ class DDPWrappers:
             RuntimeError: from :func:`check_supported`, before any wrapper is changed.
         """
         known = {id(w.ddp()) for w in self.wrapped}
-        wrappers = list({id(ddp): ddp for ddp in candidates if id(ddp) not in known}.values())
+        wrappers: list[Any] = list({id(ddp): ddp for ddp in candidates if id(ddp) not in known}.values())
         for ddp in wrappers:
             check_supported(ddp)
         for ddp in wrappers:
@@ -307,9 +320,12 @@ class DDPWrappers:
             self._hooks.append(ddp.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(ddp.register_forward_hook(_restore_sync, always_call=True))
             self.wrapped.append(WrappedDDP(weakref.ref(ddp)))
+        if wrappers and dist.get_rank() == 0:
+            logger.info("zeroshard: the model is wrapped in DistributedDataParallel; zeroshard reduces its gradients itself, so DDP's "
+                        "gradient reduction is switched off from the next forward (its first backward was reduced by both)")
         return [ddp.require_forward_param_sync for ddp in wrappers]
 
-    def _pre_forward(self, ddp: nn.Module, args: object) -> None:
+    def _pre_forward(self, ddp: Any, args: object) -> None:
         # Under ``ddp.no_sync()`` (gradient accumulation) zeroshard accumulates without
         # communication too; either way DDP's reducer sits this forward's backward out. The
         # first of several optimizers' pre-hooks (each over other params) reads the switch.

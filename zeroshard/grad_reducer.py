@@ -19,7 +19,7 @@ import contextlib
 import datetime
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +31,9 @@ from zeroshard import collectives
 from zeroshard.ddp_wrapper import DDPWrappers, find_wrappers, watch_new_wrappers
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
-from zeroshard.partition import ShardPiece
-from zeroshard.reduced_grad import ReducedGrad, reduced_grad
-
+from zeroshard.param_owners import ddp_wrappers_of_owners, register_owner
+from zeroshard.reduced_grad import ReducedGrad
+from zeroshard.shard_grads import ShardGrads
 
 # Stage 2 keeps at most this many bucket reductions in flight (double buffering, as DeepSpeed's
 # ZeRO-2 does): launching one more first completes the oldest, so staging memory stays bounded at
@@ -42,37 +42,6 @@ MAX_BUCKETS_IN_FLIGHT = 2
 
 
 logger = logging.getLogger("zeroshard")
-
-# id(param) -> (the param, the GradReducer whose hooks it carries), both held weakly: which live
-# optimizer owns a param's gradients. A param carries the hooks of one reducer at most.
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-
-
-def _owner(param: nn.Parameter) -> GradReducer | None:
-    entry = _OWNERS.get(id(param))
-    if entry is None:
-        return None
-    held, reducer = entry[0](), entry[1]()
-    if held is not param or reducer is None or reducer.closed:
-        del _OWNERS[id(param)]
-        return None
-    return reducer
-
-
-def take_over(params: Sequence[nn.Parameter], names: Sequence[str]) -> None:
-    """Close every live reducer that hooks one of ``params``: a new optimizer takes them over.
-
-    Two optimizers hooked on one param would both take its gradient (stage 2: the newer one would
-    never see one; stage 1: every backward reduced twice). Rebuilding an optimizer on the same
-    params (``opt = ShardedOptimizer(...)`` while the old ``opt`` is still bound) is ordinary
-    PyTorch, so the newer one wins, and the older one raises if it is stepped again.
-    """
-    for param, name in zip(params, names):
-        owner = _owner(param)
-        if owner is not None:
-            owner.close(f"{name} (shape {tuple(param.shape)}) was taken over by a ShardedOptimizer built later on the same params: "
-                        "step that one (two optimizers cannot both reduce one param's gradients)")
-
 
 def _divides_first(reduce_dtype: torch.dtype) -> bool:
     """Whether gradients in ``reduce_dtype`` are divided by the data-parallel size before the sum (fp16), not after.
@@ -102,12 +71,6 @@ def _weak(method: Callable) -> Callable:
             live(*args)
 
     return call
-
-
-def _wrappers_of_owners(params: Iterable[nn.Parameter]) -> list[DDPWrappers]:
-    """The :class:`DDPWrappers` of every live reducer that owns one of ``params``."""
-    owners = {id(owner): owner for p in params if (owner := _owner(p)) is not None}
-    return [owner._ddps for owner in owners.values()]
 
 
 @dataclass
@@ -162,12 +125,9 @@ class GradReducer:
         self.reduce_dtype = reduce_dtype
         self.overlap_comm = overlap_comm
         self.shards: list[LocalShard] = []
-        self._flat_grads: list[Tensor | None] = []  # stage 1: 1-D param dtype, flat-buffer layout
+        self._grads: list[ShardGrads] = []  # per shard: its gradient bookkeeping
         self._order: list[tuple[int, int]] = []  # (shard, bucket), the launch order
         self._position: dict[tuple[int, int], int] = {}
-        self._ready: list[list[bool]] = []  # per shard, per param: gradient taken this backward
-        self._ready_count: list[list[int]] = []  # per shard, per bucket
-        self._used: list[list[bool]] = []  # per shard, per param: got a gradient since reset
         self._staging: dict[tuple[int, int], Tensor] = {}  # stage 2: 1-D reduce dtype, padded bucket
         self._staging_pool: dict[tuple[int, torch.dtype], list[Tensor]] = {}  # stage 2: free staging buffers, until reset
         self._pending: list[PendingReduce] = []
@@ -176,17 +136,12 @@ class GradReducer:
         self._no_sync = False
         self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
         self._reductions = 0  # backward passes reduced since reset
-        self._pieces_of: list[list[list[ShardPiece]]] = []  # per shard, per param: this rank's pieces of it
-        # Stage 2: per (shard, param), the ReducedGrad left in .grad and its version then (absent: none left).
-        self._reduced_grads: dict[tuple[int, int], ReducedGrad] = {}
-        self._reduced_grad_versions: dict[tuple[int, int], int] = {}
-        self._flat_grad_versions: list[int] = []  # stage 1: each flat grad's version after zeroshard last wrote it
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
         self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates without communication
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        # DDP wrappers around these params: switched off, their reducers released (see _adopt_ddps).
+        # DDP wrappers around these params: switched off, their reducers released (see DDPWrappers.adopt).
         self._ddps = DDPWrappers(_weak(self._on_ddp_forward), _weak(self._sync_next_backward))
         # The hooks hold this reducer weakly, so they go with it (or with close()). Not at exit:
         # DDP would get a reducer back for nothing, maybe after its process group is destroyed.
@@ -195,9 +150,14 @@ class GradReducer:
         self.closed_because = ""
         for shard in shards:
             self.add_shard(shard)
-        watch_new_wrappers(_wrappers_of_owners)
-        self._adopt_ddps(find_wrappers(p for shard in self.shards for p in shard.buffer.params))
+        watch_new_wrappers(ddp_wrappers_of_owners)
+        self._ddps.adopt(find_wrappers(p for shard in self.shards for p in shard.buffer.params))
         self._ddps.release()  # a model wrapped before the optimizer was built: not in a backward now
+
+    @property
+    def ddp_wrappers(self) -> DDPWrappers:
+        """The ``DistributedDataParallel`` wrappers around these params, their gradient reduction switched off."""
+        return self._ddps
 
     @property
     def closed(self) -> bool:
@@ -215,22 +175,14 @@ class GradReducer:
         k = len(self.shards)
         self.shards.append(shard)
         layout = shard.buffer.layout
-        flat_grad = torch.zeros_like(shard.buffer.data) if self.stage == 1 else None
-        self._flat_grads.append(flat_grad)
-        self._flat_grad_versions.append(flat_grad._version if flat_grad is not None else 0)
-        self._pieces_of.append([[] for _ in layout.slots])
-        for piece in shard.pieces:
-            self._pieces_of[k][piece.param].append(piece)
+        self._grads.append(ShardGrads.for_shard(shard, flat=self.stage == 1))
         for bucket in layout.buckets:
             self._position[(k, bucket.index)] = len(self._order)
             self._order.append((k, bucket.index))
-        self._ready.append([False] * len(layout.slots))
-        self._ready_count.append([0] * len(layout.buckets))
-        self._used.append([False] * len(layout.slots))
         for i, param in enumerate(shard.buffer.params):
             self._hooks.append(param.register_hook(self._make_pre_hook(k, i, param)))
             self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(k, i)))
-            _OWNERS[id(param)] = (weakref.ref(param), weakref.ref(self))
+            register_owner(param, self)
 
     def _make_hook(self, k: int, i: int):
         reducer = weakref.ref(self)
@@ -272,7 +224,7 @@ class GradReducer:
         """Read what was done to the gradients since zeroshard last wrote them; clear a ReducedGrad."""
         if not self._backward_started:
             # DDP wrappers built since the last backward; adopting one may raise: nothing changed yet.
-            syncs = self._adopt_ddps([ddp for ref in self._ddps.new if (ddp := ref()) is not None]) if self._ddps.new else []
+            syncs = self._ddps.adopt([ddp for ref in self._ddps.new if (ddp := ref()) is not None]) if self._ddps.new else []
             self._ddps.new.clear()
             self._backward_started = True
             self._ddp_no_sync, self._ddp_forward = self._ddp_forward and self._ddp_no_sync, False
@@ -288,7 +240,7 @@ class GradReducer:
             self._settle(k, i, param)
             if isinstance(param.grad, ReducedGrad):
                 param.grad = None  # autograd then stores the new gradient instead of adding to it
-                del self._reduced_grad_versions[(k, i)]
+                del self._grads[k].reduced_versions[i]
 
     def _on_ddp_forward(self, no_sync: bool) -> None:
         """Before a forward of an adopted DDP wrapper: under ``ddp.no_sync()`` its backward accumulates without communication."""
@@ -300,101 +252,27 @@ class GradReducer:
         """A framework asked DDP's (released) reducer to reduce the coming backward (``prepare_for_backward``): reduce it."""
         self._ddp_no_sync = False
 
-    def _adopt_ddps(self, candidates: list[nn.Module]) -> list[bool]:
-        """Switch off the gradient reduction of the ``DistributedDataParallel`` wrappers in ``candidates`` (see :class:`DDPWrappers`).
-
-        Returns, for each wrapper newly adopted, whether DDP's last forward prepared its reducer
-        to reduce the coming backward (not under ``ddp.no_sync()``).
-
-        HF Trainer, accelerate and Lightning wrap the model in DDP by default. Both reducing would
-        send every gradient twice, and DDP's C++ reducer writes its averaged gradients into
-        ``.grad``, where zeroshard keeps its own (stage 1: the local sum; stage 2: a ReducedGrad).
-        A forward under ``ddp.no_sync()`` makes zeroshard accumulate the backward that follows
-        without communication too, as its own :meth:`no_sync` does. Wrappers are found at
-        construction (one pass over the objects the garbage collector tracks) and, when built
-        later, by a module registration hook at the next backward. That backward was prepared by
-        DDP's forward already, so what DDP writes into ``.grad`` until the next step is ignored,
-        and DDP's reducer is released only at the next forward of the wrapper or ``step()``: DDP
-        reduces one backward, zeroshard every one. A wrapper found at construction is released
-        at once and reduces nothing.
-
-        Raises:
-            RuntimeError: a DDP option zeroshard cannot follow (:func:`~zeroshard.ddp_wrapper.check_supported`).
-        """
-        syncs = self._ddps.adopt(candidates)
-        if syncs and dist.get_rank() == 0:
-            logger.info("zeroshard: the model is wrapped in DistributedDataParallel; zeroshard reduces its gradients itself, so DDP's "
-                        "gradient reduction is switched off from the next forward (its first backward was reduced by both)")
-        return syncs
-
     def _settle(self, k: int, i: int, param: nn.Parameter) -> None:
-        """Stage 2: follow a ``model.zero_grad()`` done to param ``i`` of shard ``k`` since its gradient was reduced.
+        """Stage 2: follow what user code did to param ``i`` of shard ``k``'s ``.grad`` (see :meth:`ShardGrads.settle`)."""
+        if not self._ddp_reduced:
+            self._grads[k].settle(i, param)
 
-        ``.grad`` set to ``None`` drops the gradient (this rank's pieces of it in the grad shard are
-        zeroed, and the param counts as unused, as in ``torch.optim``); zeroed in place
-        (``set_to_none=False``) leaves a zero gradient, which ``torch.optim`` still steps.
-        """
-        version = self._reduced_grad_versions.get((k, i))
-        if version is None or self._ddp_reduced:
-            return
-        grad, left = param.grad, self._reduced_grads[(k, i)]
-        if grad is left and grad._version == version:
-            return
-        self._drop_pieces(k, i)
-        if grad is left:
-            self._used[k][i] = True
-            self._reduced_grad_versions[(k, i)] = grad._version
-        else:
-            self._used[k][i] = False
-            del self._reduced_grad_versions[(k, i)]
-
-    def _drop_pieces(self, k: int, i: int) -> None:
-        """Zero this rank's pieces of param ``i`` of shard ``k`` in the grad shard (if it holds any)."""
-        if self._used[k][i]:
-            grad_shard = self.shards[k].grad_shard
-            for piece in self._pieces_of[k][i]:
-                grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
-
-    @torch.no_grad()
     def _check_flat_grads(self) -> None:
-        """Stage 1: follow in-place writes to the params' ``.grad`` since zeroshard last wrote the flat grad buffers.
-
-        Zeroed (``zero_grad(set_to_none=False)``): every param with a ``.grad`` has a zero gradient,
-        which ``torch.optim`` steps, and what was already reduced is dropped. Any other write after
-        the gradients were reduced (``torch.nn.utils.clip_grad_norm_`` clips by this rank's
-        unreduced norm) cannot be honoured: it raises.
+        """Stage 1: follow in-place writes to the params' ``.grad`` (see :meth:`ShardGrads.follow_flat_writes`).
 
         Raises:
             RuntimeError: gradients written in place after they were reduced, not to zero.
         """
-        for k, flat_grad in enumerate(self._flat_grads):
-            if flat_grad is None or flat_grad._version == self._flat_grad_versions[k] or self._ddp_reduced:
-                continue
-            if flat_grad.any():
-                if self._reductions and not self._unreduced:
-                    raise RuntimeError(
-                        "the params' .grad were modified in place after zeroshard reduced them (torch.nn.utils.clip_grad_norm_ or a "
-                        "framework's clipping?): under ZeRO stage 1 .grad holds this rank's own, unreduced gradient, so the change "
-                        "cannot be honoured. Clip with ShardedOptimizer(..., max_grad_norm=...) or opt.clip_grad_norm_(...)"
-                    )
-            else:
-                self.shards[k].grad_shard.zero_()
-                for i, param in enumerate(self.shards[k].buffer.params):
-                    self._used[k][i] = param.grad is not None
-            self._flat_grad_versions[k] = flat_grad._version
+        if not self._ddp_reduced:
+            for grads in self._grads:
+                grads.follow_flat_writes(reduced=self._reductions > 0 and not self._unreduced)
 
     def _settle_all(self) -> None:
-        """Before a step: follow what was done to every param's gradient (see :meth:`_settle`)."""
+        """Before a step: follow what was done to every param's gradient."""
         self._check_flat_grads()
-        if self._ddp_reduced:
-            return
-        for k, shard in enumerate(self.shards):
-            for i, param in enumerate(shard.buffer.params):
-                if self.stage == 2:
-                    self._settle(k, i, param)
-                elif param.grad is None and self._used[k][i] and not self._ready[k][i]:
-                    self._drop_pieces(k, i)  # set to None after its gradient was reduced
-                    self._used[k][i] = False
+        if not self._ddp_reduced:
+            for grads in self._grads:
+                grads.settle_all(self.stage)
 
     # -- backward ---------------------------------------------------------------------------
 
@@ -405,14 +283,14 @@ class GradReducer:
             return
         if grad.is_sparse:
             raise RuntimeError(f"param {tuple(param.shape)} got a sparse gradient; zeroshard reduces dense gradients only (use sparse=False in nn.Embedding)")
-        self._used[k][i] = True
+        self._grads[k].used[i] = True
         if self.stage == 1:
             self._keep_in_flat_grad(k, i, param)
         if self._no_sync or self._ddp_no_sync:
             return
         if not self._callback_queued:
             # Runs once the whole backward pass is done: completes and waits for every bucket.
-            Variable._execution_engine.queue_callback(self._finish_backward)
+            Variable._execution_engine.queue_callback(self._reduce_everything)
             self._callback_queued = True
         self._take_grad(k, i, param)
         if self.overlap_comm:
@@ -420,7 +298,7 @@ class GradReducer:
 
     def _keep_in_flat_grad(self, k: int, i: int, param: nn.Parameter) -> None:
         """Stage 1: make ``param.grad`` a view of the flat grad buffer, copying if autograd made a new one."""
-        view = self.shards[k].buffer.param_view(i, of=self._flat_grads[k])
+        view = self.shards[k].buffer.param_view(i, of=self._grads[k].flat)
         grad = param.grad
         if grad is None:
             view.zero_()
@@ -432,24 +310,17 @@ class GradReducer:
         """Mark param ``i`` of shard ``k`` ready; stage 2 moves its gradient into the staging bucket."""
         slot = self.shards[k].buffer.layout.slots[i]
         if self._position[(k, slot.bucket)] < self._next_launch:
-            raise RuntimeError(f"param {tuple(param.shape)} got a second gradient after its bucket was reduced in this backward pass (reentrant backward, e.g. checkpoint(use_reentrant=True), is not supported)")
+            raise RuntimeError(f"param {tuple(param.shape)} got a second gradient after its bucket was reduced in this backward pass (reentrant "
+                               "backward, e.g. checkpoint(use_reentrant=True), is not supported)")
         if self.stage == 2 and param.grad is not None and not isinstance(param.grad, ReducedGrad):
             staging = self._staging_for(k, slot.bucket)
             bucket = self.shards[k].buffer.layout.buckets[slot.bucket]
             start = slot.offset - bucket.offset
             staging[start : start + slot.numel].add_(param.grad.reshape(-1))
-            param.grad = None if self._ddp_reduced else self._reduced_grad(k, i, param)
-        if not self._ready[k][i]:
-            self._ready[k][i] = True
-            self._ready_count[k][slot.bucket] += 1
-
-    def _reduced_grad(self, k: int, i: int, param: nn.Parameter) -> ReducedGrad:
-        """Stage 2: the ReducedGrad of param ``i`` of shard ``k`` (made once), its version noted as left."""
-        left = self._reduced_grads.get((k, i))
-        if left is None or left.device != param.device:
-            left = self._reduced_grads[(k, i)] = reduced_grad(param, self.shards[k].buffer.names[i])
-        self._reduced_grad_versions[(k, i)] = left._version
-        return left
+            param.grad = None if self._ddp_reduced else self._grads[k].reduced_grad(i, param)
+        if not self._grads[k].ready[i]:
+            self._grads[k].ready[i] = True
+            self._grads[k].ready_count[slot.bucket] += 1
 
     def _staging_for(self, k: int, b: int) -> Tensor:
         """Stage 2: the zeroed staging buffer of bucket ``b`` of shard ``k``, reused from the pool if one is free."""
@@ -467,7 +338,7 @@ class GradReducer:
     def _launch_complete_buckets(self) -> None:
         while self._next_launch < len(self._order):
             k, b = self._order[self._next_launch]
-            if self._ready_count[k][b] < len(self.shards[k].buffer.layout.buckets[b].params):
+            if self._grads[k].ready_count[b] < len(self.shards[k].buffer.layout.buckets[b].params):
                 return
             self._launch(k, b)
             self._next_launch += 1
@@ -476,15 +347,15 @@ class GradReducer:
         buffer = self.shards[k].buffer
         dtype = self._reduce_dtype(k)
         if self.stage == 1:
-            grads = buffer.bucket_view(b, of=self._flat_grads[k])
+            grads = buffer.bucket_view(b, of=self._grads[k].flat)
             if grads.dtype != dtype:
                 grads = grads.to(dtype)
             elif _divides_first(dtype) or self.world_size == 1:
                 grads = grads.clone()  # the flat grad keeps this rank's running sum: reduce a copy
         else:
-            grads = self._staging.pop((k, b), None)
-            if grads is None:  # no param of the bucket got a gradient on this rank
-                grads = torch.zeros(buffer.layout.buckets[b].padded_numel, dtype=dtype, device=buffer.device)
+            staged = self._staging.pop((k, b), None)
+            # None: no param of the bucket got a gradient on this rank
+            grads = staged if staged is not None else torch.zeros(buffer.layout.buckets[b].padded_numel, dtype=dtype, device=buffer.device)
         if _divides_first(dtype):
             grads.div_(self.groups.data_parallel_size)
         if self.world_size == 1:  # a shard group of one: the bucket is this rank's slice, no collective
@@ -522,20 +393,17 @@ class GradReducer:
         collectives.wait(work, self.timeout, f"backward or step(): {what}",
                          "run the same backward passes (outside no_sync()) and step() calls, with the same params used")
 
-    def _finish_backward(self) -> None:
-        self._reduce_everything()
-
     def _reduce_everything(self) -> None:
         """Complete every bucket not yet launched, launch it, and add all results into the grad shards."""
         for k, shard in enumerate(self.shards):
             for i, param in enumerate(shard.buffer.params):
-                if self._ready[k][i]:
+                if self._grads[k].ready[i]:
                     continue
                 if self.stage == 2:
                     self._settle(k, i, param)
                 fresh = param.grad is not None and not isinstance(param.grad, ReducedGrad)
                 if fresh and not (self.stage == 1 and self._is_flat_grad_view(k, i, param)):
-                    self._used[k][i] = True
+                    self._grads[k].used[i] = True
                 if self.stage == 1:
                     self._keep_in_flat_grad(k, i, param)
                 self._take_grad(k, i, param)
@@ -549,19 +417,19 @@ class GradReducer:
         self._note_flat_grad_versions()
 
     def _note_flat_grad_versions(self) -> None:
-        self._flat_grad_versions = [t._version if t is not None else 0 for t in self._flat_grads]
+        for grads in self._grads:
+            grads.note_flat_version()
 
     def _clear_backward_state(self) -> None:
         """Forget which params were taken in the current backward pass."""
         self._next_launch = 0
         self._callback_queued = False
         self._backward_started = False
-        for k in range(len(self.shards)):
-            self._ready[k] = [False] * len(self._ready[k])
-            self._ready_count[k] = [0] * len(self._ready_count[k])
+        for grads in self._grads:
+            grads.clear_backward()
 
     def _is_flat_grad_view(self, k: int, i: int, param: nn.Parameter) -> bool:
-        return param.grad.data_ptr() == self.shards[k].buffer.param_view(i, of=self._flat_grads[k]).data_ptr()
+        return param.grad is not None and param.grad.data_ptr() == self.shards[k].buffer.param_view(i, of=self._grads[k].flat).data_ptr()
 
     def reduce_for_step(self) -> None:
         """Reduce whatever is still local: gradients from ``no_sync``, or a step with no reduced backward.
@@ -583,7 +451,7 @@ class GradReducer:
 
     def local_used(self) -> list[list[bool]]:
         """Per shard, per param: whether the param got a gradient on this rank since the last reset."""
-        return [list(used) for used in self._used]
+        return [list(grads.used) for grads in self._grads]
 
     @torch.no_grad()
     def reset(self) -> None:
@@ -600,10 +468,7 @@ class GradReducer:
         self._ddps.release()  # between backward passes: the one a DDP wrapper found at a backward reduced is over
         for k, shard in enumerate(self.shards):
             shard.grad_shard.zero_()
-            flat_grad = self._flat_grads[k]
-            if flat_grad is not None:
-                flat_grad.zero_()
-            self._used[k] = [False] * len(self._used[k])
+            self._grads[k].reset()
         for pending in self._pending:  # left behind by a backward pass that raised
             self._wait(pending.work, f"the reduce-scatter of gradient bucket {pending.shard}.{pending.bucket}")
         self._pending.clear()
@@ -618,4 +483,4 @@ class GradReducer:
         """The gradient buffers this reducer owns right now: stage 1 flat grads, stage 2 staging buckets (pooled too)."""
         pooled = [t for free in self._staging_pool.values() for t in free]
         in_flight = [p.input for p in self._pending] if self.stage == 2 else []
-        return [t for t in self._flat_grads if t is not None] + list(self._staging.values()) + in_flight + pooled
+        return [g.flat for g in self._grads if g.flat is not None] + list(self._staging.values()) + in_flight + pooled

@@ -13,9 +13,9 @@ from torch import nn
 
 from zeroshard import collectives
 from zeroshard.flat_buffer import FlatParamBuffer
-from zeroshard.grad_reducer import take_over
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
+from zeroshard.param_owners import take_over
 from zeroshard.validation import check_params, is_sharded, param_name
 
 

@@ -1,0 +1,141 @@
+"""``ShardGrads``: what the gradient reducer tracks for one local shard, in one record.
+
+See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py`` for the flat grad buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from zeroshard.local_shard import LocalShard
+from zeroshard.partition import ShardPiece
+from zeroshard.reduced_grad import ReducedGrad, reduced_grad
+
+
+@dataclass
+class ShardGrads:
+    """The gradient bookkeeping of one :class:`~zeroshard.local_shard.LocalShard` (``GradReducer``'s, per shard).
+
+    Attributes:
+        shard: the local shard (its params, grad shard and names).
+        flat: stage 1: 1-D, param dtype, the flat param buffer's layout: the params' ``.grad`` are
+            views of it. ``None`` under stage 2.
+        flat_version: ``flat._version`` when zeroshard last wrote it (a later version means user
+            code wrote the gradients: ``model.zero_grad(set_to_none=False)``, a clip).
+        pieces_of: per param (layout order), this rank's pieces of it.
+        ready: per param: its gradient was taken in the current backward pass.
+        ready_count: per bucket: how many of its params are ready.
+        used: per param: it got a gradient on this rank since the last reset.
+        reduced, reduced_versions: stage 2: per param, the ``ReducedGrad`` left in its ``.grad``
+            (made once) and its version when left (absent: none left since).
+    """
+
+    shard: LocalShard
+    flat: Tensor | None
+    flat_version: int
+    pieces_of: list[list[ShardPiece]]
+    ready: list[bool]
+    ready_count: list[int]
+    used: list[bool]
+    reduced: dict[int, ReducedGrad] = field(default_factory=dict)
+    reduced_versions: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def for_shard(cls, shard: LocalShard, flat: bool) -> ShardGrads:
+        """Fresh bookkeeping for ``shard``; ``flat``: allocate the stage-1 flat grad buffer (zeros)."""
+        layout = shard.buffer.layout
+        flat_grad = torch.zeros_like(shard.buffer.data) if flat else None
+        pieces_of: list[list[ShardPiece]] = [[] for _ in layout.slots]
+        for piece in shard.pieces:
+            pieces_of[piece.param].append(piece)
+        n = len(layout.slots)
+        return cls(shard, flat_grad, flat_grad._version if flat_grad is not None else 0, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n)
+
+    def note_flat_version(self) -> None:
+        """Record that zeroshard wrote :attr:`flat` last."""
+        self.flat_version = self.flat._version if self.flat is not None else 0
+
+    def clear_backward(self) -> None:
+        """Forget which params were taken in the current backward pass."""
+        self.ready = [False] * len(self.ready)
+        self.ready_count = [0] * len(self.ready_count)
+
+    def reset(self) -> None:
+        """Between steps: zero the flat grad buffer and forget which params were used."""
+        if self.flat is not None:
+            self.flat.zero_()
+        self.used = [False] * len(self.used)
+
+    def reduced_grad(self, i: int, param: nn.Parameter) -> ReducedGrad:
+        """Stage 2: the ReducedGrad to leave in param ``i``'s ``.grad`` (made once), its version noted as left."""
+        left = self.reduced.get(i)
+        if left is None or left.device != param.device:
+            left = self.reduced[i] = reduced_grad(param, self.shard.buffer.names[i])
+        self.reduced_versions[i] = left._version
+        return left
+
+    def drop_pieces(self, i: int) -> None:
+        """Zero this rank's pieces of param ``i`` in the grad shard (if it holds any)."""
+        if self.used[i]:
+            for piece in self.pieces_of[i]:
+                self.shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
+
+    def settle(self, i: int, param: nn.Parameter) -> None:
+        """Stage 2: follow a ``model.zero_grad()`` done to param ``i`` since its gradient was reduced.
+
+        ``.grad`` set to ``None`` drops the gradient (this rank's pieces of it in the grad shard are
+        zeroed, and the param counts as unused, as in ``torch.optim``); zeroed in place
+        (``set_to_none=False``) leaves a zero gradient, which ``torch.optim`` still steps.
+        """
+        version = self.reduced_versions.get(i)
+        if version is None:
+            return
+        grad, left = param.grad, self.reduced[i]
+        if grad is left and grad._version == version:
+            return
+        self.drop_pieces(i)
+        if grad is left:
+            self.used[i] = True
+            self.reduced_versions[i] = grad._version
+        else:
+            self.used[i] = False
+            del self.reduced_versions[i]
+
+    @torch.no_grad()
+    def follow_flat_writes(self, reduced: bool) -> None:
+        """Stage 1: follow in-place writes to the params' ``.grad`` since zeroshard last wrote :attr:`flat`.
+
+        Zeroed (``zero_grad(set_to_none=False)``): every param with a ``.grad`` has a zero gradient,
+        which ``torch.optim`` steps, and what was already reduced is dropped. Any other write after
+        the gradients were reduced (``reduced``; ``torch.nn.utils.clip_grad_norm_`` clips by this
+        rank's unreduced norm) cannot be honoured: it raises.
+
+        Raises:
+            RuntimeError: gradients written in place after they were reduced, not to zero.
+        """
+        if self.flat is None or self.flat._version == self.flat_version:
+            return
+        if self.flat.any():
+            if reduced:
+                raise RuntimeError(
+                    "the params' .grad were modified in place after zeroshard reduced them (torch.nn.utils.clip_grad_norm_ or a "
+                    "framework's clipping?): under ZeRO stage 1 .grad holds this rank's own, unreduced gradient, so the change "
+                    "cannot be honoured. Clip with ShardedOptimizer(..., max_grad_norm=...) or opt.clip_grad_norm_(...)"
+                )
+        else:
+            self.shard.grad_shard.zero_()
+            for i, param in enumerate(self.shard.buffer.params):
+                self.used[i] = param.grad is not None
+        self.flat_version = self.flat._version
+
+    def settle_all(self, stage: int) -> None:
+        """Before a step: follow what was done to every param's gradient (stage 2: :meth:`settle`; stage 1: set to ``None``)."""
+        for i, param in enumerate(self.shard.buffer.params):
+            if stage == 2:
+                self.settle(i, param)
+            elif param.grad is None and self.used[i] and not self.ready[i]:
+                self.drop_pieces(i)  # set to None after its gradient was reduced
+                self.used[i] = False
