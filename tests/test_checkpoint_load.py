@@ -1,0 +1,199 @@
+"""Checkpoints, continued: a load replaces the state, the checkpoint's hyperparameters decide what it
+holds, and params saved with another shape are named (helpers from ``test_checkpoint.py``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from models import TinyNet, param_groups
+from test_checkpoint import BUCKET_MB, _build, _full, _snapshot, _train
+
+import zeroshard
+
+# -- loading replaces the state; the checkpoint decides ---------------------------------------
+
+
+def stale_state_worker(method: str, offload: str | None, dtype: torch.dtype, directory: str) -> bool:
+    """Loading into an optimizer that has stepped gives exactly the state a fresh one gets.
+
+    A trains without its ``branch`` (no state for it) and saves; B trains on other data with the
+    branch, then loads A's checkpoint; C, freshly built, loads the same. B and C then train on,
+    bitwise alike: B keeps none of its own moments, steps or masters.
+    """
+    model, opt = _build(dtype=dtype, offload=offload)
+    _train(model, opt, range(3), use_branch=False)
+    model_state = copy.deepcopy(model.state_dict())
+    if method == "dcp":
+        dcp.save({"model": model.state_dict(), "optim": opt}, checkpoint_id=directory)
+    elif method == "sharded":
+        saved = copy.deepcopy(opt.state_dict())
+    else:
+        saved = _full(opt)
+        if method == "plain":  # as an unsharded torch.optim.AdamW saves it: no fp32 masters
+            del saved["zeroshard"]
+    stepped, stepped_opt = _build(dtype=dtype, offload=offload)
+    _train(stepped, stepped_opt, range(100, 103))
+    fresh, fresh_opt = _build(seed=1, dtype=dtype, offload=offload)
+    for m, o in ((stepped, stepped_opt), (fresh, fresh_opt)):
+        if method == "dcp":
+            state = {"model": m.state_dict(), "optim": o}
+            dcp.load(state, checkpoint_id=directory)
+            m.load_state_dict(state["model"])
+        else:
+            m.load_state_dict(model_state)
+            o.load_state_dict(copy.deepcopy(saved))
+        _train(m, o, range(3, 6))
+    return all(torch.equal(a, b) for a, b in zip(stepped.parameters(), fresh.parameters()))
+
+
+@pytest.mark.parametrize(
+    "method, offload, dtype",
+    [
+        ("full", None, torch.float32), ("sharded", None, torch.float32), ("dcp", None, torch.float32), ("plain", None, torch.bfloat16),
+        ("dcp", "cpu", torch.float32), ("sharded", "cpu", torch.bfloat16), ("plain", "cpu", torch.bfloat16),
+    ],
+)
+def test_load_into_stepped_optimizer_equals_load_into_fresh_one(pools, tmp_path, method, offload, dtype):
+    assert all(pools[2].run(stale_state_worker, method, offload, dtype, str(tmp_path / "dcp")))
+
+
+def mixed_dtype_worker() -> None:
+    """An fp32 and an fp64 param group: the consolidated state equals unsharded AdamW's, bitwise, each in its own dtype."""
+    torch.manual_seed(0)
+    specs = [((4,), torch.float32), ((3, 3), torch.float32), ((5, 3), torch.float64), ((7,), torch.float64)]
+    ref_params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype)) for shape, dtype in specs]
+    params = [torch.nn.Parameter(p.detach().clone()) for p in ref_params]
+    ref = torch.optim.AdamW([{"params": ref_params[:2]}, {"params": ref_params[2:]}], lr=1e-2, foreach=False)
+    for step in range(3):  # the same unsharded run on every rank
+        for i, p in enumerate(ref_params):
+            p.grad = torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(10 * step + i))
+        ref.step()
+    expected = ref.state_dict()
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2), bucket_size_mb=20 * 8 / 2**20)
+    opt.load_state_dict(copy.deepcopy(expected))
+    got = _full(opt)
+    assert got["state"].keys() == expected["state"].keys()
+    for index, entry in expected["state"].items():
+        for key, value in entry.items():
+            assert got["state"][index][key].dtype == value.dtype, (index, key, got["state"][index][key].dtype)
+            assert torch.equal(got["state"][index][key], value), (index, key)
+
+
+def test_consolidate_keeps_each_param_groups_dtype(pools):
+    pools[2].run(mixed_dtype_worker)
+
+
+def _sgd(model, **hyperparameters):
+    return zeroshard.ShardedOptimizer(torch.optim.SGD(param_groups(model), **hyperparameters), bucket_size_mb=BUCKET_MB)
+
+
+def sgd_hyperparameters_worker(directory: str) -> bool:
+    """A consolidated SGD(momentum=0.9) state dict loads into an optimizer built as SGD(lr=0.01), as
+    into torch.optim.SGD(lr=0.01): momentum 0.9 and its buffers come back, training goes on alike."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = _sgd(model, lr=0.1, momentum=0.9)
+    _train(model, opt, range(3))
+    full, model_state = _full(opt), copy.deepcopy(model.state_dict())
+    ref_model, resumed = TinyNet(), TinyNet()
+    ref_model.load_state_dict(model_state)
+    resumed.load_state_dict(model_state)
+    ref = torch.optim.SGD(param_groups(ref_model), lr=0.01)
+    ref.load_state_dict(copy.deepcopy(full))
+    resumed_opt = _sgd(resumed, lr=0.01)
+    resumed_opt.load_state_dict(copy.deepcopy(full))
+    assert [g["momentum"] for g in resumed_opt.param_groups] == [0.9, 0.9]
+    _train(ref_model, ref, range(3, 6))
+    _train(resumed, resumed_opt, range(3, 6))
+    return all(torch.equal(a, b) for a, b in zip(resumed.parameters(), ref_model.parameters()))
+
+
+def test_checkpoint_hyperparameters_decide_the_state_to_load(pools, tmp_path):
+    assert all(pools[1].run(sgd_hyperparameters_worker, str(tmp_path)))
+
+
+def sgd_sharded_hyperparameters_worker(directory: str) -> None:
+    """The same with this rank's sharded dict (bitwise against the uninterrupted run); through DCP the
+    fresh optimizer cannot present momentum buffers to fill, which is refused with the way out."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = _sgd(model, lr=0.1, momentum=0.9)
+    _train(model, opt, range(3))
+    sharded, model_state = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    dcp.save({"optim": opt}, checkpoint_id=directory)
+    _train(model, opt, range(3, 6))
+    resumed = TinyNet()
+    resumed.load_state_dict(model_state)
+    resumed_opt = _sgd(resumed, lr=0.01)
+    resumed_opt.load_state_dict(sharded)
+    _train(resumed, resumed_opt, range(3, 6))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), model.parameters()))
+    fresh = _sgd(TinyNet(), lr=0.01)
+    with pytest.raises(ValueError, match=r"the checkpoint holds optimizer state \['momentum_buffer'\].*Build the optimizer with the checkpoint's "
+                                          "hyperparameters"):
+        dcp.load({"optim": fresh}, checkpoint_id=directory)
+    assert not fresh.state and fresh.param_groups[0]["momentum"] == 0
+
+
+def test_checkpoint_hyperparameters_decide_the_state_to_load_sharded(pools, tmp_path):
+    pools[2].run(sgd_sharded_hyperparameters_worker, str(tmp_path / "dcp"))
+
+
+def _reshaped(change):
+    """A TinyNet with one param replaced (same registration order) and its optimizer."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    change(model)
+    return zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), bucket_size_mb=BUCKET_MB)
+
+
+def _transpose_fc1(model):
+    model.fc1.weight = torch.nn.Parameter(model.fc1.weight.detach().t().contiguous())
+
+
+def _grow_fc2_bias(model):
+    model.fc2.bias = torch.nn.Parameter(torch.zeros(14))
+
+
+def reshaped_params_worker(directory: str) -> None:
+    """A param saved with another shape is named, with both shapes, per-rank and through DCP, when
+    its element count is the same; per-rank when it changed (through DCP, dcp.load's own size check
+    refuses it first). A version 1 dict (no shapes) is refused with the way out. Nothing changes on
+    a refused load."""
+    model, opt = _build()
+    _train(model, opt, range(2))
+    sharded = copy.deepcopy(opt.state_dict())
+    dcp.save({"optim": opt}, checkpoint_id=directory)
+    transposed = r"param_groups\[0\]\['params'\]\[1\] was saved with shape \(29, 13\), this model has \(13, 29\)"
+    grown = r"param_groups\[1\]\['params'\]\[4\] was saved with shape \(13,\), this model has \(14,\)"
+    for change, message in ((_transpose_fc1, transposed), (_grow_fc2_bias, grown)):
+        other = _reshaped(change)
+        with pytest.raises(ValueError, match=message):
+            other.load_state_dict(copy.deepcopy(sharded))
+        assert not other.state
+    other = _reshaped(_transpose_fc1)
+    with pytest.raises(ValueError, match=transposed):
+        dcp.load({"optim": other}, checkpoint_id=directory)
+    assert not other.state
+    other = _reshaped(_grow_fc2_bias)  # the bucket's size changed: DCP itself refuses (see docs/checkpoint.md)
+    with pytest.raises(BaseException, match="Size mismatch"):
+        dcp.load({"optim": other}, checkpoint_id=directory)
+    assert not other.state
+    for change, message in ((_transpose_fc1, transposed), (_grow_fc2_bias, grown)):  # checked first, the param is named
+        with pytest.raises(ValueError, match=message):
+            zeroshard.verify_checkpoint(directory, _reshaped(change))
+    zeroshard.verify_checkpoint(directory, opt)
+    old = copy.deepcopy(sharded)
+    old["zeroshard"]["version"] = 1
+    old["zeroshard"]["layout"] = [(dtype, tuple(range(len(params))), per_bucket) for dtype, params, per_bucket in old["zeroshard"]["layout"]]
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=r"format version 1, whose layout signature does not record param shapes.*consolidate_state_dict"):
+        opt.load_state_dict(old)
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(opt)))
+
+
+def test_params_saved_with_another_shape_are_named(pools, tmp_path):
+    pools[2].run(reshaped_params_worker, str(tmp_path / "dcp"))
