@@ -26,4 +26,12 @@ if "site-packages" not in Path(zeroshard.__file__).parts:
 stray = [name for name in ("kernels", "bench", "tests", "examples") if importlib.util.find_spec(name) is not None]
 if stray:
     sys.exit(f"the wheel installed top-level packages {stray}")
+# The framework adapters are optional (the "integrations" extra): without their framework they say how to get it.
+for adapter in ("hf", "accelerate", "lightning"):
+    try:
+        importlib.import_module(f"zeroshard.integrations.{adapter}")
+    except ModuleNotFoundError as error:
+        if "zeroshard[integrations]" not in str(error):
+            sys.exit(f"zeroshard.integrations.{adapter} without its framework: {error}")
+
 print(f"{wheel.name}: {sorted(top_level)}; zeroshard {zeroshard.__version__} imports from {Path(zeroshard.__file__).parent}")

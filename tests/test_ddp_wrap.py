@@ -204,6 +204,19 @@ def _tiny_loss(net: nn.Module, step: int, micro: int) -> torch.Tensor:
     return loss_fn(net, *batch(dist.get_rank(), step, micro))
 
 
+def _ddp_pairs(stage: int, when: str, net_class=TinyNet, params=param_groups, wrap=DDP, wrap_ref=DDP) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+    """``[(DDP alone, AdamW), (the same model wrapped by wrap(), ShardedOptimizer(AdamW))]``, same seed; the
+    wrapper built before the optimizer (``when="before"``) or after it."""
+    torch.manual_seed(0)
+    ref_model = net_class()
+    model = copy.deepcopy(ref_model)
+    ref = wrap_ref(ref_model)
+    wrapped = wrap(model) if when == "before" else None
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(params(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB)
+    wrapped = wrapped or wrap(model)
+    return [(ref, torch.optim.AdamW(params(ref_model), lr=1e-2, foreach=False)), (wrapped, opt)]
+
+
 def _train_side_by_side(pairs, steps: range, accumulate: bool, what: str, loss=_tiny_loss) -> None:
     """Train each (DDP, optimizer) pair alike, a ``no_sync()`` micro-step first when ``accumulate``; equal after every step.
 
@@ -227,21 +240,15 @@ def _train_side_by_side(pairs, steps: range, accumulate: bool, what: str, loss=_
 def ddp_option_worker(stage: int, when: str, variant: str, accumulate: bool) -> dict:
     """Zeroshard inside DDP(**VARIANTS[variant]) against DDP alone, then DDP alone again after opt.close()."""
     kwargs = VARIANTS[variant]
-    torch.manual_seed(0)
-    ref_model = TinyNet()
-    model = copy.deepcopy(ref_model)
-    ref = DDP(ref_model, **kwargs)
     counter = [0]
 
-    def wrap() -> DDP:
+    def wrap(model: nn.Module) -> DDP:
         wrapped = DDP(model, **kwargs)
         wrapped.register_comm_hook(counter, counting_hook)
         return wrapped
 
-    wrapped = wrap() if when == "before" else None
-    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB)
-    wrapped = wrapped or wrap()
-    pairs = [(ref, torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)), (wrapped, opt)]
+    pairs = _ddp_pairs(stage, when, wrap=wrap, wrap_ref=lambda model: DDP(model, **kwargs))
+    wrapped, opt = pairs[1]
     what = f"(stage {stage}, DDP {when}, {variant}, accumulate={accumulate})"
     _train_side_by_side(pairs, range(1), accumulate, what)
     after_first_step = counter[0]
@@ -291,14 +298,7 @@ def _norm_loss(net: nn.Module, step: int, micro: int) -> torch.Tensor:
 
 
 def buffers_worker(stage: int, when: str) -> None:
-    torch.manual_seed(0)
-    ref_model = NormNet()
-    model = copy.deepcopy(ref_model)
-    ref = DDP(ref_model)
-    wrapped = DDP(model) if when == "before" else None
-    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB)
-    wrapped = wrapped or DDP(model)
-    pairs = [(ref, torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)), (wrapped, opt)]
+    pairs = _ddp_pairs(stage, when, net_class=NormNet, params=lambda model: model.parameters())
     _train_side_by_side(pairs, range(4), True, f"(stage {stage}, DDP {when}, BatchNorm)", loss=_norm_loss)
 
 
@@ -349,14 +349,8 @@ def trigger_sync_in_backward(model: DDP):
 
 def trigger_sync_worker(stage: int, when: str) -> None:
     """A micro-step under no_sync(), then one whose forward runs under no_sync() and whose backward is made to reduce."""
-    torch.manual_seed(0)
-    ref_model = TinyNet()
-    model = copy.deepcopy(ref_model)
-    ref = DDP(ref_model)
-    wrapped = DDP(model) if when == "before" else None
-    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB)
-    wrapped = wrapped or DDP(model)
-    pairs = [(ref, torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)), (wrapped, opt)]
+    pairs = _ddp_pairs(stage, when)
+    ref, model = pairs[0][0], pairs[1][0].module
     for step in range(3):
         for net, o in pairs:
             with net.no_sync():

@@ -155,7 +155,8 @@ class Chunk:
         if not self.on_host:
             return
         host_master = self.master
-        assert host_master is not None, "a chunk in host memory has a master of its own"
+        if host_master is None:
+            raise RuntimeError("internal error: a chunk in host memory has no master of its own")
         device = self.params.device
         master = None
         if self.master_dtype != self.params.dtype:

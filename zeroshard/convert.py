@@ -139,7 +139,10 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key:
     if str(out).endswith(".safetensors"):
         if model_key not in state:
             raise ValueError(f"{checkpoint} has no {model_key!r} entry to write to {out} (it has {sorted(state)}); pass --model-key")
-        from safetensors.torch import save_file  # optional: only this output needs it
+        try:
+            from safetensors.torch import save_file  # optional: only this output needs it
+        except ImportError as error:
+            raise ImportError(f"writing {out} needs safetensors: pip install 'zeroshard[integrations]' ({error})") from error
 
         tensors = {k: v.contiguous() for k, v in state[model_key].items() if torch.is_tensor(v)}
         save_file(tensors, str(out), metadata={"format": "pt"})

@@ -244,9 +244,11 @@ class FusedAdam:
         """The :class:`Run` of ``chunk``'s pieces ``[start, end)``."""
         first, last = chunk.pieces[start], chunk.pieces[end - 1]
         lo, hi = chunk.offset_of(first), chunk.offset_of(last) + last.numel
-        assert chunk.exp_avg is not None and chunk.exp_avg_sq is not None, "bind() allocates every chunk's moments before a step"
+        if chunk.exp_avg is None or chunk.exp_avg_sq is None:
+            raise RuntimeError("internal error: a chunk has no moments at its update (bind() allocates them before a step)")
         if chunk.on_host:  # params copied back whole by the offload pipeline
-            assert chunk.master is not None, "a chunk in host memory has a master of its own"
+            if chunk.master is None:
+                raise RuntimeError("internal error: a chunk in host memory has no master of its own")
             param, grad, param_out = chunk.master[lo:hi], chunk.host_grad_buffer()[lo:hi], None
         else:
             param, grad = chunk.weights[lo:hi], chunk.grad[lo:hi]

@@ -113,7 +113,8 @@ class OffloadPipeline:
         to wait for it: whatever is queued there next (the bucket's all-gather) sees the params.
         """
         master, target = chunk.master, chunk.params
-        assert master is not None, "a chunk in host memory has a master of its own"
+        if master is None:
+            raise RuntimeError("internal error: a chunk in host memory has no master of its own")
         if self._compute is None or self._streams is None:
             target.copy_(master)
             return

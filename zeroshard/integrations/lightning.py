@@ -114,7 +114,7 @@ class ShardedStrategy(pl.strategies.DDPStrategy):
         """``DDPStrategy.setup``, then refuse what a ``ShardedOptimizer`` cannot honour (see the class's Raises)."""
         super().setup(trainer)
         _refuse_grad_scaler(self.precision_plugin, self.optimizers, str(trainer.precision))
-        if trainer.gradient_clip_val and str(trainer.gradient_clip_algorithm) in ("value", "GradClipAlgorithmType.VALUE"):
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":  # a str enum
             if any(_sharded(opt) is not None for opt in self.optimizers):
                 raise ValueError(VALUE_CLIP_REFUSED)
 
