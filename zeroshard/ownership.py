@@ -1,0 +1,96 @@
+"""Which rank owns which whole param, for optimizers whose update needs a param whole (issue #14).
+
+Shape-aware optimizers (``torch.optim.Muon``, ``torch.optim.Adafactor``) cannot run on 1-D slices
+of params, so under ``partition="param"`` each param has one owner rank that keeps its state and
+runs its update. Ownership is computed from the shapes alone, identically on every rank (no
+collective), and balanced by cost over two resources:
+
+* **work**: for Muon, the Newton-Schulz orthogonalization of an ``m x n`` update,
+  ``ns_steps`` iterations of three matmuls, about ``ns_steps * (4*m*m*n + 2*m*m*m)`` flops with
+  ``m = min(rows, cols)`` (Jordan et al., "Muon", 2024; ``torch.optim.Muon``); for an
+  element-wise optimizer, proportional to the elements;
+* **state bytes**: what the optimizer keeps per param (Muon: one momentum buffer; Adam: two).
+
+Each param's cost is the sum of its shares of the two totals (``work / total work + bytes / total
+bytes``), and params go, most costly first, to the rank with the least cost so far (Graham's
+longest-processing-time rule, "Bounds on multiprocessing timing anomalies", 1969): every rank
+then ends within one param's cost of the mean, whatever the shapes. Ties break by index and
+rank, so every rank computes the same assignment.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParamCost:
+    """What owning one param costs its rank.
+
+    Attributes:
+        work: the update's work, in flops (an estimate; only ratios matter).
+        state_bytes: the optimizer state the owner keeps for the param, in bytes.
+    """
+
+    work: float
+    state_bytes: int
+
+
+def muon_cost(shape: Sequence[int], state_itemsize: int = 4, ns_steps: int = 5) -> ParamCost:
+    """The cost of a param updated by Muon: Newton-Schulz work and one momentum buffer.
+
+    A param of more than 2 dims is orthogonalized as ``shape[0] x prod(shape[1:])``, as
+    ``torch.optim.Muon`` and modded-nanogpt flatten conv filters.
+
+    Args:
+        shape: the param's shape (>= 2 dims).
+        state_itemsize: bytes per element of the momentum buffer (4 for fp32).
+        ns_steps: Newton-Schulz iterations per step.
+
+    Raises:
+        ValueError: ``shape`` has fewer than 2 dims (Muon updates matrices only).
+    """
+    if len(shape) < 2:
+        raise ValueError(f"Muon updates matrices only: shape={tuple(shape)} has {len(shape)} dims")
+    rows, cols = shape[0], math.prod(shape[1:])
+    small, large = min(rows, cols), max(rows, cols)
+    # Per iteration: A = X X^T (small x large x small), B = b A + c A A (small^3), X' = a X + B X (small^2 x large).
+    work = ns_steps * (4 * small * small * large + 2 * small**3)
+    return ParamCost(float(work), rows * cols * state_itemsize)
+
+
+def elementwise_cost(shape: Sequence[int], state_bytes_per_element: int) -> ParamCost:
+    """The cost of a param updated element-wise (AdamW: 8 state bytes per fp32 element): both in proportion to its elements."""
+    numel = math.prod(shape)
+    return ParamCost(float(numel), numel * state_bytes_per_element)
+
+
+def assign_owners(costs: Sequence[ParamCost], world_size: int) -> list[int]:
+    """The owner rank of each param, balancing work and state bytes (see the module docstring).
+
+    Args:
+        costs: per param, in a fixed order (the optimizer's param order).
+        world_size: the number of ranks that own params (the shard group's size).
+
+    Returns:
+        ``owners[i]`` in ``[0, world_size)`` for param ``i``; the same on every rank.
+
+    Raises:
+        ValueError: ``world_size`` below 1.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1")
+    total_work = sum(c.work for c in costs) or 1.0
+    total_bytes = sum(c.state_bytes for c in costs) or 1
+    weight = [c.work / total_work + c.state_bytes / total_bytes for c in costs]
+    order = sorted(range(len(costs)), key=lambda i: (-weight[i], i))
+    loads = [(0.0, rank) for rank in range(world_size)]  # a heap of (load, rank): least loaded, then lowest rank
+    owners = [0] * len(costs)
+    for i in order:
+        load, rank = heapq.heappop(loads)
+        owners[i] = rank
+        heapq.heappush(loads, (load + weight[i], rank))
+    return owners
