@@ -88,27 +88,39 @@ class MyAdamW(torch.optim.AdamW):
 def optimizer_kind_worker() -> None:
     model = TinyNet()
     matrices = [p for p in model.parameters() if p.dim() == 2]
-    refused = {
-        "Adafactor": lambda: torch.optim.Adafactor(model.parameters()),
-        "Muon": lambda: torch.optim.Muon(matrices),
-        "LBFGS": lambda: torch.optim.LBFGS(model.parameters()),
-        "SparseAdam": lambda: torch.optim.SparseAdam(matrices),
-    }
-    for name, build in refused.items():
-        for assume in (False, True):  # known not to be element-wise: no escape hatch
-            with pytest.raises(ValueError, match=rf"^{name} is not element-wise: "):
-                zeroshard.ShardedOptimizer(build(), assume_elementwise=assume)
-    with pytest.raises(ValueError, match=r"MyAdamW is not a torch.optim optimizer known to be element-wise .* assume_elementwise=True"):
-        zeroshard.ShardedOptimizer(MyAdamW(model.parameters()))
+    for name, build in {"LBFGS": lambda: torch.optim.LBFGS(model.parameters()), "SparseAdam": lambda: torch.optim.SparseAdam(matrices)}.items():
+        for partition in (None, "flat", "param"):
+            with pytest.raises(ValueError, match=rf"^{name} cannot be sharded: "):
+                zeroshard.ShardedOptimizer(build(), partition=partition)
+    shape_aware = {"Adafactor": lambda: torch.optim.Adafactor(model.parameters()), "Muon": lambda: torch.optim.Muon(matrices)}
+    for name, build in shape_aware.items():
+        for bad in ({"partition": "flat"}, {"assume_elementwise": True}):  # known not to be element-wise: no escape hatch
+            with pytest.raises(ValueError, match=rf"^{name} is not element-wise: .*{next(iter(bad))}"):
+                zeroshard.ShardedOptimizer(build(), **bad)
+        opt = zeroshard.ShardedOptimizer(build())
+        assert opt.partition == "param" and all(v.dim() == 2 for v in opt.param_groups[0]["params"] if name == "Muon")
+        opt.close()
+    opt = zeroshard.ShardedOptimizer(MyAdamW(model.parameters()))  # not known to be element-wise: whole params, correct either way
+    assert opt.partition == "param"
+    opt.close()
     with pytest.raises(TypeError, match=r"assume_elementwise=1 must be a bool"):
         zeroshard.ShardedOptimizer(MyAdamW(model.parameters()), assume_elementwise=1)
-    zeroshard.ShardedOptimizer(MyAdamW(model.parameters()), assume_elementwise=True).close()
+    with pytest.raises(ValueError, match=r"partition='rows' must be None, 'flat' or 'param'"):
+        zeroshard.ShardedOptimizer(MyAdamW(model.parameters()), partition="rows")
+    with pytest.raises(ValueError, match=r"assume_elementwise=True asks for partition='flat', but partition='param' was given"):
+        zeroshard.ShardedOptimizer(MyAdamW(model.parameters()), partition="param", assume_elementwise=True)
+    for flat in ({"assume_elementwise": True}, {"partition": "flat"}):
+        opt = zeroshard.ShardedOptimizer(MyAdamW(model.parameters()), **flat)
+        assert opt.partition == "flat"
+        opt.close()
     for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
                 torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.ASGD, torch.optim.Rprop):
-        zeroshard.ShardedOptimizer(cls(model.parameters(), lr=0.01)).close()
+        opt = zeroshard.ShardedOptimizer(cls(model.parameters(), lr=0.01))
+        assert opt.partition == "flat"
+        opt.close()
 
 
-def test_only_element_wise_optimizers_are_accepted(pools):
+def test_partition_follows_the_optimizer_kind(pools):
     pools[2].run(optimizer_kind_worker)
 
 

@@ -36,6 +36,37 @@ def test_every_element_owned_by_exactly_one_rank(numels, bucket_numel, world_siz
     assert layout.shard_numel * world_size == layout.numel
 
 
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), numels=numels, bucket_numel=st.integers(1, 700), world_size=st.integers(1, 8))
+def test_owned_layout_puts_each_param_whole_in_its_owners_slice(data, numels, bucket_numel, world_size):
+    owners = data.draw(st.lists(st.integers(0, world_size - 1), min_size=len(numels), max_size=len(numels)))
+    layout = build_layout(numels, bucket_numel, world_size, owners)
+    assert layout.whole_params and layout.owners == tuple(owners)
+    seen = []
+    for rank in range(world_size):
+        pieces = layout.pieces(rank)
+        assert [p.param for p in pieces] == [i for i in range(len(numels)) if owners[i] == rank]  # each rank's params in the order given
+        for piece in pieces:
+            assert (piece.param_offset, piece.numel) == (0, numels[piece.param])  # whole
+            lo, hi = layout.buckets[layout.slots[piece.param].bucket].rank_range(rank, world_size)
+            assert lo <= piece.flat_offset and piece.flat_offset + piece.numel <= hi
+            seen.extend(range(piece.flat_offset, piece.flat_offset + piece.numel))
+    assert len(seen) == len(set(seen)) == sum(numels)  # no overlap, nothing lost
+    for bucket in layout.buckets:
+        size = bucket.shard_numel(world_size)
+        assert bucket.padded_numel == size * world_size
+        assert size <= max(-(-bucket_numel // world_size), *(numels[i] for i in bucket.params))  # no slice larger than needed
+        assert bucket.numel == sum(numels[i] for i in bucket.params)
+    assert layout.numel == sum(b.padded_numel for b in layout.buckets) and layout.shard_numel * world_size == layout.numel
+
+
+def test_owned_layout_rejects_bad_owners():
+    with pytest.raises(ValueError, match="owners has 1 entries for 2 params"):
+        build_layout([3, 4], 10, 2, [0])
+    with pytest.raises(ValueError, match=r"owners must be ranks in \[0, world_size=2\); got \(index, owner\) \[\(1, 2\)\]"):
+        build_layout([3, 4], 10, 2, [0, 2])
+
+
 shapes = st.lists(st.lists(st.integers(1, 7), min_size=0, max_size=3), min_size=1, max_size=8)
 
 

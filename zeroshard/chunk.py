@@ -68,8 +68,9 @@ class Chunk:
         host_param: 1-D, param dtype, ``numel`` elements, pinned: staging for the cast of the
             updated master of 16-bit CUDA params on their way back; ``None`` until used.
         pieces: the pieces, in flat order.
-        virtual_params: one 1-D ``nn.Parameter`` per piece, a view of :attr:`weights`; what the
-            wrapped optimizer steps (its state is keyed by them).
+        virtual_params: one ``nn.Parameter`` per piece, a view of :attr:`weights`; what the
+            wrapped optimizer steps (its state is keyed by them). 1-D, or with whole params
+            (``partition="param"``) shaped like the param (:meth:`shaped`).
         on_host: whether master and moments are in host memory (and the CPU update runs).
     """
 
@@ -94,7 +95,8 @@ class Chunk:
         self.host_grad: Tensor | None = None  # 1D master dtype, host (pinned with CUDA params)
         self.host_param: Tensor | None = None  # 1D param dtype, host, pinned
         self.pieces: list[ShardPiece] = list(pieces)
-        self.virtual_params: list[nn.Parameter] = [nn.Parameter(self.view(piece), requires_grad=True) for piece in self.pieces]
+        self._shapes = {piece.param: buffer.params[piece.param].shape if layout.whole_params else torch.Size([piece.numel]) for piece in self.pieces}
+        self.virtual_params: list[nn.Parameter] = [nn.Parameter(self.shaped(piece), requires_grad=True) for piece in self.pieces]
         for vparam in self.virtual_params:
             setattr(vparam, _VIRTUAL, True)
 
@@ -116,6 +118,10 @@ class Chunk:
         """1-D view of ``piece``'s elements in ``of``, a per-chunk tensor (default: :attr:`weights`)."""
         start = self.offset_of(piece)
         return (self.weights if of is None else of)[start : start + piece.numel]
+
+    def shaped(self, piece: ShardPiece, of: Tensor | None = None) -> Tensor:
+        """:meth:`view`, shaped as ``piece``'s virtual param: 1-D, or the param's shape when the layout holds whole params."""
+        return self.view(piece, of).view(self._shapes[piece.param])
 
     def allocate_moments(self) -> bool:
         """Give the chunk zero ``exp_avg`` and ``exp_avg_sq`` where it lives, unless it has them; whether it had to."""
@@ -169,7 +175,7 @@ class Chunk:
         self.host_grad = self.host_param = None
         self.on_host = False
         for piece, vparam in zip(self.pieces, self.virtual_params):
-            vparam.data = self.view(piece)
+            vparam.data = self.shaped(piece)
 
     @torch.no_grad()
     def write_back(self) -> None:

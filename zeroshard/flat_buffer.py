@@ -57,6 +57,8 @@ class FlatParamBuffer:
         bucket_numel: soft cap on elements per bucket (see :func:`~zeroshard.partition.build_layout`).
         world_size: sharding degree N; every bucket is padded to a multiple of it.
         names: per param, how errors name it (``param_groups[g]['params'][j]``).
+        owners: per param, the rank that holds it whole (``partition="param"``), or ``None`` to
+            lay params out flat (see :func:`~zeroshard.partition.build_layout`).
 
     Attributes:
         params: the params, in layout order; ``params[i].data`` is ``param_view(i)``.
@@ -68,13 +70,14 @@ class FlatParamBuffer:
             the size checks).
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], bucket_numel: int, world_size: int, names: Sequence[str] | None = None) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], bucket_numel: int, world_size: int, names: Sequence[str] | None = None,
+                 owners: Sequence[int] | None = None) -> None:
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) != 1:
             raise ValueError(f"a flat buffer needs params of one dtype and device; got {kinds}")
         self.params = list(params)
         self.names = list(names) if names is not None else [f"param {i}" for i in range(len(self.params))]
-        self.layout: FlatLayout = build_layout([p.numel() for p in params], bucket_numel, world_size)
+        self.layout: FlatLayout = build_layout([p.numel() for p in params], bucket_numel, world_size, owners)
         first = self.params[0]
         self.data: Tensor = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():

@@ -150,9 +150,9 @@ class FusedAdam:
                     if not state:
                         continue
                     for key in ("exp_avg", "exp_avg_sq"):
-                        view = chunk.view(piece, getattr(chunk, key))
+                        view = chunk.shaped(piece, getattr(chunk, key))
                         if state[key].data_ptr() != view.data_ptr():
-                            view.copy_(state[key].reshape(-1))
+                            view.copy_(state[key].reshape(view.shape))
                             state[key] = view
 
     @torch.no_grad()
@@ -227,8 +227,8 @@ class FusedAdam:
             state = self.optimizer.state[vparam]
             if not state:
                 state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = chunk.view(piece, chunk.exp_avg)
-                state["exp_avg_sq"] = chunk.view(piece, chunk.exp_avg_sq)
+                state["exp_avg"] = chunk.shaped(piece, chunk.exp_avg)
+                state["exp_avg_sq"] = chunk.shaped(piece, chunk.exp_avg_sq)
             state["step"].fill_(float(step))
             adjacent = start is not None and chunk.pieces[i - 1].shard_offset + chunk.pieces[i - 1].numel == piece.shard_offset
             if start is not None and (step != run_step or not adjacent):

@@ -42,8 +42,9 @@ class LocalShard:
             is bucket ``b``'s).
         grad_shard: 1-D master dtype, ``layout.shard_numel`` elements: this rank's reduced,
             averaged gradient (padding positions stay zero).
-        virtual_params: one 1-D ``nn.Parameter`` per piece (its chunk's), a view of the master
-            weights; what the wrapped optimizer steps.
+        virtual_params: one ``nn.Parameter`` per piece (its chunk's), a view of the master
+            weights; what the wrapped optimizer steps. 1-D, or shaped like the param where the
+            buffer holds whole params (``partition="param"``).
     """
 
     def __init__(
@@ -139,7 +140,7 @@ class LocalShard:
         """
         for piece, vparam in zip(self.pieces, self.virtual_params):
             if used[piece.param]:
-                vparam.grad = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel]
+                vparam.grad = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape)
             else:
                 vparam.grad = None
 

@@ -34,7 +34,7 @@ from zeroshard.reduced_grad import GRAD_SCALER_REFUSED
 from zeroshard.shard_set import ShardSet
 from zeroshard.state_dict_api import StateDictMixin
 from zeroshard.step_path import grad_multiplier, wrapped_step
-from zeroshard.validation import check_arguments, check_optimizer_kind, check_options, options_fingerprint
+from zeroshard.validation import check_arguments, check_options, choose_partition, options_fingerprint
 
 logger = logging.getLogger("zeroshard")
 
@@ -61,11 +61,10 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
     Args:
         optimizer: a ``torch.optim.Optimizer`` instance built on the model's params, not yet
             stepped. Its ``param_groups`` stay the live list the user and LR schedulers see, with
-            each group's ``"params"`` replaced by this rank's virtual parameters (1-D, fp32 for
-            16-bit params, else the param dtype). Its update must be element-wise, which holds
-            for ``torch.optim``'s SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta,
-            RMSprop, ASGD and Rprop; Adafactor, Muon, LBFGS and SparseAdam are refused. State
-            created at construction (Adagrad's ``sum``) is sharded with the params.
+            each group's ``"params"`` replaced by this rank's virtual parameters (fp32 for 16-bit
+            params, else the param dtype; 1-D slices, or whole params shaped as before with
+            ``partition="param"``). LBFGS and SparseAdam are refused. State created at
+            construction (Adagrad's ``sum``) is sharded with the params.
         stage: 1 shards optimizer state and master weights; 2 also shards gradients.
         process_group: the data-parallel ranks and how they shard: ``None`` (the world, flat
             sharding), a ``ProcessGroup`` (e.g. a subgroup; ranks outside it run their own), a
@@ -97,10 +96,15 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             number, a ``DynamicLossScaler`` instance, or ``None``: dynamic when any trainable
             param is fp16, else none. With a loss scale active, call :meth:`backward` (or
             ``scale_loss(loss).backward()``) instead of ``loss.backward()``.
-        assume_elementwise: ``True`` accepts an optimizer class outside ``torch.optim``'s
-            element-wise ones (a subclass, Lion, ...), on the caller's word that its update of
-            each element depends on that element's param, gradient and state alone (and on
-            per-param scalars such as the step count). If it does not, results are wrong.
+        partition: ``"flat"``: each rank owns ``1/N`` of every bucket as 1-D slices, for
+            element-wise updates only; ``"param"``: each param is owned whole by one rank, chosen
+            from the shapes to balance the update's work and state bytes (Muon's Newton-Schulz,
+            Adafactor's factored moments: see ``docs/design.md``). ``None``: ``"flat"`` for
+            ``torch.optim``'s element-wise classes (SGD, Adam, AdamW, Adamax, NAdam, RAdam,
+            Adagrad, Adadelta, RMSprop, ASGD, Rprop), ``"param"`` for every other optimizer.
+        assume_elementwise: ``True`` picks ``partition="flat"`` for an optimizer class outside
+            those (a subclass, Lion, ...), on the caller's word that its update of each element
+            depends on that element's param, gradient and state alone. If not, results are wrong.
         collective_timeout_s: the longest this rank waits for one of zeroshard's collectives in
             backward, :meth:`clip_grad_norm_` and :meth:`step` (the gradient reduce-scatters, the
             norm all-reduce, the param all-gathers) before raising a ``RuntimeError`` that names
@@ -116,8 +120,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             another kind, or an ``optimizer`` that is not a ``torch.optim.Optimizer`` or is
             already wrapped (a ``ShardedOptimizer``, or one whose params are virtual params).
         ValueError: before any collective: an argument out of range (named, with its value); an
-            optimizer whose update is not element-wise (Adafactor, Muon, LBFGS, SparseAdam), or
-            outside torch.optim's element-wise ones without ``assume_elementwise=True``;
+            LBFGS or SparseAdam; ``partition="flat"`` (or ``assume_elementwise=True``) for
+            Adafactor or Muon;
             ``offload`` with another optimizer than Adam/AdamW, or ``gpu_margin_mem_ratio``
             without it; torch.distributed not initialized, this rank not in ``process_group``, a
             2-D mesh with other dims; no trainable params, params on several devices or the meta
@@ -139,16 +143,18 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         loss_scale: str | float | DynamicLossScaler | None = None,
         offload: str | None = None,
         gpu_margin_mem_ratio: float = 0.0,
+        partition: str | None = None,
         assume_elementwise: bool = False,
         collective_timeout_s: float | None = None,
     ) -> None:
         if isinstance(optimizer, ShardedOptimizer):
             raise TypeError("optimizer is already a ShardedOptimizer; wrap the plain torch optimizer once")
         check_arguments(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype)
-        check_optimizer_kind(optimizer, assume_elementwise)
+        self.partition = choose_partition(optimizer, partition, assume_elementwise)
         check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio, collective_timeout_s)
         self.groups: ShardingGroups = resolve_groups(process_group)
-        options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload)
+        options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload,
+                                      self.partition)
         for group in self.groups.all():
             collectives.check_same_on_all_ranks("option", options, group)
         DelegatingOptimizer.__init__(self, optimizer)
@@ -162,7 +168,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self.reduce_dtype = reduce_dtype
         self.collective_timeout_s = collective_timeout_s
 
-        self._shard_set = ShardSet(optimizer, self.groups, self.bucket_size_mb, host_master=offload is not None)
+        self._shard_set = ShardSet(optimizer, self.groups, self.bucket_size_mb, host_master=offload is not None,
+                                   partition=self.partition)
         self._shards = self._shard_set.shards  # the same list, grown in place (add_param_group, unfreezing)
         self._consolidated: dict[str, Any] | None = None  # full state, on the consolidate_state_dict rank
         self._issued: dict[int, weakref.ref] = {}  # id -> tensor, for those the last state_dict() returned

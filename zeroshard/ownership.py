@@ -24,6 +24,9 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -94,3 +97,17 @@ def assign_owners(costs: Sequence[ParamCost], world_size: int) -> list[int]:
         owners[i] = rank
         heapq.heappush(loads, (load + weight[i], rank))
     return owners
+
+
+def param_costs(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: Sequence[torch.Tensor]) -> list[ParamCost]:
+    """The cost of each of ``params`` (of param group ``group``) under ``optimizer``'s update.
+
+    ``torch.optim.Muon``: :func:`muon_cost` with the group's ``ns_steps`` (fp32 momentum, or fp64
+    for fp64 params). Any other optimizer: :func:`elementwise_cost` with one master-dtype state
+    element per param element (Adafactor's factored state is smaller, but its work, like an
+    element-wise update's, grows with the elements).
+    """
+    if type(optimizer) is getattr(torch.optim, "Muon", None):
+        return [muon_cost(p.shape, max(4, p.dtype.itemsize), int(group.get("ns_steps", 5))) if p.dim() >= 2
+                else elementwise_cost(p.shape, max(4, p.dtype.itemsize)) for p in params]
+    return [elementwise_cost(p.shape, max(4, p.dtype.itemsize)) for p in params]

@@ -13,6 +13,13 @@ Layout rules (Rajbhandari et al., "ZeRO", SC'20, §5.2 and §5.3):
 * Each bucket is padded to a multiple of ``world_size``; rank ``r`` owns the contiguous slice
   ``[r * shard_numel, (r + 1) * shard_numel)`` of every bucket. A rank's *shard* is the
   concatenation of its slices of all buckets, in bucket order.
+
+With ``owners`` (``partition="param"``, for optimizers that need each param whole: issue #14),
+each param lies whole in its owner's slice instead. Each bucket takes, for every rank, the next
+of that rank's params in the order given, up to a common slice size ``S`` (``bucket_numel / N``,
+or the largest param at the head of a rank's queue if that is larger); every slice is padded to
+``S``. The slices stay equal, so the same reduce-scatter and all-gather serve both modes, and a
+rank's pieces are its whole params.
 """
 
 from __future__ import annotations
@@ -46,8 +53,9 @@ class Bucket:
         index: position of the bucket in the flat buffer.
         offset: first element of the bucket in the flat buffer (elements).
         numel: elements used by params, without padding.
-        padded_numel: ``numel`` rounded up to a multiple of the world size.
-        params: indices of the params in the bucket, in layout order.
+        padded_numel: the world size times the slice size: ``numel`` rounded up to a multiple of
+            the world size, or with ``owners`` every slice padded to the largest.
+        params: indices of the params in the bucket, in layout (flat) order.
         shard_offset: first element of this bucket's slice within a rank's shard.
     """
 
@@ -98,6 +106,8 @@ class FlatLayout:
         world_size: number of ranks that share the buffer.
         numel: total elements of the flat buffer, padding included.
         shard_numel: elements of each rank's shard (sum of its slices of all buckets).
+        owners: per param, the rank whose slice holds it whole (``partition="param"``), or
+            ``None`` when params are laid out flat and may span slices.
     """
 
     slots: tuple[ParamSlot, ...]
@@ -105,6 +115,12 @@ class FlatLayout:
     world_size: int
     numel: int
     shard_numel: int
+    owners: tuple[int, ...] | None = None
+
+    @property
+    def whole_params(self) -> bool:
+        """Whether every param lies whole in one rank's slice (built with ``owners``)."""
+        return self.owners is not None
 
     def pieces(self, rank: int) -> list[ShardPiece]:
         """Every non-empty intersection of a param with ``rank``'s slices, in flat order.
@@ -138,20 +154,25 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int) -> FlatLayout:
+def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owners: Sequence[int] | None = None) -> FlatLayout:
     """Cut params of the given sizes into padded buckets shared by ``world_size`` ranks.
 
     Args:
         numels: element count of each param, in layout order (each >= 1).
-        bucket_numel: soft cap on elements per bucket (>= 1); a larger param gets its own bucket.
+        bucket_numel: soft cap on elements per bucket (>= 1); a larger param gets its own bucket
+            (with ``owners``: its own slice, and the bucket's other slices are filled up to its size).
         world_size: number of ranks (>= 1).
+        owners: per param, the rank in ``[0, world_size)`` that must hold it whole; ``None``
+            lays params out flat (see the module docstring for both rules).
 
     Returns:
-        The :class:`FlatLayout`. Padding is at the end of each bucket only.
+        The :class:`FlatLayout`. Without ``owners`` padding is at the end of each bucket only;
+        with them, at the end of each slice.
 
     Raises:
-        ValueError: on an empty ``numels``, a param with fewer than one element, or a
-            ``bucket_numel`` / ``world_size`` below one.
+        ValueError: on an empty ``numels``, a param with fewer than one element, a
+            ``bucket_numel`` / ``world_size`` below one, or ``owners`` of another length or
+            naming a rank outside ``[0, world_size)``.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
@@ -162,6 +183,8 @@ def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int) -> F
     bad = [(i, n) for i, n in enumerate(numels) if n < 1]
     if bad:
         raise ValueError(f"params must have at least one element; got (index, numel) {bad[:5]}")
+    if owners is not None:
+        return _build_owned_layout(numels, bucket_numel, world_size, owners)
 
     groups: list[list[int]] = []
     group_numel = 0
@@ -187,3 +210,34 @@ def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int) -> F
         offset = start + padded
         shard_offset += padded // world_size
     return FlatLayout(tuple(slots), tuple(buckets), world_size, offset, shard_offset)
+
+
+def _build_owned_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owners: Sequence[int]) -> FlatLayout:
+    """:func:`build_layout` with each param whole in its owner's slice (arguments checked there but ``owners``)."""
+    if len(owners) != len(numels):
+        raise ValueError(f"owners has {len(owners)} entries for {len(numels)} params")
+    bad = [(i, r) for i, r in enumerate(owners) if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"owners must be ranks in [0, world_size={world_size}); got (index, owner) {bad[:5]}")
+    queues = [[i for i in range(len(numels)) if owners[i] == rank] for rank in range(world_size)]
+    heads = [0] * world_size  # next param of each rank's queue
+    cap = -(-bucket_numel // world_size)
+    slots: dict[int, ParamSlot] = {}
+    buckets: list[Bucket] = []
+    offset = shard_offset = 0
+    while any(head < len(queue) for head, queue in zip(heads, queues)):
+        size = max([cap] + [numels[queue[head]] for head, queue in zip(heads, queues) if head < len(queue)])
+        members, used = [], 0
+        for rank, queue in enumerate(queues):
+            filled = 0
+            while heads[rank] < len(queue) and filled + numels[queue[heads[rank]]] <= size:
+                index = queue[heads[rank]]
+                slots[index] = ParamSlot(index, offset + rank * size + filled, numels[index], len(buckets))
+                members.append(index)
+                filled += numels[index]
+                heads[rank] += 1
+            used += filled
+        buckets.append(Bucket(len(buckets), offset, used, size * world_size, tuple(members), shard_offset))
+        offset += size * world_size
+        shard_offset += size
+    return FlatLayout(tuple(slots[i] for i in range(len(numels))), tuple(buckets), world_size, offset, shard_offset, tuple(owners))

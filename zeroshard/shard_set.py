@@ -32,6 +32,7 @@ class ShardSet:
         groups: the shard (and replicate) groups.
         bucket_size_mb: bucket size in MiB of the param dtype.
         host_master: keep master weights in host memory (CPU offload).
+        partition: ``"flat"`` or ``"param"`` (see :func:`~zeroshard.sharding.shard_param_groups`).
 
     Attributes:
         shards: in the order they were built: each param group's (one per dtype of its
@@ -43,8 +44,10 @@ class ShardSet:
         device: the params' device (``None`` before the first group).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: ShardingGroups, bucket_size_mb: float, host_master: bool) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: ShardingGroups, bucket_size_mb: float, host_master: bool,
+                 partition: str = "flat") -> None:
         self.optimizer = optimizer
+        self.partition = partition
         self.groups = groups
         self.bucket_size_mb = bucket_size_mb
         self.host_master = host_master
@@ -62,6 +65,7 @@ class ShardSet:
         new = shard_param_groups(
             self.optimizer, indices, self.groups, bucket_size_mb=self.bucket_size_mb, device=self.device,
             first_shard=len(self.shards), first_param_index=len(self.param_steps), host_master=self.host_master,
+            partition=self.partition,
         )
         self.group_params.extend(new.group_params)
         self.param_steps.extend([0] * sum(len(params) for params in new.group_params))
@@ -122,7 +126,7 @@ class ShardSet:
                 new = shard_param_groups(
                     self.optimizer, range(g, g + 1), self.groups, bucket_size_mb=self.bucket_size_mb, device=self.device,
                     first_shard=len(self.shards), first_param_index=first_param_index, host_master=self.host_master,
-                    params_of=[params], already_sharded=sharded,
+                    params_of=[params], already_sharded=sharded, partition=self.partition,
                 )
                 self.shards.extend(new.shards)
                 added.extend(new.shards)
@@ -151,7 +155,7 @@ class ShardSet:
         shard = sum(s.buffer.layout.shard_numel for s in self.shards)
         replicas = self.groups.data_parallel_size // self.groups.shard_size
         return (
-            f"zeroshard: stage {stage}, sharded over {self.groups.shard_size} ranks x {replicas} replicas: {params} params "
+            f"zeroshard: stage {stage}, partition {self.partition!r}, sharded over {self.groups.shard_size} ranks x {replicas} replicas: {params} params "
             f"({numel} elements with padding) in {len(self.shards)} flat buffers, {buckets} buckets of <= {self.bucket_size_mb:.1f} MiB; "
             f"each rank holds optimizer state for {shard} elements"
         )

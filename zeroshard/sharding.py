@@ -15,6 +15,7 @@ from zeroshard import collectives
 from zeroshard.flat_buffer import FlatParamBuffer
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
+from zeroshard.ownership import assign_owners, param_costs
 from zeroshard.param_owners import take_over
 from zeroshard.validation import check_params, is_sharded, param_name
 
@@ -53,6 +54,7 @@ def shard_param_groups(
     host_master: bool = False,
     params_of: list[list[nn.Parameter]] | None = None,
     already_sharded: frozenset[int] = frozenset(),
+    partition: str = "flat",
 ) -> NewShards:
     """Flatten, broadcast and shard param groups ``indices`` of ``optimizer``.
 
@@ -75,6 +77,8 @@ def shard_param_groups(
             ``"params"``, which must not be virtual params yet).
         already_sharded: ids of params in flat buffers already: left out (params frozen at
             construction and trainable now are sharded this way, see ``ShardedOptimizer``).
+        partition: ``"flat"`` (each rank owns ``1/N`` of every bucket) or ``"param"`` (each param
+            owned whole by one rank, chosen by :func:`~zeroshard.ownership.assign_owners`).
 
     Raises:
         ValueError: from :func:`~zeroshard.validation.check_params`, or params that differ
@@ -104,7 +108,8 @@ def shard_param_groups(
         for dtype in dict.fromkeys(p.dtype for p in trainable):
             # Reverse registration order approximates the order gradients become ready.
             same_dtype = [p for p in reversed(trainable) if p.dtype == dtype]
-            buffer = FlatParamBuffer(same_dtype, bucket_numel(bucket_size_mb, dtype), groups.shard_size, [name_of[id(p)] for p in same_dtype])
+            owners = assign_owners(param_costs(optimizer, optimizer.param_groups[g], same_dtype), groups.shard_size) if partition == "param" else None
+            buffer = FlatParamBuffer(same_dtype, bucket_numel(bucket_size_mb, dtype), groups.shard_size, [name_of[id(p)] for p in same_dtype], owners)
             buffers.append((buffer, g, [index_of[id(p)] for p in same_dtype]))
     frozen = [p.data for params in params_of for p in params if not is_sharded(p)] if not already_sharded else []
     # Replicas take replica 0's values, then each shard group its first rank's: all equal rank (0, 0).
@@ -139,7 +144,7 @@ def shard_initial_state(optimizer: torch.optim.Optimizer, shards: list[LocalShar
             state = optimizer.state.get(param)
             if state:
                 optimizer.state[vparam] = {
-                    key: value.reshape(-1)[piece.param_offset : piece.param_offset + piece.numel].clone()
+                    key: value.reshape(-1)[piece.param_offset : piece.param_offset + piece.numel].clone().view(vparam.shape)
                     if torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0
                     else (value.clone() if torch.is_tensor(value) else value)
                     for key, value in state.items()

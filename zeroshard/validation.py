@@ -34,8 +34,6 @@ ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
 NOT_ELEMENTWISE = {
     "Adafactor": "its second moment is factored over each param's rows and columns, which a 1-D slice does not have",
     "Muon": "it orthogonalizes each 2-D param's update as a whole (Newton-Schulz)",
-    "LBFGS": "it needs a closure and views of all params as one flat vector for its line search",
-    "SparseAdam": "it needs sparse gradients, and zeroshard reduces dense ones",
 }
 
 
@@ -44,33 +42,49 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_optimizer_kind(optimizer: torch.optim.Optimizer, assume_elementwise: Any) -> None:
-    """Raise unless ``optimizer``'s update is element-wise, the condition for running it on 1-D shards.
+# Optimizers zeroshard cannot run in either partition mode, and why.
+UNSUPPORTED = {
+    "LBFGS": "it needs a closure and views of all params as one flat vector for its line search",
+    "SparseAdam": "it needs sparse gradients, and zeroshard reduces dense ones",
+}
 
-    Accepted: the classes in :data:`ELEMENTWISE` (exactly those classes: a subclass may change the
-    update), and any other class with ``assume_elementwise=True`` except those in
-    :data:`NOT_ELEMENTWISE`, which are known not to be element-wise.
+PARTITIONS = ("flat", "param")
+
+
+def choose_partition(optimizer: torch.optim.Optimizer, partition: Any, assume_elementwise: Any) -> str:
+    """How to shard ``optimizer``'s params: ``"flat"`` (1-D slices) or ``"param"`` (each param whole on one rank).
+
+    ``partition=None`` picks ``"flat"`` for the classes in :data:`ELEMENTWISE` (exactly those
+    classes: a subclass may change the update) and for any class with ``assume_elementwise=True``,
+    and ``"param"`` for every other optimizer, whose update may depend on a param's shape (Muon,
+    Adafactor, Lion or a user's own). ``"param"`` is correct for any optimizer whose update is
+    per param; ``"flat"`` only for element-wise ones.
 
     Raises:
         TypeError: ``assume_elementwise`` is not a ``bool``.
-        ValueError: an optimizer of :data:`NOT_ELEMENTWISE`, or of another class without
-            ``assume_elementwise=True``; the message names the class.
+        ValueError: ``partition`` is not ``None``, ``"flat"`` or ``"param"``; LBFGS or
+            SparseAdam (:data:`UNSUPPORTED`); ``partition="flat"`` for a class known not to be
+            element-wise (:data:`NOT_ELEMENTWISE`), or ``assume_elementwise=True`` for one;
+            ``assume_elementwise=True`` with ``partition="param"``. Messages name the class.
     """
     if not isinstance(assume_elementwise, bool):
         raise TypeError(f"assume_elementwise={assume_elementwise!r} must be a bool, got {type(assume_elementwise).__name__}")
+    if partition is not None and partition not in PARTITIONS:
+        raise ValueError(f"partition={partition!r} must be None, 'flat' or 'param'")
     cls = type(optimizer)
     name = cls.__name__
-    if getattr(torch.optim, name, None) is cls and name in NOT_ELEMENTWISE:
-        raise ValueError(f"{name} is not element-wise: {NOT_ELEMENTWISE[name]}. ShardedOptimizer hands the optimizer 1-D slices of "
-                         "params, so it runs only optimizers whose update is element-wise; use one of "
-                         f"{', '.join(c.__name__ for c in ELEMENTWISE)}, or DDP for {name}")
-    if cls not in ELEMENTWISE and not assume_elementwise:
-        raise ValueError(
-            f"{cls.__module__}.{cls.__qualname__} is not a torch.optim optimizer known to be element-wise "
-            f"({', '.join(c.__name__ for c in ELEMENTWISE)}). ShardedOptimizer hands the optimizer 1-D slices of params, which gives "
-            "the same result only if each element's update depends on that element's param, gradient and state alone (and on "
-            "per-param scalars such as the step count). If that holds for it (e.g. Lion), pass assume_elementwise=True"
-        )
+    known = getattr(torch.optim, name, None) is cls
+    if known and name in UNSUPPORTED:
+        raise ValueError(f"{name} cannot be sharded: {UNSUPPORTED[name]}. Use DDP for {name}")
+    if known and name in NOT_ELEMENTWISE and (partition == "flat" or assume_elementwise):
+        given = "partition='flat'" if partition == "flat" else "assume_elementwise=True"
+        raise ValueError(f"{name} is not element-wise: {NOT_ELEMENTWISE[name]}. {given} would hand it 1-D slices of params; "
+                         "leave partition=None (or pass partition='param') to give each param whole to one rank")
+    if assume_elementwise and partition == "param":
+        raise ValueError("assume_elementwise=True asks for partition='flat', but partition='param' was given: pass one of them")
+    if partition is not None:
+        return partition
+    return "flat" if cls in ELEMENTWISE or assume_elementwise else "param"
 
 
 def _unstepped(state: Any) -> bool:
@@ -156,7 +170,7 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
 
 
 def options_fingerprint(optimizer: torch.optim.Optimizer, stage: int, bucket_size_mb: float, overlap_comm: bool, reduce_dtype: torch.dtype | None,
-                        max_grad_norm: float | None, loss_scale: Any, offload: str | None) -> list[tuple[Any, ...]]:
+                        max_grad_norm: float | None, loss_scale: Any, offload: str | None, partition: str = "flat") -> list[tuple[Any, ...]]:
     """The options every rank must share, as ``(name, value)`` entries for
     :func:`~zeroshard.collectives.check_same_on_all_ranks`.
 
@@ -176,6 +190,7 @@ def options_fingerprint(optimizer: torch.optim.Optimizer, stage: int, bucket_siz
         ("max_grad_norm", max_grad_norm),
         ("loss_scale", scale),
         ("offload", offload),
+        ("partition", partition),
     ]
 
 
