@@ -5,6 +5,7 @@ and launch with ``torchrun``. See ``docs/`` for the design and API reference.
 """
 
 from zeroshard.checkpoint_dir import latest_checkpoint, verify_checkpoint
+from zeroshard.clip import clip_grad_norm_
 from zeroshard.groups import hybrid_mesh
 from zeroshard.loss_scaler import DynamicLossScaler
 from zeroshard.memory import MemoryUsage, estimate_memory
@@ -14,6 +15,6 @@ from zeroshard.placement import MarginMeasurement, Placement
 
 __all__ = [
     "DynamicLossScaler", "MarginMeasurement", "MemoryTracer", "MemoryUsage", "Placement", "ShardedOptimizer",
-    "estimate_memory", "hybrid_mesh", "latest_checkpoint", "verify_checkpoint",
+    "clip_grad_norm_", "estimate_memory", "hybrid_mesh", "latest_checkpoint", "verify_checkpoint",
 ]
 __version__ = "0.1.0"

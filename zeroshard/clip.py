@@ -1,0 +1,60 @@
+"""One global gradient-norm clip over several ``ShardedOptimizer`` s of one model (the Muon + AdamW recipe)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from zeroshard.grad_norm import NORM_TYPES, GradStats
+from zeroshard.optimizer import ShardedOptimizer
+
+
+def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Clip the coming step of ``optimizers`` to one global norm ``max_norm``; return the pre-clip norm.
+
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` for a model whose params are
+    split between several wrappers, e.g. ``torch.optim.Muon`` for the hidden matrices and
+    ``torch.optim.AdamW`` for the rest: each wrapper's :meth:`~ShardedOptimizer.clip_grad_norm_`
+    gives the norm of its own params (one all-reduce each), and all of them then clip by the norm
+    over every param, ``(sum of norm_i ** 2) ** 0.5`` (the largest for ``inf``), unscaled by each
+    one's loss scale. A non-finite norm skips the coming step of every one of them. Call it after
+    the backward passes and before the ``step()`` s, on every rank.
+
+    Args:
+        optimizers: distinct ``ShardedOptimizer`` s (over disjoint params, which their
+            construction ensures).
+        max_norm: the global norm to clip to (> 0).
+        norm_type: 2.0 or ``inf``.
+
+    Returns:
+        0-dim fp32 tensor on the CPU: the global pre-clip norm.
+
+    Raises:
+        TypeError: an entry of ``optimizers`` is not a ``ShardedOptimizer``.
+        ValueError: ``optimizers`` is empty or names one twice; ``max_norm`` or ``norm_type`` as
+            :meth:`ShardedOptimizer.clip_grad_norm_` raises. All before any collective.
+    """
+    optimizers = list(optimizers)
+    bad = [type(opt).__name__ for opt in optimizers if not isinstance(opt, ShardedOptimizer)]
+    if bad:
+        raise TypeError(f"optimizers must be ShardedOptimizers; got {bad}")
+    if not optimizers or len({id(opt) for opt in optimizers}) != len(optimizers):
+        raise ValueError(f"optimizers must be one or more distinct ShardedOptimizers; got {len(optimizers)} entries, "
+                         f"{len({id(opt) for opt in optimizers})} distinct")
+    if not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be positive")
+    if float(norm_type) not in NORM_TYPES:
+        raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
+    norms = [float(opt.clip_grad_norm_(max_norm, norm_type)) for opt in optimizers]
+    total = max(norms) if math.isinf(norm_type) else math.sqrt(sum(n * n for n in norms))
+    if any(not math.isfinite(n) for n in norms):
+        total = math.inf
+    for opt in optimizers:
+        stats = opt._stats
+        if stats is None:
+            raise RuntimeError("internal error: clip_grad_norm_ left no gradient statistics")
+        opt._stats = GradStats(total * (opt.loss_scale or 1.0), stats.used)
+    return torch.tensor(total)
