@@ -141,14 +141,16 @@ def groups_without_params(optimizer: torch.optim.Optimizer, group_params: list[l
 
 def layout_signature(view: CheckpointView) -> list[tuple[Any, ...]]:
     """Per flat buffer, independent of world size: (dtype, (name, shape) of each param in layout
-    order, params per bucket); a param is named ``param_groups[g]['params'][j]``."""
+    order, params per bucket, or ``"whole params"`` for ``partition="param"``); a param is named
+    ``param_groups[g]['params'][j]``."""
     names = param_names(view)
     flat_params = [p for params in view.group_params for p in params]
     return [
         (
             str(s.buffer.dtype),
             tuple((names[i], tuple(flat_params[i].shape)) for i in view.shards[k].param_indices),
-            tuple(len(b.params) for b in s.buffer.layout.buckets),
+            # whole params: the buckets depend on the world size, and the format does not use them
+            "whole params" if s.buffer.layout.whole_params else tuple(len(b.params) for b in s.buffer.layout.buckets),
         )
         for k, s in enumerate(view.shards)
     ]
@@ -253,7 +255,7 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
             buckets[f"{k}.{bucket.index}"] = entry
     return {
         "zeroshard": {
-            "format": SHARDED_FORMAT, "version": SHARDED_FORMAT_VERSION, "layout": layout_signature(view),
+            "format": SHARDED_FORMAT, "version": SHARDED_FORMAT_VERSION, "partition": "flat", "layout": layout_signature(view),
             "state_keys": [keys for keys, _ in group_keys],
             "rank": view.rank, "world_size": view.world_size,
             "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
@@ -276,16 +278,34 @@ def _check_version(meta: dict[str, Any]) -> None:
         raise ValueError(f"state_dict has zeroshard sharded format version {version!r}; this version reads {SHARDED_FORMAT_VERSION}")
 
 
-def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys: list[tuple[list[str], bool]], filled_in_place: bool) -> None:
-    meta = state_dict["zeroshard"]
-    # DCP fills the DTensors this rank handed out and overwrites plain entries such as the
-    # saver's rank with one rank's copy, so the saver's coordinates only mean something when the
-    # DTensors came from elsewhere (torch.load of a file saved by one rank).
+def check_saver(view: CheckpointView, meta: dict[str, Any], filled_in_place: bool, partition: str) -> None:
+    """Raise unless a sharded checkpoint's ``meta`` was saved with ``partition`` and, unless
+    ``filled_in_place``, by this rank at this world size.
+
+    DCP fills the tensors this rank handed out and overwrites plain entries such as the saver's
+    rank with one rank's copy, so the saver's coordinates only mean something when the tensors
+    came from elsewhere (``torch.load`` of a file saved by one rank).
+
+    Raises:
+        ValueError: another partition mode (with the way out: the full format), or another
+            rank's shard.
+    """
+    saved = meta.get("partition", "flat")  # checkpoints from before partition="param" are flat
+    if saved != partition:
+        raise ValueError(
+            f"state_dict is a sharded checkpoint of partition={saved!r}, this optimizer has partition={partition!r}: call "
+            "consolidate_state_dict(to=0) where it was saved and load that full torch.optim-format state dict, which loads in either mode"
+        )
     if not filled_in_place and (meta.get("rank"), meta.get("world_size")) != (view.rank, view.world_size):
         raise ValueError(
             f"state_dict is the shard of rank {meta.get('rank')} of {meta.get('world_size')}, this is rank {view.rank} of "
             f"{view.world_size}: load each rank's own shard, or reshard with torch.distributed.checkpoint (dcp.load)"
         )
+
+
+def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys: list[tuple[list[str], bool]], filled_in_place: bool) -> None:
+    meta = state_dict["zeroshard"]
+    check_saver(view, meta, filled_in_place, "flat")
     check_layout(view, meta.get("layout", []))
     saved_keys = [list(keys) for keys in meta.get("state_keys", [])]
     if saved_keys != [keys for keys, _ in group_keys]:
@@ -374,6 +394,8 @@ def inner_state_dict(view: CheckpointView, state: dict[Tensor, dict[str, Any]], 
 
 def issued_tensors(state_dict: dict[str, Any]) -> list[Any]:
     """The tensors of a sharded state dict that ``dcp.load`` fills in place: the param steps and
-    every bucket DTensor (there may be none: SGD without momentum keeps no state)."""
+    every bucket DTensor, or with ``partition="param"`` every tensor of this rank's params
+    (there may be none: SGD without momentum keeps no state)."""
     steps = state_dict.get("param_steps")
-    return ([steps] if torch.is_tensor(steps) else []) + [v for entry in state_dict.get("buckets", {}).values() for v in entry.values()]
+    entries = [*state_dict.get("buckets", {}).values(), *state_dict.get("params", {}).values()]
+    return ([steps] if torch.is_tensor(steps) else []) + [v for entry in entries for v in entry.values()]

@@ -104,6 +104,16 @@ def gather(tensor: Tensor, outputs: list[Tensor] | None, dst: int, group: Proces
     dist.gather(tensor, outputs, dst=dst, group=group)
 
 
+def send(tensor: Tensor, dst: int, group: ProcessGroup) -> None:
+    """Send ``tensor`` (contiguous) to group rank ``dst`` (blocking; ``torch.distributed.send``), which calls :func:`recv`."""
+    dist.send(tensor, dst=dist.get_global_rank(group, dst), group=group)
+
+
+def recv(tensor: Tensor, src: int, group: ProcessGroup) -> None:
+    """Receive into ``tensor`` (contiguous; the shape and dtype sent) from group rank ``src`` (blocking; ``torch.distributed.recv``)."""
+    dist.recv(tensor, src=dist.get_global_rank(group, src), group=group)
+
+
 def broadcast_from_first_(tensors: Sequence[Tensor], group: ProcessGroup) -> None:
     """Overwrite ``tensors`` on every rank with those of the group's rank 0 (blocking)."""
     src = dist.get_global_rank(group, 0)

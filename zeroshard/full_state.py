@@ -68,8 +68,40 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
                         masters[index] = value
                     elif index in state:
                         state[index][key] = value
-    if not here:
-        return None
+    return full_envelope(view, state, masters) if here else None
+
+
+def check_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+    """The checks every full state dict passes: its structure, and the groups, param counts,
+    shapes and dtypes of this optimizer. Returns (the saved index of each of our params, in
+    ``torch.optim`` order; the ``"zeroshard"`` entry or ``{}`` for a plain ``torch.optim`` dict).
+
+    Raises:
+        ValueError: not a state dict; another group count, param count, param shape or dtype (named).
+    """
+    if not isinstance(state_dict.get("state"), dict) or not isinstance(state_dict.get("param_groups"), list):
+        raise ValueError("state_dict has no 'state' dict and 'param_groups' list: neither a zeroshard nor a torch.optim state dict")
+    names = param_names(view)
+    flat_params = [p for params in view.group_params for p in params]
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(view.group_params):
+        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(view.group_params)}")
+    for g, (saved, params) in enumerate(zip(saved_groups, view.group_params)):
+        if len(saved["params"]) != len(params):
+            raise ValueError(f"state_dict param_groups[{g}] has {len(saved['params'])} params, this optimizer {len(params)}")
+    order = [i for saved in saved_groups for i in saved["params"]]  # saved index of each of our params
+    meta = state_dict.get("zeroshard") or {}
+    for ours, (saved_index, p) in enumerate(zip(order, flat_params)):
+        if meta.get("params"):
+            shape, dtype = meta["params"][saved_index]
+            if (tuple(shape), dtype) != (tuple(p.shape), str(p.dtype)):
+                raise ValueError(f"{names[ours]} was saved with shape {tuple(shape)} and {dtype}, this model has {tuple(p.shape)} and {p.dtype}")
+    return order, meta
+
+
+def full_envelope(view: CheckpointView, state: dict[int, dict[str, Any]], masters: dict[int, Tensor]) -> dict[str, Any]:
+    """A full state dict around ``state`` (per ``torch.optim`` index) and the fp32 ``masters`` of 16-bit params."""
+    flat_params = [p for params in view.group_params for p in params]
     return {
         "state": state,
         "param_groups": groups_without_params(view.optimizer, view.group_params),
@@ -96,24 +128,11 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[st
         ValueError: another group count, param count, param shape or dtype (named), or state
             keys that the saved hyperparameters do not keep (named).
     """
-    if not isinstance(state_dict.get("state"), dict) or not isinstance(state_dict.get("param_groups"), list):
-        raise ValueError("state_dict has no 'state' dict and 'param_groups' list: neither a zeroshard nor a torch.optim state dict")
+    order, meta = check_full(view, state_dict)
     names = param_names(view)
     flat_params = [p for params in view.group_params for p in params]
     saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(view.group_params):
-        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(view.group_params)}")
-    for g, (saved, params) in enumerate(zip(saved_groups, view.group_params)):
-        if len(saved["params"]) != len(params):
-            raise ValueError(f"state_dict param_groups[{g}] has {len(saved['params'])} params, this optimizer {len(params)}")
-    order = [i for saved in saved_groups for i in saved["params"]]  # saved index of each of our params
     group_of_param = [g for g, params in enumerate(view.group_params) for _ in params]
-    meta = state_dict.get("zeroshard") or {}
-    for ours, (saved_index, p) in enumerate(zip(order, flat_params)):
-        if meta.get("params"):
-            shape, dtype = meta["params"][saved_index]
-            if (tuple(shape), dtype) != (tuple(p.shape), str(p.dtype)):
-                raise ValueError(f"{names[ours]} was saved with shape {tuple(shape)} and {dtype}, this model has {tuple(p.shape)} and {p.dtype}")
     group_keys = group_state_keys(view, saved_groups)
     steps = [0] * len(flat_params)
     for ours, saved_index in enumerate(order):

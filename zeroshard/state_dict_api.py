@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard import checkpoint, full_state
+from zeroshard import checkpoint, full_state, param_state
 from zeroshard.fused_adam import FusedAdam
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
@@ -39,6 +39,7 @@ class StateDictMixin:
     optimizer: torch.optim.Optimizer
     groups: ShardingGroups
     process_group: dist.ProcessGroup
+    partition: str
     _shard_set: ShardSet
     _shards: list[LocalShard]
     _scaler: DynamicLossScaler | None
@@ -65,7 +66,8 @@ class StateDictMixin:
         it (``dcp.save``/``dcp.load`` need the same format on every rank: they get the sharded
         one and leave the consolidated state for the next call); every other call the sharded format: per bucket, 1-D
         ``DTensor`` s of each per-element state (and fp32 master) that
-        ``torch.distributed.checkpoint`` reshards onto any world size, with the param groups,
+        ``torch.distributed.checkpoint`` reshards onto any world size (with ``partition="param"``:
+        each owned param's state tensors whole, see ``zeroshard/param_state.py``), with the param groups,
         per-param steps and a layout signature (see ``zeroshard/checkpoint.py``). The tensors are
         copies: loading into them never touches the optimizer until :meth:`load_state_dict`.
         A freshly built optimizer returns zero-filled entries to load into (no dummy step).
@@ -81,7 +83,7 @@ class StateDictMixin:
         if self._consolidated is not None and not _called_by_dcp():
             state_dict, self._consolidated = self._consolidated, None
         else:
-            state_dict = checkpoint.sharded_state_dict(self._checkpoint_view())
+            state_dict = (param_state if self.partition == "param" else checkpoint).sharded_state_dict(self._checkpoint_view())
             self._issued = {id(t): weakref.ref(t) for t in checkpoint.issued_tensors(state_dict)}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -103,7 +105,7 @@ class StateDictMixin:
         """
         if not 0 <= to < dist.get_world_size():
             raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
-        self._consolidated = full_state.consolidate(self._checkpoint_view(), to)
+        self._consolidated = (param_state if self.partition == "param" else full_state).consolidate(self._checkpoint_view(), to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a sharded state dict (this layout, any world size via DCP) or a full one (any world size).
@@ -136,9 +138,9 @@ class StateDictMixin:
         if isinstance(meta, dict) and meta.get("format") == checkpoint.SHARDED_FORMAT:
             tensors = checkpoint.issued_tensors(state_dict)
             filled_in_place = bool(tensors) and all(self._issued.get(id(t), lambda: None)() is t for t in tensors)
-            inner, steps, masters = checkpoint.load_sharded(view, state_dict, filled_in_place)
+            inner, steps, masters = (param_state if self.partition == "param" else checkpoint).load_sharded(view, state_dict, filled_in_place)
         elif isinstance(state_dict, dict) and (meta is None or (isinstance(meta, dict) and meta.get("format") == checkpoint.FULL_FORMAT)):
-            inner, steps, masters = full_state.load_full(view, state_dict)
+            inner, steps, masters = (param_state if self.partition == "param" else full_state).load_full(view, state_dict)
         else:
             raise ValueError(f"state_dict is neither a zeroshard state dict nor a torch.optim one (zeroshard entry: {meta!r})")
         self.optimizer.load_state_dict(inner)

@@ -1,0 +1,285 @@
+"""Checkpoints of whole-param shards (``partition="param"``): each param's state, whole, on its owner.
+
+The same two formats as ``zeroshard/checkpoint.py`` (sharded) and ``zeroshard/full_state.py``
+(full), with the same envelope (param groups, per-param steps, loss scaler, layout signature) and
+another payload, because an optimizer such as Muon or Adafactor keeps state that is not
+per-element (Adafactor's ``row_var``/``col_var``) and each param lives on one rank:
+
+* **sharded**: ``"params"``: for each param this rank owns, keyed by its ``torch.optim`` index
+  (a ``str``), every state tensor the wrapped optimizer keeps for it, whole and in its own shape
+  (Muon's ``momentum_buffer``; Adafactor's ``row_var`` and ``col_var``, or ``variance`` for a
+  vector), and the fp32 ``master`` of a 16-bit param. Plain tensors, not DTensors: each entry is
+  written by its owner (by one of its replicas with hybrid sharding: ``torch.distributed.checkpoint``
+  writes a key held by several ranks once), and ``dcp.load`` at any other world size hands each new
+  owner the whole entries of its params. Entries of params not yet stepped are zeros; the steps
+  say which hold state. Built with no collective.
+* **full**: plain ``torch.optim`` format (``full_state.full_envelope``); each owner sends its
+  params' state to the consolidating rank, point to point, one tensor at a time.
+
+Which state tensors an optimizer keeps for a param, with their shapes, comes from one step of a
+throwaway instance on a zero param of that shape (:func:`state_spec`): on the meta device where
+the optimizer allows it (no memory, no work; Muon does), else in host memory (Adafactor reads a
+value with ``.item()``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from zeroshard import collectives
+from zeroshard.checkpoint import (
+    SHARDED_FORMAT,
+    SHARDED_FORMAT_VERSION,
+    CheckpointView,
+    _check_version,
+    check_layout,
+    check_saver,
+    groups_without_params,
+    inner_state_dict,
+    layout_signature,
+    param_names,
+    saves_master,
+)
+from zeroshard.full_state import check_full, full_envelope
+from zeroshard.local_shard import LocalShard
+
+
+class StateSpec(NamedTuple):
+    """What an optimizer keeps for one param: each state tensor's shape and dtype (``step`` aside), and whether it keeps ``step``."""
+
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+    has_step: bool
+
+
+_SPECS: dict[tuple[Any, ...], StateSpec] = {}
+
+
+def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], shape: torch.Size | tuple[int, ...],
+               dtype: torch.dtype) -> StateSpec:
+    """The state ``optimizer``'s class keeps for a param of ``shape`` and ``dtype`` in a param group with ``hyperparameters``.
+
+    Read from one step of a throwaway instance of the class (see the module docstring); the
+    optimizer itself is never touched. Cached per class, hyperparameters, shape and dtype.
+
+    Raises:
+        ValueError: the class cannot be built or stepped with these hyperparameters on such a
+            param, or it keeps state that is not a tensor (other than ``step``), which zeroshard
+            checkpoints do not carry.
+    """
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in hyperparameters.items() if k in accepted and k != "params"}
+    key = (cls, repr(sorted(kwargs.items())), tuple(shape), dtype)
+    if key in _SPECS:
+        return _SPECS[key]
+    error: Exception | None = None
+    for device in ("meta", "cpu"):
+        probe = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
+        probe.grad = torch.zeros_like(probe)
+        try:
+            throwaway = cls([probe], **kwargs)
+            throwaway.step()
+            break
+        except (TypeError, ValueError, RuntimeError, NotImplementedError) as caught:
+            error = caught
+    else:
+        raise ValueError(f"{cls.__name__} cannot be stepped on a param of shape {tuple(shape)} with the hyperparameters {hyperparameters}: {error}")
+    sample = throwaway.state[probe]
+    tensors = {k: v for k, v in sample.items() if torch.is_tensor(v) and k != "step"}
+    others = sorted(k for k in sample if k not in tensors and k != "step")
+    if others:
+        raise ValueError(f"{cls.__name__} keeps state {others} that is not a tensor; zeroshard checkpoints carry tensors and 'step' only")
+    spec = StateSpec({k: tuple(v.shape) for k, v in sorted(tensors.items())}, {k: v.dtype for k, v in tensors.items()}, "step" in sample)
+    _SPECS[key] = spec
+    return spec
+
+
+def _owned(view: CheckpointView) -> Iterator[tuple[int, LocalShard, Any, nn.Parameter, int]]:
+    """(shard index, shard, piece, virtual param, ``torch.optim`` index) of every param this rank owns."""
+    for k, shard in enumerate(view.shards):
+        for piece, vparam in zip(shard.pieces, shard.virtual_params):
+            yield k, shard, piece, vparam, shard.param_indices[piece.param]
+
+
+def _spec(view: CheckpointView, groups: list[dict[str, Any]], shard: LocalShard, shape: torch.Size) -> StateSpec:
+    return state_spec(view.optimizer, groups[shard.group], shape, shard.master_dtype)
+
+
+def _master(shard: LocalShard, piece: Any, shape: torch.Size) -> Tensor:
+    """A copy of ``piece``'s master in ``shape`` on the params' device."""
+    return shard.master_view(piece.shard_offset, piece.numel).to(shard.buffer.device, copy=True).view(shape)
+
+
+# -- sharded format ----------------------------------------------------------------------------
+
+
+def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
+    """This rank's params' state, whole (see the module docstring). Copies; runs no collective."""
+    groups = view.optimizer.param_groups
+    params: dict[str, dict[str, Tensor]] = {}
+    for _, shard, piece, vparam, index in _owned(view):
+        spec = _spec(view, groups, shard, vparam.shape)
+        state = view.optimizer.state.get(vparam, {})
+        device = shard.buffer.device
+        entry = {
+            key: state[key].detach().to(device, copy=True) if key in state else torch.zeros(shape, dtype=spec.dtypes[key], device=device)
+            for key, shape in spec.shapes.items()
+        }
+        if saves_master(shard):
+            entry["master"] = _master(shard, piece, vparam.shape)
+        params[str(index)] = entry
+    return {
+        "zeroshard": {
+            "format": SHARDED_FORMAT, "version": SHARDED_FORMAT_VERSION, "partition": "param", "layout": layout_signature(view),
+            "rank": view.rank, "world_size": view.world_size,
+            "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
+        },
+        "param_groups": groups_without_params(view.optimizer, view.group_params),
+        "param_steps": torch.tensor(view.param_steps, dtype=torch.int64),
+        "params": params,
+    }
+
+
+def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_place: bool) -> tuple[dict[str, Any], list[int], list[tuple[int, int, Tensor]]]:
+    """Check a sharded ``partition="param"`` state dict and turn it into (wrapped optimizer state
+    dict, param steps, masters as (shard, offset in its master shard, 1-D values)).
+
+    As :func:`zeroshard.checkpoint.load_sharded`; nothing is written here.
+
+    Raises:
+        ValueError: another format version or partition mode, another rank's shard (not through
+            DCP), another layout (a param named with both shapes), or a param's entry with other
+            state than the saved hyperparameters keep or with other shapes (named).
+    """
+    meta = state_dict["zeroshard"]
+    _check_version(meta)
+    check_saver(view, meta, filled_in_place, "param")
+    check_layout(view, meta.get("layout", []))
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(view.optimizer.param_groups):
+        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(view.optimizer.param_groups)}")
+    steps = [int(s) for s in state_dict["param_steps"].tolist()]
+    if len(steps) != len(view.param_steps):
+        raise ValueError(f"state_dict has steps for {len(steps)} params, this optimizer has {len(view.param_steps)}")
+    names = param_names(view)
+    entries = state_dict.get("params") or {}
+    state: dict[Tensor, dict[str, Any]] = {}
+    masters = []
+    for k, shard, piece, vparam, index in _owned(view):
+        spec = _spec(view, saved_groups, shard, vparam.shape)
+        wanted = {**spec.shapes, **({"master": tuple(vparam.shape)} if saves_master(shard) else {})}
+        entry = entries.get(str(index))
+        found = None if entry is None else {key: tuple(value.shape) for key, value in entry.items()}
+        if entry is None or found != wanted:
+            hint = (" this optimizer's state_dict() gave dcp.load other entries to fill than the checkpoint holds: build the optimizer with "
+                    "the checkpoint's hyperparameters" if filled_in_place else "")
+            raise ValueError(f"state_dict holds {found} (key: shape) for {names[index]}; {type(view.optimizer).__name__} with the "
+                             f"state_dict's hyperparameters keeps {wanted}.{hint}")
+        if steps[index]:
+            state[vparam] = {key: entry[key].clone() for key in spec.shapes}
+            if spec.has_step:
+                state[vparam]["step"] = torch.tensor(float(steps[index]))
+        if "master" in entry:
+            masters.append((k, piece.shard_offset, entry["master"].reshape(-1)))
+    return inner_state_dict(view, state, saved_groups), steps, masters
+
+
+# -- full format -------------------------------------------------------------------------------
+
+
+def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
+    """Gather the full state onto global rank ``to``; the full dict there, else ``None``.
+
+    A collective over ``to``'s shard group (other shard groups return at once): every owner sends
+    its stepped params' state tensors, and the master of each 16-bit param, to ``to`` one at a
+    time, in the same order on every rank. Ranks other than ``to`` hold nothing extra.
+    """
+    if to not in dist.get_process_group_ranks(view.shard_group):
+        return None
+    here = dist.get_rank() == to
+    dst = dist.get_group_rank(view.shard_group, to)
+    groups = view.optimizer.param_groups
+    state: dict[int, dict[str, Any]] = {}
+    masters: dict[int, Tensor] = {}
+    for shard in view.shards:
+        owners = shard.buffer.layout.owners
+        if owners is None:
+            raise RuntimeError("internal error: a partition='param' optimizer has a flat buffer without owners")
+        mine = {piece.param: (piece, vparam) for piece, vparam in zip(shard.pieces, shard.virtual_params)}
+        for i, param in enumerate(shard.buffer.params):
+            owner, index = owners[i], shard.param_indices[i]
+            if owner != view.rank and not here:
+                continue
+            spec = _spec(view, groups, shard, param.shape)
+            wanted = {**(spec.shapes if view.param_steps[index] else {}), **({"master": tuple(param.shape)} if saves_master(shard) else {})}
+            values: dict[str, Tensor] = {}
+            for key, shape in wanted.items():
+                if owner == view.rank:
+                    piece, vparam = mine[i]
+                    held = view.optimizer.state.get(vparam, {}).get(key)
+                    value = (_master(shard, piece, param.shape) if key == "master" else
+                             held.detach().to(shard.buffer.device, copy=True).contiguous() if held is not None else
+                             torch.zeros(shape, dtype=spec.dtypes[key], device=shard.buffer.device))
+                    if not here:
+                        collectives.send(value, dst, view.shard_group)
+                else:
+                    value = torch.empty(shape, dtype=shard.master_dtype if key == "master" else spec.dtypes[key], device=shard.buffer.device)
+                    collectives.recv(value, owner, view.shard_group)
+                values[key] = value
+            if here:
+                if "master" in values:
+                    masters[index] = values.pop("master")
+                if view.param_steps[index]:
+                    state[index] = {**({"step": torch.tensor(float(view.param_steps[index]))} if spec.has_step else {}), **values}
+    return full_envelope(view, dict(sorted(state.items())), masters) if here else None
+
+
+def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[int], list[tuple[int, int, Tensor]]]:
+    """Check a full ``torch.optim``-format state dict and take this rank's params' state from it.
+
+    As :func:`zeroshard.full_state.load_full` (dicts from either partition mode, or from an
+    unsharded optimizer of the same class): every param's entry is checked on every rank, so a
+    bad dict raises alike everywhere. Nothing is written here.
+
+    Raises:
+        ValueError: as :func:`zeroshard.full_state.check_full`, or a param's state with other keys
+            or shapes than the saved hyperparameters keep (named).
+    """
+    order, meta = check_full(view, state_dict)
+    names = param_names(view)
+    saved_groups = state_dict["param_groups"]
+    specs: dict[int, StateSpec] = {}
+    steps = [0] * len(order)
+    for shard in view.shards:
+        for i, param in enumerate(shard.buffer.params):
+            ours = shard.param_indices[i]
+            entry = state_dict["state"].get(order[ours])
+            if not entry:
+                continue
+            spec = specs[ours] = _spec(view, saved_groups, shard, param.shape)
+            found = {key: tuple(value.shape) for key, value in entry.items() if key != "step"}
+            if found != spec.shapes:
+                raise ValueError(f"state_dict state of {names[ours]} has {found} (key: shape), {type(view.optimizer).__name__} keeps "
+                                 f"{spec.shapes} for it with the state_dict's hyperparameters of param_groups[{shard.group}]")
+            steps[ours] = int(float(entry["step"])) if "step" in entry else 1
+    state: dict[Tensor, dict[str, Any]] = {}
+    masters = []
+    saved_masters = meta.get("master") or {}
+    for k, shard, piece, vparam, ours in _owned(view):
+        if steps[ours]:
+            entry = state_dict["state"][order[ours]]
+            state[vparam] = {key: entry[key].clone() for key in specs[ours].shapes}
+            if specs[ours].has_step:
+                state[vparam]["step"] = torch.tensor(float(steps[ours]))
+        if saves_master(shard):
+            master = saved_masters.get(order[ours])
+            values = shard.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel] if master is None else master.reshape(-1)
+            masters.append((k, piece.shard_offset, values))
+    return inner_state_dict(view, state, saved_groups), steps, masters
