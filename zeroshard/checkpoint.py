@@ -305,7 +305,6 @@ def check_saver(view: CheckpointView, meta: dict[str, Any], filled_in_place: boo
 
 def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys: list[tuple[list[str], bool]], filled_in_place: bool) -> None:
     meta = state_dict["zeroshard"]
-    check_saver(view, meta, filled_in_place, "flat")
     check_layout(view, meta.get("layout", []))
     saved_keys = [list(keys) for keys in meta.get("state_keys", [])]
     if saved_keys != [keys for keys, _ in group_keys]:
@@ -353,6 +352,7 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
             keep, or local shard geometry.
     """
     _check_version(state_dict["zeroshard"])
+    check_saver(view, state_dict["zeroshard"], filled_in_place, "flat")
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(view.optimizer.param_groups):
         raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(view.optimizer.param_groups)}")
