@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from models import TinyNet, batch, loss_fn, relative_error, tolerance_ratio
 
 import zeroshard
+from zeroshard.convert import convert
 
 MICRO = 12  # micro-batches per step, over all ranks
 
@@ -159,6 +160,14 @@ def from_plain_worker(kind: str, directory: str) -> list[bool]:
 @pytest.mark.parametrize("kind", ["muon", "adafactor"])
 def test_full_format_is_plain_torch(pools, tmp_path, kind):
     pools[2].run(save_worker, kind, torch.float32, str(tmp_path))
+    for i in range(len(_inner(TinyNet(), kind))):  # python -m zeroshard.convert writes the same full format, with no process group
+        convert(tmp_path / "dcp", tmp_path / f"converted{i}.pt", optim_key=f"optim{i}")
+        converted = torch.load(tmp_path / f"converted{i}.pt", weights_only=False)[f"optim{i}"]
+        full = torch.load(tmp_path / f"full.optim{i}.pt", weights_only=False)
+        assert converted["state"].keys() == full["state"].keys() and len(full["state"]) > 0
+        for index, entry in full["state"].items():
+            assert sorted(entry) == sorted(converted["state"][index])
+            assert all(torch.equal(value, converted["state"][index][key]) for key, value in entry.items())
     pools[1].run(unsharded_worker, kind, str(tmp_path))
     same = pools[2].run(from_plain_worker, kind, str(tmp_path))[0]
     assert same and all(same)

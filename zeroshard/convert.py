@@ -65,9 +65,11 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
     it) in plain ``torch.optim`` format.
 
     Each param's state is its run of every bucket tensor, reshaped to the param's shape and kept
-    in the saved dtype (fp32 for 16-bit params); ``step`` (a 0-dim fp32 tensor, as ``torch.optim``
+    in the saved dtype (fp32 for 16-bit params), or with ``partition="param"`` its saved entry,
+    whole; ``step`` (a 0-dim fp32 tensor, as ``torch.optim``
     keeps it) comes from the per-param step counts and is written for every optimizer but SGD
-    (a param group with ``dampening``), which keeps none. Params never stepped get no entry.
+    (a param group with ``dampening``), which keeps none (``partition="param"`` records which
+    groups keep one). Params never stepped get no entry.
 
     Args:
         sharded: the ``"optim"`` entry of a loaded checkpoint.
@@ -89,7 +91,16 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
     steps = [int(s) for s in sharded["param_steps"].tolist()]
     state: dict[int, dict[str, Any]] = {}
     masters: dict[int, torch.Tensor] = {}
-    for k, (_, params, per_bucket) in enumerate(meta["layout"]):
+    if meta.get("partition") == "param":  # each param's state whole, keyed by its index (zeroshard/param_state.py)
+        keeps_step = {index: keeps for group, keeps in zip(groups, meta["keeps_step"]) for index in group["params"]}
+        for name, entry in sorted(sharded["params"].items(), key=lambda item: int(item[0])):
+            index = int(name)
+            if "master" in entry:
+                masters[index] = entry["master"].clone()
+            if steps[index]:
+                state[index] = {**({"step": torch.tensor(float(steps[index]))} if keeps_step[index] else {}),
+                                **{key: value.clone() for key, value in entry.items() if key != "master"}}
+    for k, (_, params, per_bucket) in enumerate(meta["layout"] if meta.get("partition") != "param" else []):
         first = 0
         for b, count in enumerate(per_bucket):
             name_of_bucket = f"{k}.{b}"

@@ -117,6 +117,14 @@ def _master(shard: LocalShard, piece: Any, shape: torch.Size) -> Tensor:
     return shard.master_view(piece.shard_offset, piece.numel).to(shard.buffer.device, copy=True).view(shape)
 
 
+def _keeps_step(view: CheckpointView) -> list[bool]:
+    """Per param group, whether the optimizer keeps ``step`` for its params (for ``zeroshard.convert``)."""
+    keeps = [False] * len(view.group_params)
+    for shard in view.shards:
+        keeps[shard.group] = _spec(view, view.optimizer.param_groups, shard, shard.buffer.params[0].shape).has_step
+    return keeps
+
+
 # -- sharded format ----------------------------------------------------------------------------
 
 
@@ -138,7 +146,7 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
     return {
         "zeroshard": {
             "format": SHARDED_FORMAT, "version": SHARDED_FORMAT_VERSION, "partition": "param", "layout": layout_signature(view),
-            "rank": view.rank, "world_size": view.world_size,
+            "rank": view.rank, "world_size": view.world_size, "keeps_step": _keeps_step(view),
             "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
         },
         "param_groups": groups_without_params(view.optimizer, view.group_params),
