@@ -57,6 +57,8 @@ def test_owned_layout_puts_each_param_whole_in_its_owners_slice(data, numels, bu
         assert bucket.padded_numel == size * world_size
         assert size <= max(-(-bucket_numel // world_size), *(numels[i] for i in bucket.params))  # no slice larger than needed
         assert bucket.numel == sum(numels[i] for i in bucket.params)
+        fill = [sum(numels[i] for i in bucket.params if owners[i] == r) for r in range(world_size)]
+        assert max(fill) == size  # slices are padded to the fullest one, no further
     assert layout.numel == sum(b.padded_numel for b in layout.buckets) and layout.shard_numel * world_size == layout.numel
 
 

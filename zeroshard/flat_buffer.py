@@ -12,12 +12,14 @@ D = data-parallel size, r = this rank):
   ``bucket_size_mb`` gets a bucket of its own); the unit of one gradient reduce-scatter and one
   param all-gather.
 * **slice** (a range of indices): rank r's 1/N of one bucket: ``[offset + r*S, offset + (r+1)*S)``
-  with ``S`` the padded bucket size over N. It names where, not what: the tensors that hold a slice
-  form its chunk.
+  with ``S`` the padded bucket size over N. With ``partition="param"`` it holds whole params of
+  rank r only, and every slice of the bucket is padded to the same ``S``. It names where, not what:
+  the tensors that hold a slice form its chunk.
 * **shard** (rank r's slices of one flat buffer): everything rank r owns of one flat param buffer,
   all its slices in bucket order (``LocalShard``).
 * **piece** (a range of indices): the intersection of one param with one slice (``ShardPiece``); a
-  param has one piece on each rank that owns part of it.
+  param has one piece on each rank that owns part of it (``partition="param"``: one piece, the
+  whole param, on its owner).
 * **chunk** (the tensors of one slice): what rank r keeps for one slice (``Chunk``): its master, ``exp_avg``,
   ``exp_avg_sq`` and, offloaded, its host gradient and host param. A chunk lives and moves as a
   whole, on the device or in host memory.
@@ -28,7 +30,8 @@ D = data-parallel size, r = this rank):
   the flat param buffer is the master, with no copy.
 * **grad shard** (1-D, master dtype): rank r's gradient for its shard, summed over the D
   data-parallel ranks and divided by D.
-* **virtual parameter** (1-D ``nn.Parameter``, master dtype): one per piece, a view of its master.
+* **virtual parameter** (1-D ``nn.Parameter``, master dtype; shaped like its param with
+  ``partition="param"``): one per piece, a view of its master.
   The wrapped optimizer's ``param_groups[i]["params"]`` holds these, so it keeps state only for
   this rank's shard, and a ``step`` per piece as it would per param (Rajbhandari et al., "ZeRO",
   SC'20, section 5.1).

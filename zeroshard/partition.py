@@ -16,10 +16,11 @@ Layout rules (Rajbhandari et al., "ZeRO", SC'20, §5.2 and §5.3):
 
 With ``owners`` (``partition="param"``, for optimizers that need each param whole: issue #14),
 each param lies whole in its owner's slice instead. Each bucket takes, for every rank, the next
-of that rank's params in the order given, up to a common slice size ``S`` (``bucket_numel / N``,
-or the largest param at the head of a rank's queue if that is larger); every slice is padded to
-``S``. The slices stay equal, so the same reduce-scatter and all-gather serve both modes, and a
-rank's pieces are its whole params.
+of that rank's params in the order given, up to ``bucket_numel / N`` elements (or the largest
+param at the head of a rank's queue, if that is larger; a smaller limit, down to half of it, where
+that leaves less padding); every slice is padded to the fullest one, ``S``. The slices stay
+equal, so the same reduce-scatter and all-gather serve both modes, and a rank's pieces are its
+whole params.
 """
 
 from __future__ import annotations
@@ -212,6 +213,41 @@ def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owne
     return FlatLayout(tuple(slots), tuple(buckets), world_size, offset, shard_offset)
 
 
+def _fill(queues: list[list[int]], heads: list[int], numels: Sequence[int], limit: int) -> list[list[int]]:
+    """Per rank, the next params of its queue that fit in ``limit`` elements together."""
+    taken = []
+    for rank, queue in enumerate(queues):
+        members, filled, head = [], 0, heads[rank]
+        while head < len(queue) and filled + numels[queue[head]] <= limit:
+            members.append(queue[head])
+            filled += numels[queue[head]]
+            head += 1
+        taken.append(members)
+    return taken
+
+
+def _slice_sizes(queues: list[list[int]], heads: list[int], numels: Sequence[int], limit: int, largest: int) -> list[int]:
+    """Slice sizes worth trying for the next bucket: ``limit``, and every size in ``[max(limit / 2, largest), limit)`` at
+    which some rank's slice would end exactly (a sum of the next params of its queue)."""
+    sizes = {limit}
+    floor = max(limit // 2, largest)
+    for rank, queue in enumerate(queues):
+        total = 0
+        for index in queue[heads[rank]:]:
+            total += numels[index]
+            if total > limit:
+                break
+            if total >= floor:
+                sizes.add(total)
+    return sorted(sizes, reverse=True)  # the largest first: min() keeps the first of equal waste
+
+
+def _waste(taken: list[list[int]], numels: Sequence[int]) -> float:
+    """The share of a bucket that is padding, if its slices take ``taken``."""
+    fills = [sum(numels[i] for i in members) for members in taken]
+    return 1.0 - sum(fills) / (len(fills) * max(fills))
+
+
 def _build_owned_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owners: Sequence[int]) -> FlatLayout:
     """:func:`build_layout` with each param whole in its owner's slice (arguments checked there but ``owners``)."""
     if len(owners) != len(numels):
@@ -226,18 +262,20 @@ def _build_owned_layout(numels: Sequence[int], bucket_numel: int, world_size: in
     buckets: list[Bucket] = []
     offset = shard_offset = 0
     while any(head < len(queue) for head, queue in zip(heads, queues)):
-        size = max([cap] + [numels[queue[head]] for head, queue in zip(heads, queues) if head < len(queue)])
-        members, used = [], 0
-        for rank, queue in enumerate(queues):
-            filled = 0
-            while heads[rank] < len(queue) and filled + numels[queue[heads[rank]]] <= size:
-                index = queue[heads[rank]]
-                slots[index] = ParamSlot(index, offset + rank * size + filled, numels[index], len(buckets))
-                members.append(index)
-                filled += numels[index]
-                heads[rank] += 1
-            used += filled
-        buckets.append(Bucket(len(buckets), offset, used, size * world_size, tuple(members), shard_offset))
+        largest = max(numels[queue[head]] for head, queue in zip(heads, queues) if head < len(queue))
+        limit = max(cap, largest)
+        taken = min((_fill(queues, heads, numels, candidate) for candidate in _slice_sizes(queues, heads, numels, limit, largest)),
+                    key=lambda members: _waste(members, numels))
+        for rank, members in enumerate(taken):
+            heads[rank] += len(members)
+        size = max(sum(numels[i] for i in members) for members in taken)  # the fullest slice; the others are padded to it
+        for rank, members in enumerate(taken):
+            start = offset + rank * size
+            for index in members:
+                slots[index] = ParamSlot(index, start, numels[index], len(buckets))
+                start += numels[index]
+        used = sum(numels[i] for members in taken for i in members)
+        buckets.append(Bucket(len(buckets), offset, used, size * world_size, tuple(i for members in taken for i in members), shard_offset))
         offset += size * world_size
         shard_offset += size
     return FlatLayout(tuple(slots[i] for i in range(len(numels))), tuple(buckets), world_size, offset, shard_offset, tuple(owners))
