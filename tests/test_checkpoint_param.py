@@ -36,9 +36,10 @@ def _model(dtype: torch.dtype) -> TinyNet:
     return TinyNet().to(dtype)
 
 
-def _build(kind: str, dtype: torch.dtype = torch.float32, stage: int = 2) -> tuple[TinyNet, list[zeroshard.ShardedOptimizer]]:
+def _build(kind: str, dtype: torch.dtype = torch.float32, shard_size: int | None = None) -> tuple[TinyNet, list[zeroshard.ShardedOptimizer]]:
     model = _model(dtype)
-    return model, [zeroshard.ShardedOptimizer(o, stage=stage, bucket_size_mb=200 * 4 / 2**20) for o in _inner(model, kind)]
+    mesh = zeroshard.hybrid_mesh(shard_size) if shard_size else None
+    return model, [zeroshard.ShardedOptimizer(o, bucket_size_mb=200 * 4 / 2**20, process_group=mesh) for o in _inner(model, kind)]
 
 
 def _train(model, opts, first: int, steps: int) -> None:
@@ -53,9 +54,9 @@ def _train(model, opts, first: int, steps: int) -> None:
             opt.zero_grad()
 
 
-def save_worker(kind: str, dtype: torch.dtype, directory: str) -> None:
+def save_worker(kind: str, dtype: torch.dtype, directory: str, shard_size: int | None = None) -> None:
     """4 steps, save (DCP, full, this rank's own shard), 4 more steps, keep the final params."""
-    model, opts = _build(kind, dtype)
+    model, opts = _build(kind, dtype, shard_size)
     _train(model, opts, 0, 4)
     dcp.save({"model": model.state_dict(), **{f"optim{i}": opt for i, opt in enumerate(opts)}}, checkpoint_id=f"{directory}/dcp")
     for i, opt in enumerate(opts):
@@ -113,6 +114,15 @@ def test_bf16_resume_carries_the_fp32_master(pools, tmp_path):
     assert not any(bitwise for _, bitwise in pools[2].run(resume_worker, "muon", torch.bfloat16, str(tmp_path), "full without master"))
     # At 3 ranks the bf16 gradients are summed in another order: close, not equal.
     assert all(error < 1e-2 for error, _ in pools[3].run(resume_worker, "muon", torch.bfloat16, str(tmp_path), "dcp"))
+
+
+def test_hybrid_checkpoint_is_written_once_per_shard_group_and_loads_anywhere(pools, tmp_path):
+    pools[2].run(save_worker, "muon", torch.float32, str(tmp_path / "flat"))
+    pools[4].run(save_worker, "muon", torch.float32, str(tmp_path / "hybrid"), 2)  # 2 shard groups of 2
+    size = {name: sum(f.stat().st_size for f in (tmp_path / name / "dcp").glob("*.distcp")) for name in ("hybrid", "flat")}
+    assert size["hybrid"] < 1.2 * size["flat"], size  # the two replicas are not both written
+    for world in (2, 3):
+        assert all(ratio <= 1.0 for ratio, _ in pools[world].run(resume_worker, "muon", torch.float32, str(tmp_path / "hybrid"), "dcp"))
 
 
 def unsharded_worker(kind: str, directory: str) -> None:
