@@ -33,7 +33,7 @@ def _branch_used(rank: int, step: int) -> bool:
 
 def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.dtype = torch.float32, add_group_at: int | None = None,
                 reduce_dtype: torch.dtype | None = None, process_group=None, ddp_group=None, max_grad_norm: float | None = None,
-                clip_api: bool = False, optimizer_class=torch.optim.AdamW, offload: str | None = None):
+                clip_api: bool = False, optimizer_class=torch.optim.AdamW, offload: str | None = None, ddp_hook=None):
     """Train DDP + AdamW and ShardedOptimizer(AdamW) side by side; yield after every step.
 
     ``process_group`` is what ShardedOptimizer shards over; ``ddp_group`` the group of the DDP
@@ -49,6 +49,8 @@ def _train_pair(stage: int, accumulation: str, overlap_comm: bool, dtype: torch.
     held_back = groups.pop() if add_group_at is not None else None
 
     ref = DDP(ref_model, find_unused_parameters=True, process_group=ddp_group) if world > 1 else ref_model
+    if ddp_hook is not None:
+        ref.register_comm_hook(None, ddp_hook)
     extra = {"foreach": False} if optimizer_class is torch.optim.AdamW else {"momentum": 0.9}
     ref_opt = optimizer_class(groups, lr=1e-2, **extra)
     # torch's LR schedulers do not follow groups added later, so that config runs without one.
@@ -175,6 +177,45 @@ def test_reduce_dtype_float32_for_bf16_params(pools, stage):
     sharded_err, ddp_err, dtypes = pools[2].run(reduce_dtype_worker, stage)[0]
     assert dtypes == {torch.float32}
     assert sharded_err <= 2 * ddp_err, f"bf16 error {sharded_err:.3g} vs DDP + AdamW bf16 {ddp_err:.3g}"
+
+
+def bf16_communication_worker(stage: int, accumulation: str) -> tuple[float, float, set]:
+    """fp32 params, gradients communicated in bf16: zeroshard's ``reduce_dtype=torch.bfloat16`` and DDP's
+    ``bf16_compress_hook``, each as its error against fp32 DDP + AdamW; and the dtypes zeroshard reduced in.
+
+    ``bf16_compress_hook`` itself refuses gloo (it checks for NCCL), so DDP gets the function it
+    delegates to, torch's ``_compress_hook(torch.bfloat16, ...)``: cast the bucket to bf16, divide by
+    the world size, all-reduce, copy back into the fp32 bucket.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import _compress_hook
+
+    from zeroshard import grad_reducer
+
+    def bf16_hook(process_group, bucket):  # DDP checks for NCCL by the hook's name
+        return _compress_hook(torch.bfloat16, process_group, bucket)
+
+    dtypes = set()
+    original = grad_reducer.collectives.reduce_scatter
+
+    def recording(output, input, group):
+        dtypes.add(input.dtype)
+        return original(output, input, group)
+
+    fp32 = list(_train_pair(stage, accumulation, True))[-1][0]
+    grad_reducer.collectives.reduce_scatter = recording
+    try:
+        ddp_bf16, sharded, opt = list(_train_pair(stage, accumulation, True, torch.float32, None, torch.bfloat16, ddp_hook=bf16_hook))[-1]
+    finally:
+        grad_reducer.collectives.reduce_scatter = original
+    assert all(s.grad_shard.dtype == torch.float32 for s in opt._shards)  # reduced micro-steps accumulate in fp32
+    return relative_error(sharded, fp32), relative_error(ddp_bf16, fp32), dtypes
+
+
+@pytest.mark.parametrize(("stage", "accumulation"), [(1, "none"), (2, "none"), (2, "backward"), (2, "no_sync")])
+def test_bf16_communication_is_as_accurate_as_ddps_bf16_hook(pools, stage, accumulation):
+    sharded_err, ddp_err, dtypes = pools[2].run(bf16_communication_worker, stage, accumulation)[0]
+    assert dtypes == {torch.bfloat16}
+    assert 0 < sharded_err <= 2 * ddp_err, f"bf16 communication error {sharded_err:.3g} vs DDP's bf16_compress_hook {ddp_err:.3g}"
 
 
 def delayed_collectives_worker(stage: int) -> float:

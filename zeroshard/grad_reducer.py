@@ -10,7 +10,8 @@ autograd engine callback, queued by the first hook of that pass), buckets still 
 some param got no gradient on this rank are completed with zeros for those params and launched, so
 every backward issues every bucket once on every rank (DDP's ``find_unused_parameters`` semantics:
 a missing gradient counts as zero). Then all reductions of the pass are waited for and added into
-the grad shards, as DDP's reducer finalizes at the end of backward.
+the grad shards, as DDP's reducer finalizes at the end of backward. Reducers that share a process
+group take turns (``zeroshard/launch_order.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
 
-from zeroshard import collectives
+from zeroshard import collectives, launch_order
 from zeroshard.ddp_wrapper import DDPWrappers, find_wrappers, watch_new_wrappers
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
@@ -75,19 +76,11 @@ def _weak(method: Callable) -> Callable:
 
 @dataclass
 class PendingReduce:
-    """One launched bucket reduce-scatter.
+    """One launched bucket reduce-scatter of bucket ``bucket`` of shard ``shard``."""
 
-    Attributes:
-        work: the async work handle.
-        input: 1-D reduce dtype, the bucket's padded gradients (kept alive until ``work`` is done).
-        output: 1-D reduce dtype, this rank's summed slice of the bucket.
-        shard: index of the :class:`LocalShard` the bucket belongs to.
-        bucket: index of the bucket in that shard's layout.
-    """
-
-    work: dist.Work | None  # None: nothing to wait for (a shard group of one)
-    input: Tensor
-    output: Tensor
+    work: dist.Work | None  # the async work handle; None: nothing to wait for (a shard group of one)
+    input: Tensor  # 1-D reduce dtype, the bucket's padded gradients (kept alive until work is done)
+    output: Tensor  # 1-D reduce dtype, this rank's summed slice of the bucket
     shard: int
     bucket: int
 
@@ -95,13 +88,12 @@ class PendingReduce:
 class GradReducer:
     """Reduce-scatters gradients, bucket by bucket, into each shard's ``grad_shard``.
 
-    Stage 1 (``stage=1``): each param's ``.grad`` is a view of a flat grad buffer in the param
-    dtype (full gradients kept), reduce-scattered bucket by bucket; since the flat grad buffer holds
-    the running local sum of all micro-steps, each reduction overwrites the grad shard. Stage 2: as
-    a param's gradient becomes ready it is added into a staging bucket in ``reduce_dtype`` and the
-    param's ``.grad`` is freed; each reduction is added into the grad shard, and at most
-    ``MAX_BUCKETS_IN_FLIGHT`` reductions are in flight, their staging buffers reused. Either way the grad
-    shard ends up holding ``sum over data-parallel ranks / their number`` (ZeRO, SC'20, §5.2).
+    Stage 1: each param's ``.grad`` is a view of a flat grad buffer (param dtype, full gradients
+    kept) holding the running local sum of all micro-steps, so each reduction overwrites the grad
+    shard. Stage 2: a ready gradient is added into a staging bucket in ``reduce_dtype`` and
+    ``.grad`` is freed; each reduction is added into the grad shard, with at most
+    ``MAX_BUCKETS_IN_FLIGHT`` in flight. Either way the grad shard ends up holding ``sum over
+    data-parallel ranks / their number`` (ZeRO, SC'20, §5.2).
 
     Args:
         shards: the local shards whose params get hooks.
@@ -133,6 +125,7 @@ class GradReducer:
         self._pending: list[PendingReduce] = []
         self._next_launch = 0
         self._callback_queued = False
+        self._flushed = False  # an earlier reducer's end of backward reduced this pass (see launch_order.py)
         self._no_sync = False
         self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
         self._reductions = 0  # backward passes reduced since reset
@@ -150,6 +143,7 @@ class GradReducer:
         self.closed_because = ""
         for shard in shards:
             self.add_shard(shard)
+        launch_order.register(self, self.group)
         watch_new_wrappers(ddp_wrappers_of_owners)
         self._ddps.adopt(find_wrappers(p for shard in self.shards for p in shard.buffer.params))
         self._ddps.release()  # a model wrapped before the optimizer was built: not in a backward now
@@ -185,14 +179,8 @@ class GradReducer:
             register_owner(param, self)
 
     def _make_hook(self, k: int, i: int):
-        reducer = weakref.ref(self)
-
-        def hook(param: nn.Parameter) -> None:
-            live = reducer()
-            if live is not None:
-                live._on_grad_ready(k, i, param)
-
-        return hook
+        on_ready = _weak(self._on_grad_ready)
+        return lambda param: on_ready(k, i, param)
 
     def _make_pre_hook(self, k: int, i: int, param: nn.Parameter):
         reducer, param_ref = weakref.ref(self), weakref.ref(param)
@@ -290,8 +278,8 @@ class GradReducer:
             return
         if not self._callback_queued:
             # Runs once the whole backward pass is done: completes and waits for every bucket.
-            Variable._execution_engine.queue_callback(self._reduce_everything)
-            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._callback_queued, self._flushed = True, False
         self._take_grad(k, i, param)
         if self.overlap_comm:
             self._launch_complete_buckets()
@@ -335,13 +323,31 @@ class GradReducer:
             self._staging[(k, b)] = staging
         return staging
 
-    def _launch_complete_buckets(self) -> None:
+    def _launch_complete_buckets(self, in_turn: bool = True) -> None:
+        """Launch the complete buckets in order; ``in_turn``: after the group's earlier reducers (launch_order.py)."""
+        if in_turn and not launch_order.turn_has_come(self, self.group):
+            return
         while self._next_launch < len(self._order):
             k, b = self._order[self._next_launch]
             if self._grads[k].ready_count[b] < len(self.shards[k].buffer.layout.buckets[b].params):
                 return
+            launch_order.drain_earlier(self, self.group)
             self._launch(k, b)
             self._next_launch += 1
+        launch_order.let_later_launch(self, self.group)
+
+    def _drain(self) -> None:
+        for pending in self._pending:
+            self._complete(pending)
+        self._pending.clear()
+
+    def _on_backward_end(self) -> None:
+        """At the end of backward: reduce the earlier reducers of this pass, then this one."""
+        if self._flushed:
+            self._flushed = False
+            return
+        launch_order.flush_earlier(self, self.group)
+        self._reduce_everything()
 
     def _launch(self, k: int, b: int) -> None:
         buffer = self.shards[k].buffer
@@ -407,10 +413,8 @@ class GradReducer:
                 if self.stage == 1:
                     self._keep_in_flat_grad(k, i, param)
                 self._take_grad(k, i, param)
-        self._launch_complete_buckets()
-        for pending in self._pending:
-            self._complete(pending)
-        self._pending.clear()
+        self._launch_complete_buckets(in_turn=False)
+        self._drain()
         self._clear_backward_state()
         self._reductions += 1
         self._unreduced = False
@@ -476,7 +480,7 @@ class GradReducer:
         self._staging.clear()
         self._staging_pool.clear()  # stage 2 holds no gradient buffers between steps
         self._reductions = 0
-        self._unreduced = False
+        self._unreduced = self._flushed = False
         self._note_flat_grad_versions()
 
     def grad_buffers(self) -> list[Tensor]:

@@ -1,0 +1,84 @@
+"""One order for the gradient collectives of every ``GradReducer`` on a process group.
+
+A ``GradReducer`` launches its buckets in a fixed order, the same on every rank, each as soon as
+its gradients are ready (``overlap_comm``) or at the end of backward. Two reducers on one process
+group (two ``ShardedOptimizer`` s over one model: Muon on the matrices and AdamW on the rest)
+would interleave their launches by when gradients become ready, and that differs between ranks
+when a param is unused on some ranks only: ranks would issue different collectives, and gloo
+aborts on a size mismatch (equal sizes would mix gradients in silence).
+
+So reducers on one process group take turns, in the order they were built (the same on every
+rank, construction being a collective): in a backward pass a reducer launches nothing until every
+earlier one has launched all its buckets, and before its first launch it completes theirs (so the
+all-reduces across replicas of hybrid sharding keep one order too). A reducer that has launched
+everything lets the later ones launch what is ready. At the end of backward, the first reducer
+whose callback runs reduces every earlier one that took part in the pass (``flush``); their own
+callbacks then have nothing left to do. A reducer under ``no_sync`` launches nothing and holds no
+one back. The one order costs overlap: a later reducer's buckets wait for the earlier reducers'
+last bucket. Give a wrapper a process group of its own (``dist.new_group``) to overlap both.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+_REDUCERS: dict[int, list[weakref.ref]] = {}  # id of a process group -> its reducers, in the order they were built
+
+
+def register(reducer: Any, group: Any) -> None:
+    """Add ``reducer`` (a ``GradReducer``) to the reducers of process group ``group``, after those built before."""
+    reducers = _REDUCERS.setdefault(id(group), [])
+    reducers[:] = [ref for ref in reducers if ref() is not None]
+    reducers.append(weakref.ref(reducer))
+
+
+def _live(reducer: Any, group: Any) -> list[Any]:
+    found = [ref() for ref in _REDUCERS.get(id(group), [])]
+    return [r for r in found if r is not None and not r.closed]
+
+
+def earlier(reducer: Any, group: Any) -> list[Any]:
+    """The open reducers of ``group`` built before ``reducer``, in order."""
+    live = _live(reducer, group)
+    return live[: live.index(reducer)] if reducer in live else []
+
+
+def later(reducer: Any, group: Any) -> list[Any]:
+    """The open reducers of ``group`` built after ``reducer``, in order."""
+    live = _live(reducer, group)
+    return live[live.index(reducer) + 1 :] if reducer in live else []
+
+
+def _launched_all(r: Any) -> bool:
+    """Whether reducer ``r`` launches nothing more in the current backward pass."""
+    return r._next_launch == len(r._order) or r._no_sync or r._ddp_no_sync or r._flushed
+
+
+def turn_has_come(reducer: Any, group: Any) -> bool:
+    """Whether every earlier reducer of ``group`` has launched all it launches in this backward pass."""
+    return all(_launched_all(r) for r in earlier(reducer, group))
+
+
+def drain_earlier(reducer: Any, group: Any) -> None:
+    """Complete the earlier reducers' reductions in flight, before ``reducer`` launches (one order across replicas too)."""
+    for r in earlier(reducer, group):
+        r._drain()
+
+
+def let_later_launch(reducer: Any, group: Any) -> None:
+    """``reducer`` launched everything: the later reducers taking part in this pass launch their complete buckets."""
+    for r in later(reducer, group):
+        if r._callback_queued:
+            r._launch_complete_buckets()
+
+
+def flush_earlier(reducer: Any, group: Any) -> None:
+    """At ``reducer``'s end of backward: reduce every earlier reducer that took part in this pass and was not reduced yet.
+
+    Its own end-of-backward callback, still queued, then returns at once.
+    """
+    for r in earlier(reducer, group):
+        if r._callback_queued and not r._flushed:
+            r._reduce_everything()
+            r._flushed = True
