@@ -100,6 +100,12 @@ def optimizer_kind_worker() -> None:
         opt = zeroshard.ShardedOptimizer(build())
         assert opt.partition == "param" and all(v.dim() == 2 for v in opt.param_groups[0]["params"] if name == "Muon")
         opt.close()
+    # A param Muon cannot update raises at add_param_group on every rank (not at step() on its owner alone), nothing added.
+    opt = zeroshard.ShardedOptimizer(torch.optim.Muon(matrices))
+    with pytest.raises(ValueError, match=r"Muon cannot update param_groups\[1\]\['params'\]\[0\] \(shape \(29,\)\): .*2D"):
+        opt.add_param_group({"params": [model.fc1.bias]})
+    assert len(opt.param_groups) == 1
+    opt.close()
     opt = zeroshard.ShardedOptimizer(MyAdamW(model.parameters()))  # not known to be element-wise: whole params, correct either way
     assert opt.partition == "param"
     opt.close()

@@ -17,7 +17,7 @@ from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
 from zeroshard.ownership import assign_owners, param_costs
 from zeroshard.param_owners import take_over
-from zeroshard.validation import check_params, is_sharded, param_name
+from zeroshard.validation import check_params, check_whole_param_steps, is_sharded, param_name
 
 
 @dataclass
@@ -87,6 +87,8 @@ def shard_param_groups(
     if params_of is None:
         params_of = [list(dict.fromkeys(optimizer.param_groups[g]["params"])) for g in indices]
     device = check_params(params_of, indices, device, first=first_shard == 0)
+    if partition == "param":
+        check_whole_param_steps(optimizer, indices, params_of)
     taken = [(p, param_name(g, j)) for g, params in zip(indices, params_of) for j, p in enumerate(params)
              if is_sharded(p) and id(p) not in already_sharded]
     take_over([p for p, _ in taken], [name for _, name in taken])

@@ -7,6 +7,7 @@ mistakes, with the values added).
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -202,6 +203,39 @@ def is_sharded(param: nn.Parameter) -> bool:
     ``torch.optim`` leaves it unchanged.
     """
     return param.requires_grad and param.numel() > 0
+
+
+def check_whole_param_steps(optimizer: torch.optim.Optimizer, groups: range, params_of: list[list[nn.Parameter]]) -> None:
+    """``partition="param"``: raise, on every rank alike, if the wrapped optimizer refuses a param's shape.
+
+    Each distinct (shape, dtype, param group) gets one step of a throwaway instance of the
+    optimizer's class on a meta-device param with a zero gradient (no memory, no work), so that
+    what the optimizer would raise in ``step()`` on the one rank that owns the param (Muon: "Param
+    gradient must be a 2D matrix", for a param added with ``add_param_group``) is raised here on
+    every rank, before any collective. An optimizer that cannot step on the meta device at all
+    (Adafactor reads a value) is not checked.
+
+    Raises:
+        ValueError: the optimizer raised ``ValueError`` or ``TypeError`` for a param (named, with
+            its shape and the optimizer's message).
+    """
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    seen = set()
+    for g, params in zip(groups, params_of):
+        kwargs = {k: v for k, v in optimizer.param_groups[g].items() if k in accepted and k != "params"}
+        for j, p in enumerate(params):
+            if not is_sharded(p) or (tuple(p.shape), p.dtype, g) in seen:
+                continue
+            seen.add((tuple(p.shape), p.dtype, g))
+            probe = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device="meta"))
+            probe.grad = torch.zeros_like(probe)
+            try:
+                cls([probe], **kwargs).step()
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"{cls.__name__} cannot update {param_name(g, j)} (shape {tuple(p.shape)}): {error}") from error
+            except (RuntimeError, NotImplementedError):
+                return  # no step on the meta device: nothing to check this way
 
 
 def check_params(params_of: list[list[nn.Parameter]], groups: range, device: torch.device | None, first: bool) -> torch.device:
