@@ -6,11 +6,11 @@ import argparse
 import time
 from pathlib import Path
 
-from bench import kernel, memory, offload, step
+from bench import kernel, memory, muon, offload, step
 from bench.harness import RESULTS_DIR, format_table, write_csv
 
 # name -> module with SUMMARY (one line for --help), TABLES (what to print) and run(quick) -> rows.
-SUITES = {"step": step, "memory": memory, "kernel": kernel, "offload": offload}
+SUITES = {"step": step, "memory": memory, "kernel": kernel, "offload": offload, "muon": muon}
 
 
 def suite_name(value: str) -> str:

@@ -2,14 +2,21 @@
 
     torchrun --nproc_per_node 2 examples/train_gpt.py            # 3 to 5 minutes on 2 CPU cores
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 20 # seconds
+    torchrun --nproc_per_node 2 examples/train_gpt.py --optimizer muon  # Muon on the hidden matrices, AdamW on the rest
     torchrun --nproc_per_node 2 examples/train_gpt.py --ckpt-dir ckpt --steps 200
     torchrun --nproc_per_node 3 examples/train_gpt.py --ckpt-dir ckpt --steps 400 --resume  # on 3 ranks
 
 The default corpus is the Python standard library's own source files on this machine (real text
 nobody here wrote); ``--data FILE`` trains on any other file. Bytes are the tokens, so there is no
 tokenizer to download. gloo on CPU, NCCL when CUDA is present. Rank 0 prints the loss and
-tokens/s as it goes, the optimizer state each rank holds next to what unsharded AdamW would hold,
-the validation loss on held-out text before and after, and a final summary line.
+tokens/s as it goes, the optimizer state each rank holds next to what the unsharded optimizers
+would hold, the validation loss on held-out text before and after, and a final summary line.
+
+``--optimizer muon`` trains with the Muon + AdamW recipe: ``torch.optim.Muon`` on the 2-D weight
+matrices of the transformer blocks (attention and MLP), ``torch.optim.AdamW`` on the rest
+(embeddings and the tied head, biases, norms), each in its own ``ShardedOptimizer``. Muon needs
+each matrix whole, so its wrapper picks ``partition="param"`` (each matrix owned by one rank);
+one LR schedule drives both, and ``zeroshard.clip_grad_norm_`` clips both by one global norm.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked: a bad value exits with argparse's usage error naming it."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--stage", type=int, default=2, choices=(1, 2), help="ZeRO stage")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="adamw: AdamW on every param; muon: Muon on the blocks' weight matrices, AdamW on the rest")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the default takes 3 to 5 minutes on 2 CPU ranks)")
     p.add_argument("--data", type=Path, default=None, help="text file to train on (None: the stdlib sources)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
@@ -69,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-grad-norm {args.max_grad_norm}: must be 0 (off) or positive")
     if not 0.0 <= args.gpu_margin_mem_ratio <= 1.0:
         p.error(f"--gpu-margin-mem-ratio {args.gpu_margin_mem_ratio}: must be between 0 and 1")
+    if args.offload is not None and args.optimizer == "muon":
+        p.error(f"--offload {args.offload} keeps Adam/AdamW state only: it cannot be used with --optimizer muon (use --optimizer adamw)")
     if args.gpu_margin_mem_ratio > 0 and args.offload is None:
         p.error("--gpu-margin-mem-ratio needs --offload cpu")
     if args.data is not None and not args.data.is_file():
@@ -83,22 +95,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def save_checkpoint(directory: Path, step: int, model: nn.Module, opt: zeroshard.ShardedOptimizer, schedule) -> None:
+class Trained(NamedTuple):
+    """One wrapped optimizer of the run, with what is saved and logged about it."""
+
+    key: str  # its checkpoint key: "optim" (AdamW), "optim_muon"
+    opt: zeroshard.ShardedOptimizer
+    schedule: torch.optim.lr_scheduler.LambdaLR
+    params: list[nn.Parameter]  # the model's params it updates
+    unsharded_state_bytes: int  # what the unwrapped optimizer would hold on every rank (fp32 state)
+
+    @property
+    def schedule_key(self) -> str:
+        """Its LR schedule's checkpoint key: "schedule", "schedule_muon"."""
+        return self.key.replace("optim", "schedule")
+
+
+def checkpoint_state(model: nn.Module, trained: list[Trained], step: int) -> dict:
+    """What a checkpoint holds: the model, each optimizer and its LR schedule under their keys, the step."""
+    state = {"model": model.state_dict(), "step": step}
+    for t in trained:
+        state |= {t.key: t.opt, t.schedule_key: t.schedule.state_dict()}
+    return state
+
+
+def save_checkpoint(directory: Path, step: int, model: nn.Module, trained: list[Trained]) -> None:
     """One torch.distributed.checkpoint directory per step; it counts only once its .metadata exists."""
-    state = {"model": model.state_dict(), "optim": opt, "schedule": schedule.state_dict(), "step": step}
-    dcp.save(state, checkpoint_id=directory / f"step_{step:06d}")
+    dcp.save(checkpoint_state(model, trained, step), checkpoint_id=directory / f"step_{step:06d}")
 
 
-def load_checkpoint(directory: Path, model: nn.Module, opt: zeroshard.ShardedOptimizer, schedule) -> int:
+def load_checkpoint(directory: Path, model: nn.Module, trained: list[Trained]) -> int:
     """Load the latest complete checkpoint under ``directory`` (saved on any number of ranks); its step, or 0."""
     latest = zeroshard.latest_checkpoint(directory)
     if latest is None:
         return 0
-    zeroshard.verify_checkpoint(latest, opt)  # a damaged file or a reshaped param is named on every rank, before any collective
-    state = {"model": model.state_dict(), "optim": opt, "schedule": schedule.state_dict(), "step": 0}
+    for t in trained:  # a damaged file or a reshaped param is named on every rank, before any collective
+        zeroshard.verify_checkpoint(latest, t.opt, key=t.key)
+    state = checkpoint_state(model, trained, 0)
     dcp.load(state, checkpoint_id=latest)
     model.load_state_dict(state["model"])
-    schedule.load_state_dict(state["schedule"])
+    for t in trained:
+        t.schedule.load_state_dict(state[t.schedule_key])
     return state["step"]
 
 
@@ -177,6 +213,52 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, VOCAB), targets.reshape(-1))
 
 
+# -- optimizers -----------------------------------------------------------------------------
+
+
+def build_optimizers(model: GPT, args: argparse.Namespace) -> list[Trained]:
+    """AdamW on every param (``--optimizer adamw``), or Muon on the blocks' weight matrices and AdamW on the rest.
+
+    Each optimizer gets its own ``ShardedOptimizer`` (AdamW: ``partition="flat"``; Muon, which
+    needs each matrix whole: ``partition="param"``, chosen by ``partition=None``) and its own
+    LambdaLR with the same warmup and cosine decay, so one schedule drives both.
+    """
+    hidden = [p for block in model.blocks for p in block.parameters() if p.dim() == 2] if args.optimizer == "muon" else []
+    rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
+    decay = [p for p in rest if p.dim() >= 2]
+    no_decay = [p for p in rest if p.dim() < 2]
+    adamw = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95)
+    )
+    wrapped = [("optim", adamw, rest, sum(2 * p.numel() * 4 + 4 for p in rest))]  # exp_avg, exp_avg_sq, step
+    if hidden:
+        # Moonlight's setting (Liu et al., "Muon is Scalable for LLM Training", 2025): the AdamW lr
+        # and weight decay, with each matrix's update scaled by 0.2 * sqrt(max(rows, cols)) to match
+        # AdamW's update RMS ("match_rms_adamw"), so --lr and the schedule tune both optimizers at
+        # once; momentum 0.95 with Nesterov, torch's and modded-nanogpt's default.
+        muon = torch.optim.Muon(hidden, lr=args.lr, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
+        wrapped.append(("optim_muon", muon, hidden, sum(p.numel() * 4 for p in hidden)))  # momentum_buffer
+    warmup = max(1, args.steps // 20)
+
+    def lr_factor(s: int) -> float:
+        return min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
+
+    trained = []
+    for key, optimizer, params, unsharded in wrapped:
+        opt = zeroshard.ShardedOptimizer(optimizer, stage=args.stage, offload=args.offload, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
+        trained.append(Trained(key, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor), params, unsharded))
+    return trained
+
+
+def describe(t: Trained) -> str:
+    """E.g. ``Muon on 16 params (0.79M): ShardedOptimizer(stage=2, partition='param'), rank 0 updates 8 of them whole (0.39M)``."""
+    mine = [v for group in t.opt.param_groups for v in group["params"]]  # this rank's virtual params
+    what = f"{len(mine)} of them whole" if t.opt.partition == "param" else "1-D slices of them"
+    return (f"{type(t.opt.optimizer).__name__} on {len(t.params)} params ({sum(p.numel() for p in t.params) / 1e6:.2f}M): "
+            f"ShardedOptimizer(stage={t.opt.stage}, partition={t.opt.partition!r}), rank {t.opt.rank} updates {what} "
+            f"({sum(v.numel() for v in mine) / 1e6:.2f}M)")
+
+
 # -- training -------------------------------------------------------------------------------
 
 
@@ -229,19 +311,12 @@ def main() -> None:
     log(f"corpus {len(data) / 2**20:.1f} MiB ({'stdlib sources' if args.data is None else args.data}), "
         f"model {n_params / 1e6:.2f}M params {args.dtype}, {world} ranks, ZeRO stage {args.stage}")
 
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    adamw = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95)
-    )
-    opt = zeroshard.ShardedOptimizer(adamw, stage=args.stage, max_grad_norm=args.max_grad_norm or None, offload=args.offload,
-                                     gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
-    warmup = max(1, args.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
-    )
+    trained = build_optimizers(model, args)
+    opts = [t.opt for t in trained]
+    for t in trained:
+        log(describe(t))
 
-    first_step = load_checkpoint(args.ckpt_dir, model, opt, schedule) + 1 if args.resume else 1
+    first_step = load_checkpoint(args.ckpt_dir, model, trained) + 1 if args.resume else 1
     if first_step > args.steps:
         dist.destroy_process_group()
         raise SystemExit(f"the checkpoint in {args.ckpt_dir} is at step {first_step - 1}, --steps {args.steps}: nothing left to train")
@@ -255,17 +330,23 @@ def main() -> None:
     first_loss = loss_value = None
     for step in range(first_step, args.steps + 1):
         loss = model(*get_batch(train, args.batch_size, args.seq_len, generator, device))
-        opt.backward(loss)  # scales the loss when a loss scale is active (fp16), else loss.backward()
-        opt.step()
-        schedule.step()
+        opts[0].backward(loss)  # scales the loss when a loss scale is active (fp16; all optimizers' scales are equal), else loss.backward()
+        # One global norm over both optimizers' params, as torch.nn.utils.clip_grad_norm_ over the
+        # model: it clips (inf: never), is the grad norm logged, and with fp16 makes one overflow
+        # decision, so all of them skip the step together and their loss scales stay equal.
+        zeroshard.clip_grad_norm_(opts, args.max_grad_norm or math.inf)
+        for t in trained:
+            t.opt.step()
+            t.schedule.step()
         model.zero_grad()
         if args.ckpt_dir is not None and step % args.ckpt_every == 0:
-            save_checkpoint(args.ckpt_dir, step, model, opt, schedule)
+            save_checkpoint(args.ckpt_dir, step, model, trained)
         if step == first_step:
-            usage = opt.memory_usage().by_kind
-            unsharded = sum(2 * p.numel() * 4 + 4 for p in model.parameters())  # exp_avg, exp_avg_sq, step
-            log(f"optimizer state per rank: {usage['optimizer_state'] / 2**20:.2f} MiB "
-                f"(+ {usage['master'] / 2**20:.2f} MiB fp32 master); unsharded AdamW would hold {unsharded / 2**20:.2f} MiB")
+            usages = [t.opt.memory_usage().by_kind for t in trained]
+            names = " + ".join(type(opt.optimizer).__name__ for opt in opts)
+            state = " + ".join(f"{u['optimizer_state'] / 2**20:.2f}" for u in usages)
+            log(f"optimizer state per rank: {state} MiB (+ {sum(u['master'] for u in usages) / 2**20:.2f} MiB fp32 master); "
+                f"unsharded {names} would hold {' + '.join(f'{t.unsharded_state_bytes / 2**20:.2f}' for t in trained)} MiB")
         if step % args.log_interval == 0 or step == args.steps or step == first_step:
             mean = loss.detach().float().reshape(1)
             dist.all_reduce(mean)
@@ -273,8 +354,9 @@ def main() -> None:
             first_loss = loss_value if first_loss is None else first_loss
             now = time.perf_counter()
             steps_done = args.log_interval if step % args.log_interval == 0 else 1
-            scale = f" | loss scale {opt.loss_scale:g}" if opt.loss_scale else ""
-            log(f"step {step:5d} | loss {loss_value:.4f} | grad norm {float(opt.grad_norm):.3f}{scale} | lr {schedule.get_last_lr()[0]:.2e} | "
+            scale = f" | loss scale {opts[0].loss_scale:g}" if opts[0].loss_scale else ""
+            lr = trained[0].schedule.get_last_lr()[0]  # every optimizer's base lr is --lr, and one schedule drives them
+            log(f"step {step:5d} | loss {loss_value:.4f} | grad norm {float(opts[0].grad_norm):.3f}{scale} | lr {lr:.2e} | "
                 f"{steps_done * tokens_per_step / (now - last):,.0f} tokens/s")
             last = now
     elapsed = time.perf_counter() - start

@@ -1,5 +1,5 @@
 """The benchmark harness pieces that compute, the command line, and end-to-end runs of the step,
-kernel and offload suites (their output included). No timing is asserted."""
+kernel, offload and muon suites (their output included). No timing is asserted."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_help_lists_the_suites_and_what_each_measures(capsys):
         bench_main.main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "{step,memory,kernel,offload}" in out
+    assert "{step,memory,kernel,offload,muon}" in out
     assert "{," not in out and "[]" not in out  # no empty choice
     for name, suite in bench_main.SUITES.items():
         assert f"  {name}  " in out and suite.SUMMARY in out
@@ -95,7 +95,7 @@ def test_an_unknown_suite_is_refused_before_any_runs(capsys):
         bench_main.main(["kernel", "stpe"])
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
-    assert "invalid choice: 'stpe' (choose from 'step', 'memory', 'kernel', 'offload')" in captured.err
+    assert "invalid choice: 'stpe' (choose from 'step', 'memory', 'kernel', 'offload', 'muon')" in captured.err
     assert captured.out == ""
 
 
@@ -194,3 +194,24 @@ def test_offload_suite_runs_end_to_end(tmp_path):
     ratios = {r["method"]: float(r["ratio"]) for r in rows if r["kind"] == "train_ratio"}
     assert ratios["offload"] == pytest.approx(train["offload"] / train["on_device"], rel=1e-6)
     assert ratios["offload_half"] == pytest.approx(train["offload_half"] / max(train["on_device"], train["offload_half_cpu_adam"]), rel=1e-6)
+
+
+def test_muon_suite_runs_end_to_end(tmp_path):
+    rows = _run_suite("muon", tmp_path, phases=1)
+    times = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "time"}
+    assert set(times) == {"torch_muon", "zeroshard_muon", "all_gather", "zeroshard_adamw"}
+    assert all(t > 0 for t in times.values())
+    ratios = {(r["method"], r["baseline"]): r for r in rows if r["kind"] == "ratio"}
+    assert set(ratios) == {("zeroshard_muon", "torch_muon"), ("zeroshard_muon", "zeroshard_adamw")}
+    for (method, baseline), r in ratios.items():  # the two medians of this same run
+        assert float(r["ratio"]) == pytest.approx(times[method] / times[baseline], rel=1e-6)
+    goal = float(ratios["zeroshard_muon", "torch_muon"]["goal"])  # 1/N plus the all-gather's share
+    assert goal == pytest.approx(0.5 + times["all_gather"] / times["torch_muon"], rel=1e-6)
+    state = [r for r in rows if r["kind"] == "state"]
+    assert [(r["method"], r["rank"]) for r in state] == [("torch_muon", "every"), ("zeroshard_muon", "0"), ("zeroshard_muon", "1")]
+    unsharded = float(state[0]["state_MiB"])
+    assert unsharded > 0 and float(state[0]["ideal_MiB"]) == pytest.approx(unsharded / 2, rel=1e-6)
+    # Each matrix's momentum lives on its owner only: the ranks' state adds up to the unsharded state.
+    assert sum(float(r["state_MiB"]) for r in state[1:]) == pytest.approx(unsharded, rel=1e-6)
+    for r in state:
+        assert float(r["vs_ideal"]) == pytest.approx(float(r["state_MiB"]) / float(r["ideal_MiB"]), rel=1e-6)
