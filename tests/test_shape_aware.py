@@ -417,3 +417,42 @@ def reduce_order_worker() -> list[int]:
 def test_two_wrappers_issue_reduce_scatters_in_one_order(pools):
     sizes = pools[2].run(reduce_order_worker)
     assert sizes[0] == sizes[1], f"reduce-scatter sizes in issue order differ between ranks: {sizes}"
+
+
+def fp16_two_wrappers_worker() -> list[bool]:
+    """fp16, Muon + AdamW with a dynamic loss scale each: stepping without one joint overflow decision raises
+    (before any collective); with zeroshard.clip_grad_norm_(opts, inf) an overflow in AdamW's params alone skips both."""
+    torch.manual_seed(0)
+    model = TinyNet().to(torch.float16)
+    hidden = [model.fc1.weight, model.fc2.weight, model.branch.weight]
+    rest = [p for p in model.parameters() if p.requires_grad and all(p is not h for h in hidden)]
+    # Each its own scaler, starting low enough that the first step does not overflow; one overflow backs off.
+    opts = [zeroshard.ShardedOptimizer(inner, loss_scale=zeroshard.DynamicLossScaler(initial_scale=16.0, hysteresis=1))
+            for inner in (torch.optim.Muon(hidden, lr=LR), torch.optim.AdamW(rest, lr=LR))]
+    x, y = batch(dist.get_rank(), 0)
+    opts[0].backward(loss_fn(model, x, y))
+    with pytest.raises(RuntimeError, match=r"2 open ShardedOptimizers with a dynamic loss scale share one process group.*clip_grad_norm_"):
+        opts[0].step()
+    skipped = []
+    for step in range(2):
+        # Step 1: the embedding's gradient (an AdamW param) overflows, the Muon matrices' do not.
+        hook = model.embed.weight.register_hook(lambda g: g * math.inf) if step == 1 else None
+        opts[0].backward(loss_fn(model, x, y))
+        if hook is not None:
+            hook.remove()
+        zeroshard.clip_grad_norm_(opts, math.inf)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        skipped.append([opt.step_was_skipped for opt in opts] + [opt.loss_scale for opt in opts])
+    for opt in opts:
+        opt.close()
+    return skipped
+
+
+def test_fp16_wrappers_make_one_overflow_decision(pools):
+    for skipped in pools[2].run(fp16_two_wrappers_worker):
+        (muon0, adamw0, scale_a0, scale_b0), (muon1, adamw1, scale_a1, scale_b1) = skipped
+        assert not muon0 and not adamw0 and scale_a0 == scale_b0 == 16.0
+        assert muon1 and adamw1, "an overflow in one wrapper's params must skip both"
+        assert scale_a1 == scale_b1 == 8.0, "both loss scales back off together"

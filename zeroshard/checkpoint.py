@@ -115,7 +115,8 @@ def state_keys(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
         throwaway = type(optimizer)([probe], **{k: v for k, v in hyperparameters.items() if k in accepted and k != "params"})
         throwaway.step()
     except (TypeError, ValueError, RuntimeError) as error:
-        raise ValueError(f"{name} cannot be built with the hyperparameters {hyperparameters}: {error}") from error
+        shown = {k: v for k, v in hyperparameters.items() if k != "params"}
+        raise ValueError(f"{name} cannot be built with the hyperparameters {shown}: {error}") from error
     sample = throwaway.state[probe]
     per_element = sorted(k for k, v in sample.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == 2)
     scalars = sorted(k for k in sample if k not in per_element and k != "step")

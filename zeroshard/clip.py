@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from zeroshard import overflow
 from zeroshard.grad_norm import NORM_TYPES, GradStats
 from zeroshard.optimizer import ShardedOptimizer
 
@@ -52,6 +53,7 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
     total = max(norms) if math.isinf(norm_type) else math.sqrt(sum(n * n for n in norms))
     if any(not math.isfinite(n) for n in norms):
         total = math.inf
+    overflow.note_joint(optimizers)
     for opt in optimizers:
         stats = opt._stats
         if stats is None:

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from zeroshard import collectives
+from zeroshard import collectives, overflow
 from zeroshard.chunk import chunks_of
 from zeroshard.delegating import DelegatingOptimizer
 from zeroshard.fused_adam import FusedAdam, fused_adam_kind
@@ -195,6 +195,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self._scaler = loss_scale if isinstance(loss_scale, DynamicLossScaler) else (
             DynamicLossScaler() if loss_scale == "dynamic" or (loss_scale is None and fp16) else None)
         self._static_scale = float(loss_scale) if isinstance(loss_scale, (int, float)) else None
+        if self._scaler is not None:
+            overflow.note_dynamic_scale(self)
         if self.rank == 0:
             logger.info("%s", self._shard_set.layout_summary(stage))
 
@@ -306,6 +308,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             The closure's loss, or ``None``.
         """
         self._refuse_grad_scaler()
+        overflow.check_one_overflow_decision(self)
         if self._reducer.closed:
             raise RuntimeError(f"this ShardedOptimizer cannot step: {self._reducer.closed_because}")
         loss = None

@@ -90,7 +90,7 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
         except (TypeError, ValueError, RuntimeError, NotImplementedError) as caught:
             error = caught
     else:
-        raise ValueError(f"{cls.__name__} cannot be stepped on a param of shape {tuple(shape)} with the hyperparameters {hyperparameters}: {error}")
+        raise ValueError(f"{cls.__name__} cannot be stepped on a param of shape {tuple(shape)} with the hyperparameters {kwargs}: {error}")
     sample = throwaway.state[probe]
     tensors = {k: v for k, v in sample.items() if torch.is_tensor(v) and k != "step"}
     others = sorted(k for k in sample if k not in tensors and k != "step")

@@ -1,0 +1,58 @@
+"""One overflow decision for several ``ShardedOptimizer`` s with dynamic loss scales over one model.
+
+See :func:`check_one_overflow_decision`; ``zeroshard.clip_grad_norm_`` makes the joint decision.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+# ShardedOptimizers with a dynamic loss scale, and those clip_grad_norm_ last gathered together.
+_SCALED: weakref.WeakSet = weakref.WeakSet()
+_JOINT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> ids of the optimizers of its last joint clip
+
+
+def note_dynamic_scale(opt: Any) -> None:
+    """Record that ``opt`` has a dynamic loss scale (see :func:`check_one_overflow_decision`)."""
+    _SCALED.add(opt)
+
+
+def check_one_overflow_decision(opt: Any) -> None:
+    """At the start of ``opt.step()``: raise if another open ``ShardedOptimizer`` with a dynamic loss
+    scale shares ``opt``'s process group and this step's gradients were not checked together.
+
+    Each wrapper's scaler decides alone whether its gradients overflowed. Two wrappers over one
+    model (one loss, scaled once) that decide differently would step one and skip the other, and
+    their scales would drift apart, so that one divides its gradients by a scale they were not
+    multiplied by: wrong numbers, no error. :func:`clip_grad_norm_` over all of them makes one
+    decision for all. Raised on every rank alike, before any collective.
+
+    Raises:
+        RuntimeError: naming the way out.
+    """
+    joint = _JOINT.pop(opt, frozenset())
+
+    def unchecked() -> list[Any]:
+        return [o for o in list(_SCALED) if o is not opt and o.process_group is opt.process_group and not o._reducer.closed
+                and id(o) not in joint]
+
+    if unchecked():
+        gc.collect()  # an optimizer dropped but not yet collected (a reference cycle) does not count
+    others = unchecked()
+    if others:
+        raise RuntimeError(
+            f"{len(others) + 1} open ShardedOptimizers with a dynamic loss scale share one process group (one model, two optimizers?): "
+            "each would decide alone whether the gradients overflowed, and their loss scales would drift apart. Before their "
+            "step()s, call zeroshard.clip_grad_norm_(optimizers, max_norm) over all of them every step (max_norm=math.inf to "
+            "check for overflow without clipping)"
+        )
+
+
+def note_joint(optimizers: Sequence[Any]) -> None:
+    """``zeroshard.clip_grad_norm_`` gathered the gradients of ``optimizers`` together for their coming steps."""
+    ids = frozenset(id(o) for o in optimizers)
+    for opt in optimizers:
+        _JOINT[opt] = ids
