@@ -46,10 +46,18 @@ def test_one_large_matrix_gets_a_rank_to_itself():
 
 def test_costs():
     # Newton-Schulz on 64 x 256, 5 steps: 5 * (4 * 64^2 * 256 + 2 * 64^3) flops; one fp32 momentum.
-    assert muon_cost((64, 256)) == ParamCost(5 * (4 * 64 * 64 * 256 + 2 * 64**3), 64 * 256 * 4)
-    assert muon_cost((256, 64)) == ParamCost(5 * (4 * 64 * 64 * 256 + 2 * 64**3), 64 * 256 * 4)
+    assert muon_cost((64, 256)) == ParamCost(5 * (4 * 64 * 64 * 256 + 2 * 64**3), 64 * 256 * 4, (64, 256))
+    assert muon_cost((256, 64)) == ParamCost(5 * (4 * 64 * 64 * 256 + 2 * 64**3), 64 * 256 * 4, (256, 64))
     assert muon_cost((8, 3, 3, 3)).state_bytes == 8 * 27 * 4  # a conv filter as 8 x 27
-    assert elementwise_cost((10, 10), 8) == ParamCost(100.0, 800)
+    assert elementwise_cost((10, 10), 8) == ParamCost(100.0, 800, (10, 10))
+
+
+def test_equal_cost_shapes_are_dealt_round_robin():
+    # A tall and a wide matrix cost the same; each rank gets its share of both, not all of one.
+    shapes = [(256, 1024), (1024, 256)] * 4
+    owners = assign_owners([muon_cost(s) for s in shapes], 2)
+    for rank in (0, 1):
+        assert sorted(s for s, o in zip(shapes, owners) if o == rank) == [(256, 1024)] * 2 + [(1024, 256)] * 2
 
 
 def test_bad_input_is_named():

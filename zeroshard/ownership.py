@@ -14,8 +14,9 @@ collective), and balanced by cost over two resources:
 Each param's cost is the sum of its shares of the two totals (``work / total work + bytes / total
 bytes``), and params go, most costly first, to the rank with the least cost so far (Graham's
 longest-processing-time rule, "Bounds on multiprocessing timing anomalies", 1969): every rank
-then ends within one param's cost of the mean, whatever the shapes. Ties break by index and
-rank, so every rank computes the same assignment.
+then ends within one param's cost of the mean, whatever the shapes. Ties break by shape, index
+and rank, so every rank computes the same assignment, and equal-cost params of one shape are
+dealt round-robin.
 """
 
 from __future__ import annotations
@@ -36,10 +37,14 @@ class ParamCost:
     Attributes:
         work: the update's work, in flops (an estimate; only ratios matter).
         state_bytes: the optimizer state the owner keeps for the param, in bytes.
+        shape: the param's shape: among params of equal cost, those of one shape are dealt out
+            together, so each rank gets its share of every shape (a tall and a wide matrix cost
+            the same flops, but torch's Muon runs a tall one transposed, which is slower on CPU).
     """
 
     work: float
     state_bytes: int
+    shape: tuple[int, ...] = ()
 
 
 def muon_cost(shape: Sequence[int], state_itemsize: int = 4, ns_steps: int = 5) -> ParamCost:
@@ -62,13 +67,13 @@ def muon_cost(shape: Sequence[int], state_itemsize: int = 4, ns_steps: int = 5) 
     small, large = min(rows, cols), max(rows, cols)
     # Per iteration: A = X X^T (small x large x small), B = b A + c A A (small^3), X' = a X + B X (small^2 x large).
     work = ns_steps * (4 * small * small * large + 2 * small**3)
-    return ParamCost(float(work), rows * cols * state_itemsize)
+    return ParamCost(float(work), rows * cols * state_itemsize, tuple(shape))
 
 
 def elementwise_cost(shape: Sequence[int], state_bytes_per_element: int) -> ParamCost:
     """The cost of a param updated element-wise (AdamW: 8 state bytes per fp32 element): both in proportion to its elements."""
     numel = math.prod(shape)
-    return ParamCost(float(numel), numel * state_bytes_per_element)
+    return ParamCost(float(numel), numel * state_bytes_per_element, tuple(shape))
 
 
 def assign_owners(costs: Sequence[ParamCost], world_size: int) -> list[int]:
@@ -89,7 +94,7 @@ def assign_owners(costs: Sequence[ParamCost], world_size: int) -> list[int]:
     total_work = sum(c.work for c in costs) or 1.0
     total_bytes = sum(c.state_bytes for c in costs) or 1
     weight = [c.work / total_work + c.state_bytes / total_bytes for c in costs]
-    order = sorted(range(len(costs)), key=lambda i: (-weight[i], i))
+    order = sorted(range(len(costs)), key=lambda i: (-weight[i], costs[i].shape, i))
     loads = [(0.0, rank) for rank in range(world_size)]  # a heap of (load, rank): least loaded, then lowest rank
     owners = [0] * len(costs)
     for i in order:
