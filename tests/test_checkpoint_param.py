@@ -213,3 +213,48 @@ def checkpoint_tensors(state_dict: dict) -> list[torch.Tensor]:
 
 def test_mismatches_raise_naming_the_way_out(pools):
     pools[2].run(mismatch_worker)
+
+
+class ForwardingSGD(torch.optim.SGD):
+    """A subclass that forwards its arguments (``**kwargs``), as wrapper libraries write them."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+
+
+def forwarding_worker(directory: str) -> bool:
+    """ForwardingSGD(momentum=0.9) runs partition="param" (not known to be element-wise); its consolidated state
+    equals the unsharded optimizer's, trained on the same data; without momentum, nothing to convert is no error."""
+    torch.manual_seed(0)
+    model, ref = TinyNet(), TinyNet()
+    ref.load_state_dict(model.state_dict())
+    opt = zeroshard.ShardedOptimizer(ForwardingSGD(model.parameters(), lr=0.1, momentum=0.9))
+    plain = ForwardingSGD([p for p in ref.parameters()], lr=0.1, momentum=0.9)
+    world = dist.get_world_size()
+    for step in range(2):
+        for r in range(world):  # the unsharded reference sees every rank's batch, averaged
+            x, y = batch(r, step)
+            (loss_fn(ref, x, y) / world).backward()
+        x, y = batch(dist.get_rank(), step)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        plain.step()
+        opt.zero_grad()
+        plain.zero_grad()
+    assert opt.partition == "param"
+    opt.consolidate_state_dict(to=0)
+    full = opt.state_dict() if dist.get_rank() == 0 else None
+    no_state = zeroshard.ShardedOptimizer(ForwardingSGD(TinyNet().parameters(), lr=0.1))
+    dcp.save({"optim": no_state}, checkpoint_id=f"{directory}/no_state")
+    if full is None:
+        return True
+    expected = plain.state_dict()["state"]
+    return sorted(full["state"]) == sorted(expected) and all(
+        sorted(full["state"][i]) == sorted(entry) and torch.allclose(full["state"][i]["momentum_buffer"], entry["momentum_buffer"], rtol=1e-6, atol=1e-7)
+        for i, entry in expected.items())
+
+
+def test_subclass_forwarding_kwargs_keeps_its_state(pools, tmp_path):
+    assert all(pools[2].run(forwarding_worker, str(tmp_path)))
+    convert(tmp_path / "no_state", tmp_path / "no_state.pt")  # every entry empty: converts to no state, no KeyError
+    assert torch.load(tmp_path / "no_state.pt", weights_only=False)["optim"]["state"] == {}

@@ -135,6 +135,8 @@ def _train(recipe: str, stage: int = 2, accumulation: str = "none", overlap_comm
     opts = [zeroshard.ShardedOptimizer(o, stage=stage, bucket_size_mb=BUCKET_MB, overlap_comm=overlap_comm, process_group=process_group,
                                        max_grad_norm=None if clip_api else clip, loss_scale=loss_scale)
             for o in _torch_optimizers(recipe, model)]
+    if ns is not None:  # construction checks each shape with a throwaway step on the meta device: not a step
+        ns.counts.clear()
     micro = MICRO if accumulation != "none" else 1
     for step in range(steps):
         use_branch = _uses_branch(rank, step, uneven)
@@ -157,7 +159,7 @@ def _train(recipe: str, stage: int = 2, accumulation: str = "none", overlap_comm
                 loss = loss_fn(model, x, y, use_branch) / micro
                 if step == inf_step and rank == 0:
                     loss = loss * math.inf
-                opts[0].backward(loss)  # loss.backward() times the loss scale, which every wrapper shares
+                opts[0].backward(loss)  # loss.backward() times opts[0]'s loss scale, the same fixed value in every wrapper here
         for p, grad in averages.items():
             p.grad = grad
         ref_norm = norm = None
@@ -429,6 +431,8 @@ def fp16_two_wrappers_worker() -> list[bool]:
     # Each its own scaler, starting low enough that the first step does not overflow; one overflow backs off.
     opts = [zeroshard.ShardedOptimizer(inner, loss_scale=zeroshard.DynamicLossScaler(initial_scale=16.0, hysteresis=1))
             for inner in (torch.optim.Muon(hidden, lr=LR), torch.optim.AdamW(rest, lr=LR))]
+    with pytest.raises(ValueError, match=r"loss_scale is a DynamicLossScaler that another open ShardedOptimizer already uses"):
+        zeroshard.ShardedOptimizer(torch.optim.SGD([model.norm.weight], lr=LR), loss_scale=opts[0]._scaler)
     x, y = batch(dist.get_rank(), 0)
     opts[0].backward(loss_fn(model, x, y))
     with pytest.raises(RuntimeError, match=r"2 open ShardedOptimizers with a dynamic loss scale share one process group.*clip_grad_norm_"):

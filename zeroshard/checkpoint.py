@@ -29,7 +29,6 @@ stepped exactly when it got a gradient on some rank, which every rank knows afte
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.local_shard import LocalShard
 from zeroshard.loss_scaler import DynamicLossScaler
-from zeroshard.validation import param_name
+from zeroshard.validation import constructor_kwargs, param_name
 
 try:  # torch >= 2.5
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -108,11 +107,10 @@ def state_keys(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
             checkpoints do not carry.
     """
     name = type(optimizer).__name__
-    accepted = inspect.signature(type(optimizer).__init__).parameters
     probe = nn.Parameter(torch.zeros(2, dtype=dtype, device=device))
     probe.grad = torch.zeros_like(probe)
     try:
-        throwaway = type(optimizer)([probe], **{k: v for k, v in hyperparameters.items() if k in accepted and k != "params"})
+        throwaway = type(optimizer)([probe], **constructor_kwargs(type(optimizer), hyperparameters))
         throwaway.step()
     except (TypeError, ValueError, RuntimeError) as error:
         shown = {k: v for k, v in hyperparameters.items() if k != "params"}

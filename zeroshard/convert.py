@@ -91,9 +91,9 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
     steps = [int(s) for s in sharded["param_steps"].tolist()]
     state: dict[int, dict[str, Any]] = {}
     masters: dict[int, torch.Tensor] = {}
-    if meta.get("partition") == "param":  # each param's state whole, keyed by its index (zeroshard/param_state.py)
+    if meta.get("partition") == "param":  # each param's state whole, keyed by its index (zeroshard/param_state.py); none: no state
         keeps_step = {index: keeps for group, keeps in zip(groups, meta["keeps_step"]) for index in group["params"]}
-        for name, entry in sorted(sharded["params"].items(), key=lambda item: int(item[0])):
+        for name, entry in sorted((sharded.get("params") or {}).items(), key=lambda item: int(item[0])):
             index = int(name)
             if "master" in entry:
                 masters[index] = entry["master"].clone()

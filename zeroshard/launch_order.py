@@ -20,6 +20,7 @@ last bucket. Give a wrapper a process group of its own (``dist.new_group``) to o
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Any
 
@@ -27,7 +28,15 @@ _REDUCERS: dict[int, list[weakref.ref]] = {}  # id of a process group -> its red
 
 
 def register(reducer: Any, group: Any) -> None:
-    """Add ``reducer`` (a ``GradReducer``) to the reducers of process group ``group``, after those built before."""
+    """Add ``reducer`` (a ``GradReducer``) to the reducers of process group ``group``, after those built before.
+
+    Garbage is collected first: a reducer dropped in a reference cycle (an optimizer kept by an
+    exception's traceback) would otherwise hold the later ones back until the collector runs, which
+    happens at different times on different ranks. Construction runs at the same point of the
+    program on every rank, so every rank sees the same reducers from then on (an optimizer dropped
+    without a cycle is freed at once, by reference counting).
+    """
+    gc.collect()
     reducers = _REDUCERS.setdefault(id(group), [])
     reducers[:] = [ref for ref in reducers if ref() is not None]
     reducers.append(weakref.ref(reducer))

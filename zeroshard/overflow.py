@@ -5,7 +5,6 @@ See :func:`check_one_overflow_decision`; ``zeroshard.clip_grad_norm_`` makes the
 
 from __future__ import annotations
 
-import gc
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +23,9 @@ def check_one_overflow_decision(opt: Any) -> None:
     """At the start of ``opt.step()``: raise if another open ``ShardedOptimizer`` with a dynamic loss
     scale shares ``opt``'s process group and this step's gradients were not checked together.
 
-    Each wrapper's scaler decides alone whether its gradients overflowed. Two wrappers over one
+    Others count when gradients of this step wait for their own ``step()`` (the user calls the
+    wrappers' steps in one order on every rank, and each wrapper's params get gradients on every
+    rank). Each wrapper's scaler decides alone whether its gradients overflowed. Two wrappers over one
     model (one loss, scaled once) that decide differently would step one and skip the other, and
     their scales would drift apart, so that one divides its gradients by a scale they were not
     multiplied by: wrong numbers, no error. :func:`clip_grad_norm_` over all of them makes one
@@ -34,14 +35,12 @@ def check_one_overflow_decision(opt: Any) -> None:
         RuntimeError: naming the way out.
     """
     joint = _JOINT.pop(opt, frozenset())
-
-    def unchecked() -> list[Any]:
-        return [o for o in list(_SCALED) if o is not opt and o.process_group is opt.process_group and not o._reducer.closed
-                and id(o) not in joint]
-
-    if unchecked():
-        gc.collect()  # an optimizer dropped but not yet collected (a reference cycle) does not count
-    others = unchecked()
+    if opt not in _SCALED:
+        return
+    # Others whose gradients wait for their own step now: not one dropped and not yet collected
+    # (no collection here: a finalizer may run collectives, at different times on different ranks).
+    others = [o for o in list(_SCALED) if o is not opt and o.process_group is opt.process_group and not o._reducer.closed
+              and id(o) not in joint and any(any(flags) for flags in o._reducer.local_used())]
     if others:
         raise RuntimeError(
             f"{len(others) + 1} open ShardedOptimizers with a dynamic loss scale share one process group (one model, two optimizers?): "
@@ -56,3 +55,8 @@ def note_joint(optimizers: Sequence[Any]) -> None:
     ids = frozenset(id(o) for o in optimizers)
     for opt in optimizers:
         _JOINT[opt] = ids
+
+
+def scaler_in_use(scaler: Any) -> bool:
+    """Whether an open ``ShardedOptimizer`` already updates ``scaler`` (a ``DynamicLossScaler``) at its steps."""
+    return any(o._scaler is scaler and not o._reducer.closed for o in list(_SCALED))

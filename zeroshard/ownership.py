@@ -50,8 +50,8 @@ class ParamCost:
 def muon_cost(shape: Sequence[int], state_itemsize: int = 4, ns_steps: int = 5) -> ParamCost:
     """The cost of a param updated by Muon: Newton-Schulz work and one momentum buffer.
 
-    A param of more than 2 dims is orthogonalized as ``shape[0] x prod(shape[1:])``, as
-    ``torch.optim.Muon`` and modded-nanogpt flatten conv filters.
+    A param of more than 2 dims is costed as ``shape[0] x prod(shape[1:])``, as modded-nanogpt
+    flattens conv filters (``torch.optim.Muon`` itself refuses such params).
 
     Args:
         shape: the param's shape (>= 2 dims).

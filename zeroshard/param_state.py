@@ -24,7 +24,6 @@ value with ``.item()``).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -48,6 +47,7 @@ from zeroshard.checkpoint import (
 )
 from zeroshard.full_state import check_full, full_envelope
 from zeroshard.local_shard import LocalShard
+from zeroshard.validation import constructor_kwargs
 
 
 class StateSpec(NamedTuple):
@@ -66,7 +66,8 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
     """The state ``optimizer``'s class keeps for a param of ``shape`` and ``dtype`` in a param group with ``hyperparameters``.
 
     Read from one step of a throwaway instance of the class (see the module docstring); the
-    optimizer itself is never touched. Cached per class, hyperparameters, shape and dtype.
+    optimizer itself is never touched. Cached per class, hyperparameters (the learning rate aside),
+    shape and dtype.
 
     Raises:
         ValueError: the class cannot be built or stepped with these hyperparameters on such a
@@ -74,9 +75,9 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
             checkpoints do not carry.
     """
     cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {k: v for k, v in hyperparameters.items() if k in accepted and k != "params"}
-    key = (cls, repr(sorted(kwargs.items())), tuple(shape), dtype)
+    kwargs = constructor_kwargs(cls, hyperparameters)
+    # The learning rate (which schedules change every step) does not decide what state is kept.
+    key = (cls, repr(sorted((k, v) for k, v in kwargs.items() if k not in ("lr", "initial_lr"))), tuple(shape), dtype)
     if key in _SPECS:
         return _SPECS[key]
     error: Exception | None = None

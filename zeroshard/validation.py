@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard import overflow
 from zeroshard.chunk import is_virtual_param
 from zeroshard.fused_adam import fused_adam_kind
 from zeroshard.loss_scaler import DynamicLossScaler
@@ -139,7 +140,8 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
     Raises:
         TypeError: ``max_grad_norm`` or ``collective_timeout_s`` neither ``None`` nor a number;
             ``loss_scale`` a ``bool``.
-        ValueError: ``max_grad_norm`` not positive; ``loss_scale`` not ``None``,
+        ValueError: ``max_grad_norm`` not positive; a ``DynamicLossScaler`` another open
+            ``ShardedOptimizer`` uses; ``loss_scale`` not ``None``,
             ``"dynamic"``, a finite positive number or a ``DynamicLossScaler``; ``offload`` not
             ``None``/``"cpu"``, or ``"cpu"`` with an optimizer other than Adam/AdamW;
             ``gpu_margin_mem_ratio`` outside [0, 1], or above 0 without ``offload="cpu"``;
@@ -168,6 +170,10 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
     if not (loss_scale is None or loss_scale == "dynamic" or isinstance(loss_scale, DynamicLossScaler)
             or (_is_number(loss_scale) and math.isfinite(loss_scale) and loss_scale > 0)):
         raise ValueError(f"loss_scale={loss_scale!r} must be None, 'dynamic', a finite positive number or a DynamicLossScaler")
+    if isinstance(loss_scale, DynamicLossScaler) and overflow.scaler_in_use(loss_scale):
+        raise ValueError("loss_scale is a DynamicLossScaler that another open ShardedOptimizer already uses: each step() updates its "
+                         "scaler, so a shared one would move twice a step. Give each its own DynamicLossScaler with the same settings; "
+                         "zeroshard.clip_grad_norm_(optimizers, max_norm) over all of them keeps their scales equal")
 
 
 def options_fingerprint(optimizer: torch.optim.Optimizer, stage: int, bucket_size_mb: float, overlap_comm: bool, reduce_dtype: torch.dtype | None,
@@ -205,6 +211,15 @@ def is_sharded(param: nn.Parameter) -> bool:
     return param.requires_grad and param.numel() > 0
 
 
+def constructor_kwargs(cls: type, hyperparameters: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a param group's ``hyperparameters`` that ``cls(params, **kwargs)`` takes: those its
+    ``__init__`` names, or all of them (``"params"`` aside) when it takes ``**kwargs`` (a subclass
+    that forwards its arguments to its base class)."""
+    accepted = inspect.signature(cls).parameters
+    forwards = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    return {k: v for k, v in hyperparameters.items() if k != "params" and (forwards or k in accepted)}
+
+
 def check_whole_param_steps(optimizer: torch.optim.Optimizer, groups: range, params_of: list[list[nn.Parameter]]) -> None:
     """``partition="param"``: raise, on every rank alike, if the wrapped optimizer refuses a param's shape.
 
@@ -212,18 +227,17 @@ def check_whole_param_steps(optimizer: torch.optim.Optimizer, groups: range, par
     optimizer's class on a meta-device param with a zero gradient (no memory, no work), so that
     what the optimizer would raise in ``step()`` on the one rank that owns the param (Muon: "Param
     gradient must be a 2D matrix", for a param added with ``add_param_group``) is raised here on
-    every rank, before any collective. An optimizer that cannot step on the meta device at all
-    (Adafactor reads a value) is not checked.
+    every rank, before any collective. Shapes the optimizer cannot step on the meta device
+    (Adafactor reads a value) are not checked.
 
     Raises:
         ValueError: the optimizer raised ``ValueError`` or ``TypeError`` for a param (named, with
             its shape and the optimizer's message).
     """
     cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
     seen = set()
     for g, params in zip(groups, params_of):
-        kwargs = {k: v for k, v in optimizer.param_groups[g].items() if k in accepted and k != "params"}
+        kwargs = constructor_kwargs(cls, optimizer.param_groups[g])
         for j, p in enumerate(params):
             if not is_sharded(p) or (tuple(p.shape), p.dtype, g) in seen:
                 continue
@@ -235,7 +249,7 @@ def check_whole_param_steps(optimizer: torch.optim.Optimizer, groups: range, par
             except (ValueError, TypeError) as error:
                 raise ValueError(f"{cls.__name__} cannot update {param_name(g, j)} (shape {tuple(p.shape)}): {error}") from error
             except (RuntimeError, NotImplementedError):
-                return  # no step on the meta device: nothing to check this way
+                continue  # no step on the meta device (Adafactor reads a value): this shape is not checked
 
 
 def check_params(params_of: list[list[nn.Parameter]], groups: range, device: torch.device | None, first: bool) -> torch.device:
