@@ -97,7 +97,8 @@ def resume_worker(kind: str, dtype: torch.dtype, directory: str, method: str) ->
 @pytest.mark.parametrize("kind", ["muon", "adafactor"])
 def test_resume_at_any_world_size(pools, tmp_path, kind):
     pools[2].run(save_worker, kind, torch.float32, str(tmp_path))
-    for method, world in [("own", 2), ("dcp", 2), ("dcp", 1), ("dcp", 3), ("full", 4), ("full", 3)]:
+    resumes = [("own", 2), ("dcp", 1), ("dcp", 3), ("full", 4)] if kind == "muon" else [("dcp", 2), ("full", 3)]
+    for method, world in resumes:
         for ratio, bitwise in pools[world].run(resume_worker, kind, torch.float32, str(tmp_path), method):
             assert ratio <= 1.0, (method, world, ratio)
             assert bitwise or world != 2, (method, world)
@@ -121,8 +122,7 @@ def test_hybrid_checkpoint_is_written_once_per_shard_group_and_loads_anywhere(po
     pools[4].run(save_worker, "muon", torch.float32, str(tmp_path / "hybrid"), 2)  # 2 shard groups of 2
     size = {name: sum(f.stat().st_size for f in (tmp_path / name / "dcp").glob("*.distcp")) for name in ("hybrid", "flat")}
     assert size["hybrid"] < 1.2 * size["flat"], size  # the two replicas are not both written
-    for world in (2, 3):
-        assert all(ratio <= 1.0 for ratio, _ in pools[world].run(resume_worker, "muon", torch.float32, str(tmp_path / "hybrid"), "dcp"))
+    assert all(ratio <= 1.0 for ratio, _ in pools[3].run(resume_worker, "muon", torch.float32, str(tmp_path / "hybrid"), "dcp"))
 
 
 def unsharded_worker(kind: str, directory: str) -> None:

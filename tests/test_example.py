@@ -26,22 +26,6 @@ def test_train_gpt_runs_on_two_ranks_and_learns():
     assert val_after < val_before - 1.0 and train_after < train_before - 1.0, summary.group(0)
 
 
-def test_train_gpt_with_muon_shards_both_optimizers_and_learns():
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "examples" / "train_gpt.py"),
-               "--optimizer", "muon", "--steps", "20", "--log-interval", "10", "--eval-batches", "4"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    # Muon on the blocks' 16 weight matrices, each owned whole by one rank; AdamW on the other 36 params, in flat slices.
-    assert re.search(r"^AdamW on 36 params .*: ShardedOptimizer\(stage=2, partition='flat'\)", result.stdout, re.M), result.stdout
-    assert re.search(r"^Muon on 16 params .*: ShardedOptimizer\(stage=2, partition='param'\), rank 0 updates 8 of them whole",
-                     result.stdout, re.M), result.stdout
-    assert re.search(r"optimizer state per rank: [\d.]+ \+ [\d.]+ MiB .* unsharded AdamW \+ Muon would hold", result.stdout), result.stdout
-    summary = re.search(r"done: 20 steps .* train loss ([\d.]+) -> ([\d.]+), val loss ([\d.]+) -> ([\d.]+)", result.stdout)
-    assert summary, result.stdout[-3000:]
-    train_before, train_after, val_before, val_after = map(float, summary.groups())
-    assert val_after < val_before - 1.0 and train_after < train_before - 1.0, summary.group(0)
-
-
 def test_kernels_installs_under_zeroshard_only(tmp_path):
     probe = "import importlib.util, zeroshard.kernels; print(importlib.util.find_spec('kernels') is None)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
@@ -65,20 +49,30 @@ def test_train_gpt_checkpoints_and_resumes_on_another_number_of_ranks(tmp_path):
     assert "done: 5 steps" in second.stdout
 
 
-def test_train_gpt_with_muon_checkpoints_both_optimizers_and_resumes_on_another_number_of_ranks(tmp_path):
+def test_train_gpt_with_muon_shards_both_optimizers_learns_and_resumes_on_another_number_of_ranks(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     base = [sys.executable, "-m", "torch.distributed.run", str(ROOT / "examples" / "train_gpt.py"), "--optimizer", "muon",
             "--ckpt-dir", str(tmp_path), "--ckpt-every", "5", "--log-interval", "5", "--eval-batches", "2"]
-    first = subprocess.run(base[:3] + ["--nproc_per_node", "2"] + base[3:] + ["--steps", "10"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    first = subprocess.run(base[:3] + ["--nproc_per_node", "2"] + base[3:] + ["--steps", "20", "--ckpt-every", "10"],
+                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000005", "step_000010"]
-    saved = FileSystemReader(str(tmp_path / "step_000010")).read_metadata().state_dict_metadata
+    # Muon on the blocks' 16 weight matrices, each owned whole by one rank; AdamW on the other 36 params, in flat slices.
+    assert re.search(r"^AdamW on 36 params .*: ShardedOptimizer\(stage=2, partition='flat'\)", first.stdout, re.M), first.stdout
+    assert re.search(r"^Muon on 16 params .*: ShardedOptimizer\(stage=2, partition='param'\), rank 0 updates 8 of them whole",
+                     first.stdout, re.M), first.stdout
+    assert re.search(r"optimizer state per rank: [\d.]+ \+ [\d.]+ MiB .* unsharded AdamW \+ Muon would hold", first.stdout), first.stdout
+    summary = re.search(r"done: 20 steps .* train loss ([\d.]+) -> ([\d.]+), val loss ([\d.]+) -> ([\d.]+)", first.stdout)
+    assert summary, first.stdout[-3000:]
+    train_before, train_after, val_before, val_after = map(float, summary.groups())
+    assert val_after < val_before - 1.0 and train_after < train_before - 1.0, summary.group(0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010", "step_000020"]
+    saved = FileSystemReader(str(tmp_path / "step_000020")).read_metadata().state_dict_metadata
     assert {key.split(".")[0] for key in saved} >= {"model", "optim", "optim_muon", "schedule", "schedule_muon", "step"}, sorted(saved)[:20]
-    second = subprocess.run(base[:3] + ["--nproc_per_node", "3"] + base[3:] + ["--steps", "15", "--resume"],
+    second = subprocess.run(base[:3] + ["--nproc_per_node", "3"] + base[3:] + ["--steps", "25", "--resume"],
                             capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert f"resumed from {tmp_path / 'step_000010'} (step 10) on 3 ranks" in second.stdout
+    assert f"resumed from {tmp_path / 'step_000020'} (step 20) on 3 ranks" in second.stdout
     assert "done: 5 steps" in second.stdout
 
 

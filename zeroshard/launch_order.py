@@ -30,14 +30,15 @@ _REDUCERS: dict[int, list[weakref.ref]] = {}  # id of a process group -> its red
 def register(reducer: Any, group: Any) -> None:
     """Add ``reducer`` (a ``GradReducer``) to the reducers of process group ``group``, after those built before.
 
-    Garbage is collected first: a reducer dropped in a reference cycle (an optimizer kept by an
-    exception's traceback) would otherwise hold the later ones back until the collector runs, which
-    happens at different times on different ranks. Construction runs at the same point of the
+    Garbage is collected first, if another open reducer is registered: a reducer dropped in a
+    reference cycle (an optimizer kept by an exception's traceback) would otherwise hold the later
+    ones back until the collector runs, which happens at different times on different ranks. Construction runs at the same point of the
     program on every rank, so every rank sees the same reducers from then on (an optimizer dropped
     without a cycle is freed at once, by reference counting).
     """
-    gc.collect()
     reducers = _REDUCERS.setdefault(id(group), [])
+    if any((r := ref()) is not None and not r.closed for ref in reducers):
+        gc.collect()  # only when another open reducer is registered: a full collection takes 50-150 ms
     reducers[:] = [ref for ref in reducers if ref() is not None]
     reducers.append(weakref.ref(reducer))
 
