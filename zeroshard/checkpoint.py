@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.local_shard import LocalShard
 from zeroshard.loss_scaler import DynamicLossScaler
-from zeroshard.validation import constructor_kwargs, param_name
+from zeroshard.validation import param_name, throwaway_state
 
 try:  # torch >= 2.5
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -107,15 +107,11 @@ def state_keys(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
             checkpoints do not carry.
     """
     name = type(optimizer).__name__
-    probe = nn.Parameter(torch.zeros(2, dtype=dtype, device=device))
-    probe.grad = torch.zeros_like(probe)
     try:
-        throwaway = type(optimizer)([probe], **constructor_kwargs(type(optimizer), hyperparameters))
-        throwaway.step()
+        sample = throwaway_state(type(optimizer), hyperparameters, (2,), dtype, device)
     except (TypeError, ValueError, RuntimeError) as error:
         shown = {k: v for k, v in hyperparameters.items() if k != "params"}
         raise ValueError(f"{name} cannot be built with the hyperparameters {shown}: {error}") from error
-    sample = throwaway.state[probe]
     per_element = sorted(k for k, v in sample.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == 2)
     scalars = sorted(k for k in sample if k not in per_element and k != "step")
     if scalars:

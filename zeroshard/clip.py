@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from zeroshard import overflow
-from zeroshard.grad_norm import NORM_TYPES, GradStats
+from zeroshard.grad_norm import GradStats
 from zeroshard.optimizer import ShardedOptimizer
 
 
@@ -45,10 +45,7 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
     if not optimizers or len({id(opt) for opt in optimizers}) != len(optimizers):
         raise ValueError(f"optimizers must be one or more distinct ShardedOptimizers; got {len(optimizers)} entries, "
                          f"{len({id(opt) for opt in optimizers})} distinct")
-    if not max_norm > 0:
-        raise ValueError(f"max_norm={max_norm!r} must be positive")
-    if float(norm_type) not in NORM_TYPES:
-        raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
+    # The first one's clip_grad_norm_ checks max_norm and norm_type before its collective.
     norms = [float(opt.clip_grad_norm_(max_norm, norm_type)) for opt in optimizers]
     total = max(norms) if math.isinf(norm_type) else math.sqrt(sum(n * n for n in norms))
     if any(not math.isfinite(n) for n in norms):

@@ -43,20 +43,20 @@ def register(reducer: Any, group: Any) -> None:
     reducers.append(weakref.ref(reducer))
 
 
-def _live(reducer: Any, group: Any) -> list[Any]:
+def _live(group: Any) -> list[Any]:
     found = [ref() for ref in _REDUCERS.get(id(group), [])]
     return [r for r in found if r is not None and not r.closed]
 
 
 def earlier(reducer: Any, group: Any) -> list[Any]:
     """The open reducers of ``group`` built before ``reducer``, in order."""
-    live = _live(reducer, group)
+    live = _live(group)
     return live[: live.index(reducer)] if reducer in live else []
 
 
 def later(reducer: Any, group: Any) -> list[Any]:
     """The open reducers of ``group`` built after ``reducer``, in order."""
-    live = _live(reducer, group)
+    live = _live(group)
     return live[live.index(reducer) + 1 :] if reducer in live else []
 
 

@@ -47,7 +47,7 @@ from zeroshard.checkpoint import (
 )
 from zeroshard.full_state import check_full, full_envelope
 from zeroshard.local_shard import LocalShard
-from zeroshard.validation import constructor_kwargs
+from zeroshard.validation import constructor_kwargs, throwaway_state
 
 
 class StateSpec(NamedTuple):
@@ -82,17 +82,13 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
         return _SPECS[key]
     error: Exception | None = None
     for device in ("meta", "cpu"):
-        probe = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
-        probe.grad = torch.zeros_like(probe)
         try:
-            throwaway = cls([probe], **kwargs)
-            throwaway.step()
+            sample = throwaway_state(cls, hyperparameters, shape, dtype, device)
             break
         except (TypeError, ValueError, RuntimeError, NotImplementedError) as caught:
             error = caught
     else:
         raise ValueError(f"{cls.__name__} cannot be stepped on a param of shape {tuple(shape)} with the hyperparameters {kwargs}: {error}")
-    sample = throwaway.state[probe]
     tensors = {k: v for k, v in sample.items() if torch.is_tensor(v) and k != "step"}
     others = sorted(k for k in sample if k not in tensors and k != "step")
     if others:

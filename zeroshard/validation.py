@@ -220,6 +220,17 @@ def constructor_kwargs(cls: type, hyperparameters: dict[str, Any]) -> dict[str, 
     return {k: v for k, v in hyperparameters.items() if k != "params" and (forwards or k in accepted)}
 
 
+def throwaway_state(cls: type, hyperparameters: dict[str, Any], shape: Any, dtype: torch.dtype, device: Any) -> dict[str, Any]:
+    """The state an instance of optimizer class ``cls``, built with a param group's ``hyperparameters``
+    (:func:`constructor_kwargs`), keeps after one step of a zero param of ``shape``, ``dtype`` and
+    ``device`` with a zero gradient. Raises whatever the class raises."""
+    probe = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
+    probe.grad = torch.zeros_like(probe)
+    throwaway = cls([probe], **constructor_kwargs(cls, hyperparameters))
+    throwaway.step()
+    return throwaway.state[probe]
+
+
 def check_whole_param_steps(optimizer: torch.optim.Optimizer, groups: range, params_of: list[list[nn.Parameter]]) -> None:
     """``partition="param"``: raise, on every rank alike, if the wrapped optimizer refuses a param's shape.
 
@@ -237,15 +248,12 @@ def check_whole_param_steps(optimizer: torch.optim.Optimizer, groups: range, par
     cls = type(optimizer)
     seen = set()
     for g, params in zip(groups, params_of):
-        kwargs = constructor_kwargs(cls, optimizer.param_groups[g])
         for j, p in enumerate(params):
             if not is_sharded(p) or (tuple(p.shape), p.dtype, g) in seen:
                 continue
             seen.add((tuple(p.shape), p.dtype, g))
-            probe = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device="meta"))
-            probe.grad = torch.zeros_like(probe)
             try:
-                cls([probe], **kwargs).step()
+                throwaway_state(cls, optimizer.param_groups[g], p.shape, p.dtype, "meta")
             except (ValueError, TypeError) as error:
                 raise ValueError(f"{cls.__name__} cannot update {param_name(g, j)} (shape {tuple(p.shape)}): {error}") from error
             except (RuntimeError, NotImplementedError):
