@@ -26,12 +26,9 @@ if "site-packages" not in Path(zeroshard.__file__).parts:
 stray = [name for name in ("kernels", "bench", "tests", "examples") if importlib.util.find_spec(name) is not None]
 if stray:
     sys.exit(f"the wheel installed top-level packages {stray}")
-# The framework adapters are optional (the "integrations" extra): without their framework they say how to get it.
+# The framework adapters' frameworks are dependencies of the wheel: each adapter imports.
 for adapter in ("hf", "accelerate", "lightning"):
-    try:
-        importlib.import_module(f"zeroshard.integrations.{adapter}")
-    except ModuleNotFoundError as error:
-        if "zeroshard[integrations]" not in str(error):
-            sys.exit(f"zeroshard.integrations.{adapter} without its framework: {error}")
+    importlib.import_module(f"zeroshard.integrations.{adapter}")
+importlib.import_module("safetensors.torch")
 
 print(f"{wheel.name}: {sorted(top_level)}; zeroshard {zeroshard.__version__} imports from {Path(zeroshard.__file__).parent}")

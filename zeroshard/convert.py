@@ -153,7 +153,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key:
         try:
             from safetensors.torch import save_file  # optional: only this output needs it
         except ImportError as error:
-            raise ImportError(f"writing {out} needs safetensors: pip install 'zeroshard[integrations]' ({error})") from error
+            raise ImportError(f"writing {out} needs safetensors: a zeroshard dependency, reinstall zeroshard ({error})") from error
 
         tensors = {k: v.contiguous() for k, v in state[model_key].items() if torch.is_tensor(v)}
         save_file(tensors, str(out), metadata={"format": "pt"})
