@@ -53,6 +53,7 @@ def bad_input_worker() -> list[str]:
         (TypeError, r"stage=True must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), stage=True)),
         (TypeError, r"stage=2.0 must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), stage=2.0)),
         (TypeError, r"overlap_comm='yes' must be a bool", lambda: zeroshard.ShardedOptimizer(_adamw(model), overlap_comm="yes")),
+        (TypeError, r"overlap_param_gather='yes' must be True or False", lambda: zeroshard.ShardedOptimizer(_adamw(model), overlap_param_gather="yes")),
         (TypeError, r"max_grad_norm=True must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), max_grad_norm=True)),
         (ValueError, r"loss_scale=inf must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), loss_scale=float("inf"))),
         (ValueError, r"bucket_size_mb=inf must be a finite", lambda: zeroshard.ShardedOptimizer(_adamw(model), bucket_size_mb=float("inf"))),

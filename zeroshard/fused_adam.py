@@ -31,7 +31,9 @@ from torch.optim.adamw import adamw as torch_functional_adamw
 from zeroshard.chunk import Chunk, chunks_of
 from zeroshard.kernels import fused_adamw_
 from zeroshard.local_shard import LocalShard
+from zeroshard.memory_tracer import MemoryTracer
 from zeroshard.offload import CPU_ADAM_RANGE, OffloadPipeline
+from zeroshard.placement import Placement, place_chunks
 
 
 class Run(NamedTuple):
@@ -154,6 +156,21 @@ class FusedAdam:
                         if state[key].data_ptr() != view.data_ptr():
                             view.copy_(state[key].reshape(view.shape))
                             state[key] = view
+
+    @torch.no_grad()
+    def place(self, shards: list[LocalShard], tracer: MemoryTracer, model_data_bytes: int, ratio: float, device: torch.device) -> Placement:
+        """Move ``ratio`` of the measured margin's worth of chunks to ``device`` (see :func:`~zeroshard.placement.place_chunks`).
+
+        Masters are refreshed first (params loaded or written since construction reach them) and
+        every chunk gets its moments before it moves; afterwards the state entries are views of
+        the moved moments.
+        """
+        for shard in shards:
+            shard.refresh_master()
+        self.bind(shards)
+        placement = place_chunks(chunks_of(shards), tracer, model_data_bytes, ratio, device)
+        self.bind(shards)
+        return placement
 
     @torch.no_grad()
     def load(self, shards: list[LocalShard]) -> None:

@@ -19,7 +19,6 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard import collectives, overflow
-from zeroshard.chunk import chunks_of
 from zeroshard.delegating import DelegatingOptimizer
 from zeroshard.fused_adam import FusedAdam, fused_adam_kind
 from zeroshard.grad_norm import NORM_TYPES, GradStats, gather_grad_stats
@@ -29,7 +28,8 @@ from zeroshard.local_shard import LocalShard
 from zeroshard.loss_scaler import DynamicLossScaler
 from zeroshard.memory import MemoryUsage, owned_memory
 from zeroshard.memory_tracer import MemoryTracer
-from zeroshard.placement import Placement, place_chunks
+from zeroshard.param_gather import ParamGather, pop_guard_if_done
+from zeroshard.placement import Placement
 from zeroshard.reduced_grad import GRAD_SCALER_REFUSED
 from zeroshard.shard_set import ShardSet
 from zeroshard.state_dict_api import StateDictMixin
@@ -114,6 +114,10 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             into a clear error on the ranks that wait for it; the process group is unusable
             afterwards, so end the run. On NCCL a bounded wait blocks the host until the
             collective completes. Each rank may set its own bound.
+        overlap_param_gather: :meth:`step` returns with the param all-gathers in flight (forward
+            order) to overlap the next forward, as Megatron-LM's ``overlap_param_gather``; any
+            torch function given a param waits for its bucket first (see :meth:`wait_params`).
+            ``False``: :meth:`step` waits for them.
 
     Raises:
         TypeError: an argument of the wrong type (named, with its value), ``process_group`` of
@@ -146,12 +150,13 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         partition: str | None = None,
         assume_elementwise: bool = False,
         collective_timeout_s: float | None = None,
+        overlap_param_gather: bool = True,
     ) -> None:
         if isinstance(optimizer, ShardedOptimizer):
             raise TypeError("optimizer is already a ShardedOptimizer; wrap the plain torch optimizer once")
         check_arguments(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype)
         self.partition = choose_partition(optimizer, partition, assume_elementwise)
-        check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio, collective_timeout_s)
+        check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio, collective_timeout_s, overlap_param_gather)
         self.groups: ShardingGroups = resolve_groups(process_group)
         options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload,
                                       self.partition)
@@ -179,6 +184,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self._skipped_steps = 0
         self._stats: GradStats | None = None  # from clip_grad_norm_, for the coming step
         self._clip_norm: float | None = None  # max_norm of a clip_grad_norm_ call, for the coming step
+        self._gather = ParamGather(self.process_group, self._collective_timeout(), overlap=overlap_param_gather)
+        weakref.finalize(self, self._gather.wait)  # dropped mid-gather: complete, let the guard go
         self._reducer = GradReducer(
             self._shard_set.add_groups(range(len(optimizer.param_groups))), stage=stage, groups=self.groups, reduce_dtype=reduce_dtype,
             overlap_comm=overlap_comm, timeout=self._collective_timeout(),
@@ -218,6 +225,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             TypeError, ValueError: as ``torch.optim.Optimizer.add_param_group`` does, and for the
                 param checks of the constructor. On error the optimizer is left as it was.
         """
+        self.wait_params()
         self._hook_up(self._shard_set.add_param_group(param_group))
 
     # -- training ----------------------------------------------------------------------------
@@ -308,6 +316,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             The closure's loss, or ``None``.
         """
         self._refuse_grad_scaler()
+        self.wait_params()
         overflow.check_one_overflow_decision(self)
         if self._reducer.closed:
             raise RuntimeError(f"this ShardedOptimizer cannot step: {self._reducer.closed_because}")
@@ -327,7 +336,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             if self._scaler is not None:
                 self._scaler.update(stats.found_inf)
             if stats.found_inf:
-                self._log_skip()
+                self._skipped_steps += 1
+                overflow.log_skip(self._skipped_steps, self.loss_scale, self.rank)
             elif any(any(flags) for flags in stats.used):
                 self._update(stats, scale)
             self._reducer.reset()
@@ -344,41 +354,38 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             final = self._fused.step(self._shards, steps, multiplier)
         else:
             final = wrapped_step(self.optimizer, self._shards, stats.used, multiplier)
-        works = []
-        for chunk in final:  # in layout order on every rank, each as soon as this rank's slice of its bucket is final
-            if self.world_size > 1:
-                works.append(collectives.all_gather(chunk.bucket_params, chunk.params, self.process_group))
-        for work in works:
-            # The params must hold every rank's update before the next forward reads them.
-            collectives.wait(work, self._collective_timeout(), "step(): the all-gather of the updated params", "call step()")
+        self._gather.launch(list(final), self._shards)  # waited for before the params are next read (param_gather.py)
 
     def _place_chunks(self, tracer: MemoryTracer, fused: FusedAdam) -> None:
         """End the first iteration's tracer and move that margin's share of chunks to the device (logged once)."""
         self._margin_tracer = None
         tracer.stop()
-        model_data_bytes = self.memory_usage().device_bytes
-        for shard in self._shards:
-            shard.refresh_master()  # params loaded or written since construction reach the masters before they move
-        fused.bind(self._shards)  # every chunk has its moments (zero, or loaded) before it moves
-        self._placement = place_chunks(chunks_of(self._shards), tracer, model_data_bytes, self.gpu_margin_mem_ratio, self._device)
-        fused.bind(self._shards)  # the state entries become views of the moved moments
+        self._placement = fused.place(self._shards, tracer, self.memory_usage().device_bytes, self.gpu_margin_mem_ratio, self._device)
         if self.rank == 0:
             logger.info("%s", self._placement.summary())
 
     @property
     def placement(self) -> Placement | None:
-        """Where ``gpu_margin_mem_ratio`` put this rank's chunks of optimizer state (see :class:`~zeroshard.Placement`).
+        """Where ``gpu_margin_mem_ratio`` put this rank's chunks at the first ``step()`` (see :class:`~zeroshard.Placement`); else ``None``.
 
-        ``None`` before the first ``step()`` and without ``gpu_margin_mem_ratio``; afterwards the
-        first iteration's measured margin, and per chunk its bytes and whether it is on the device.
-        Placement happens once: it does not change later.
+        The first iteration's measured margin, and per chunk its bytes and whether it is on the
+        device. Placement happens once.
         """
         return self._placement
 
-    def _log_skip(self) -> None:
-        self._skipped_steps += 1
-        if self.rank == 0 and self._skipped_steps & (self._skipped_steps - 1) == 0:  # 1, 2, 4, 8, ...
-            logger.info("zeroshard: %d steps skipped so far for inf/NaN gradients; loss scale now %s", self._skipped_steps, self.loss_scale)
+    def wait_params(self) -> None:
+        """Wait for the param all-gathers of the last :meth:`step`: then every param holds every rank's update.
+
+        Torch code needs no call: any torch function given a param (the forward, ``state_dict()``,
+        an EMA copy) waits for its bucket itself (``zeroshard/param_gather.py``). Call it before
+        other reads: a C++ extension bound without torch's dispatcher, or a param alias made
+        before the step. Launches no collective.
+
+        Raises:
+            RuntimeError: with ``collective_timeout_s``, an all-gather some rank did not join in time.
+        """
+        self._gather.wait()
+        pop_guard_if_done()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients as ``torch.optim.Optimizer.zero_grad`` does, and drop what zeroshard holds of them.
@@ -394,10 +401,10 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
     def close(self) -> None:
         """Remove this optimizer's gradient hooks from the params and give the params up (idempotent).
 
-        Afterwards :meth:`step` raises. Dropping the last reference to the optimizer does the same
-        when it is garbage-collected, and so does building another ``ShardedOptimizer`` on the same
-        params (which takes them over). The params keep their values.
+        Afterwards :meth:`step` raises. Garbage collection of the optimizer does the same, and so
+        does another ``ShardedOptimizer`` built on the same params. The params keep their values.
         """
+        self.wait_params()
         self._reducer.close()
 
     # -- introspection and state -------------------------------------------------------------

@@ -5,9 +5,12 @@ See :func:`check_one_overflow_decision`; ``zeroshard.clip_grad_norm_`` makes the
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Sequence
 from typing import Any
+
+logger = logging.getLogger("zeroshard")
 
 # ShardedOptimizers with a dynamic loss scale, and those clip_grad_norm_ last gathered together.
 _SCALED: weakref.WeakSet = weakref.WeakSet()
@@ -60,3 +63,9 @@ def note_joint(optimizers: Sequence[Any]) -> None:
 def scaler_in_use(scaler: Any) -> bool:
     """Whether an open ``ShardedOptimizer`` already updates ``scaler`` (a ``DynamicLossScaler``) at its steps."""
     return any(o._scaler is scaler and not o._reducer.closed for o in list(_SCALED))
+
+
+def log_skip(skipped_steps: int, loss_scale: float | None, rank: int) -> None:
+    """Log (rank 0) that ``skipped_steps`` steps were skipped for inf/NaN so far, at 1, 2, 4, 8, ... of them."""
+    if rank == 0 and skipped_steps & (skipped_steps - 1) == 0:
+        logger.info("zeroshard: %d steps skipped so far for inf/NaN gradients; loss scale now %s", skipped_steps, loss_scale)

@@ -12,7 +12,7 @@ import contextlib
 import sys
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ class StateDictMixin:
     _fused: FusedAdam | None
     _consolidated: dict[str, Any] | None  # the full state, on the rank that ran consolidate_state_dict
     _issued: dict[int, weakref.ref]  # id -> tensor, for those the last state_dict() returned
+    wait_params: Callable[[], None]
     _optimizer_state_dict_pre_hooks: OrderedDict
     _optimizer_state_dict_post_hooks: OrderedDict
     _optimizer_load_state_dict_pre_hooks: OrderedDict
@@ -78,6 +79,7 @@ class StateDictMixin:
         Raises:
             ValueError: the wrapped optimizer keeps scalar state other than ``step``.
         """
+        self.wait_params()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         if self._consolidated is not None and not _called_by_dcp():
@@ -105,6 +107,7 @@ class StateDictMixin:
         """
         if not 0 <= to < dist.get_world_size():
             raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
+        self.wait_params()
         self._consolidated = (param_state if self.partition == "param" else full_state).consolidate(self._checkpoint_view(), to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -130,6 +133,7 @@ class StateDictMixin:
                 (another optimizer's), another ``bucket_size_mb``, a sharded dict from another
                 world size not loaded through DCP, or one saved by an older zeroshard.
         """
+        self.wait_params()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result

@@ -134,12 +134,12 @@ def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_com
 
 
 def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_scale: Any, offload: Any, gpu_margin_mem_ratio: Any,
-                  collective_timeout_s: Any = None) -> None:
+                  collective_timeout_s: Any = None, overlap_param_gather: Any = True) -> None:
     """Raise on a step option ``ShardedOptimizer`` cannot use.
 
     Raises:
         TypeError: ``max_grad_norm`` or ``collective_timeout_s`` neither ``None`` nor a number;
-            ``loss_scale`` a ``bool``.
+            ``loss_scale`` a ``bool``; ``overlap_param_gather`` not a ``bool``.
         ValueError: ``max_grad_norm`` not positive; a ``DynamicLossScaler`` another open
             ``ShardedOptimizer`` uses; ``loss_scale`` not ``None``,
             ``"dynamic"``, a finite positive number or a ``DynamicLossScaler``; ``offload`` not
@@ -147,6 +147,8 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
             ``gpu_margin_mem_ratio`` outside [0, 1], or above 0 without ``offload="cpu"``;
             ``collective_timeout_s`` not finite and positive.
     """
+    if not isinstance(overlap_param_gather, bool):
+        raise TypeError(f"overlap_param_gather={overlap_param_gather!r} must be True or False, got {type(overlap_param_gather).__name__}")
     if offload not in (None, "cpu"):
         raise ValueError(f"offload={offload!r} must be None or 'cpu'")
     if offload is not None and fused_adam_kind(optimizer) is None:

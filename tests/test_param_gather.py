@@ -1,0 +1,137 @@
+"""The param all-gather overlapped with what follows ``step()`` (``overlap_param_gather``).
+
+A delay is injected before one rank launches its all-gathers (STYLE: "inject a delay before a
+collective to expose races"): the other rank's ``step()`` returns with its gathers still waiting
+for that rank, and whatever it reads next must see every rank's update, not the values from
+before the step. A negative control runs the same reads with the guard's waiting switched off
+and must see stale values, so the delay does expose the race.
+"""
+
+from __future__ import annotations
+
+import time
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import _get_current_function_mode_stack
+
+import zeroshard
+from tests.models import TinyNet, batch, loss_fn, param_groups
+from zeroshard import collectives, param_gather
+
+DELAY_S = 0.5
+SMALL_BUCKETS_MB = 0.0005  # ~130 fp32 elements: TinyNet's params span several buckets
+
+
+def _delayed_all_gather(delay_s: float):
+    real = collectives.all_gather
+
+    def all_gather(output, input, group):
+        time.sleep(delay_s)
+        return real(output, input, group)
+
+    return all_gather
+
+
+def _read(how: str, model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Read the params right after ``step()`` the way user code does."""
+    params = list(model.parameters())
+    if how == "clone":
+        return [p.detach().clone() for p in params]
+    if how == "state_dict":
+        return [t.clone() for t in model.state_dict().values()][: len(params)]
+    if how == "ema":  # torch.optim.swa_utils-style EMA: one foreach op over the param list
+        ema = [torch.zeros_like(p) for p in params]
+        torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0)
+        return ema
+    if how == "forward":
+        with torch.no_grad():
+            return [model(x)]
+    raise ValueError(how)
+
+
+def overlapped_reads_worker(how: str, guard_waits: bool) -> bool:
+    """Step with rank 1's gathers delayed, read at once on every rank; whether the reads were current."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=0.1), bucket_size_mb=SMALL_BUCKETS_MB)
+    x, y = batch(rank, 0)
+    loss_fn(model, x, y).backward()
+    delay = _delayed_all_gather(DELAY_S if rank == 1 else 0.0)
+    passthrough = mock.patch.object(param_gather._ParamGuard, "__torch_function__",
+                                    lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})))
+    with mock.patch.object(collectives, "all_gather", delay):
+        opt.step()
+    assert opt._gather.pending > 0 or rank == 1, "step() waited for its all-gathers"
+    if guard_waits:
+        read = _read(how, model, x)
+    else:
+        with passthrough:
+            read = _read(how, model, x)
+    opt.wait_params()
+    final = _read(how, model, x)
+    current = all(torch.equal(a, b) for a, b in zip(read, final))
+    opt.close()
+    return current
+
+
+@pytest.mark.parametrize("how", ["clone", "state_dict", "ema", "forward"])
+def test_reads_after_step_see_every_ranks_update(pools, how):
+    assert pools[2].run(overlapped_reads_worker, how, True) == [True, True]
+
+
+def test_the_delay_exposes_a_stale_read_without_the_guard(pools):
+    current = pools[2].run(overlapped_reads_worker, "clone", False)
+    assert current[0] is False  # rank 0 read before rank 1's slices arrived
+
+
+def training_worker(overlap: bool, steps: int = 4) -> list[torch.Tensor]:
+    """Train TinyNet a few steps, evaluating and stepping an EMA between steps; the final params."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=0.05), bucket_size_mb=SMALL_BUCKETS_MB,
+                                     overlap_param_gather=overlap)
+    ema = [p.detach().clone() for p in model.parameters()]
+    for step in range(steps):
+        x, y = batch(rank, step)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        pending = opt._gather.pending
+        torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 0.5)
+        with torch.no_grad():
+            F.cross_entropy(model(x).reshape(-1, model.head.out_features), y.reshape(-1))
+        assert (pending > 0) == overlap, f"{pending} gathers in flight after step() with overlap_param_gather={overlap}"
+    result = [p.detach().clone() for p in model.parameters()] + ema
+    opt.close()
+    assert not _get_current_function_mode_stack(), "the guard stayed on the mode stack"
+    return result
+
+
+def test_overlapped_training_equals_waiting_in_step(pools):
+    overlapped = pools[2].run(training_worker, True)
+    waited = pools[2].run(training_worker, False)
+    for a, b in zip(overlapped, waited):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def other_mode_worker() -> tuple[int, int]:
+    """step() inside another torch function mode waits for its gathers (the guard cannot be pushed)."""
+    rank = dist.get_rank()
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model)), bucket_size_mb=SMALL_BUCKETS_MB)
+    loss_fn(model, *batch(rank, 0)).backward()
+    with torch.device("cpu"):  # a TorchFunctionMode
+        opt.step()
+        pending = opt._gather.pending
+        depth = len(_get_current_function_mode_stack())
+    opt.close()
+    return pending, depth
+
+
+def test_step_inside_another_mode_waits_for_its_gathers(pools):
+    assert pools[2].run(other_mode_worker) == [(0, 1), (0, 1)]

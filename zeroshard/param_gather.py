@@ -1,0 +1,219 @@
+"""The all-gather of updated params, overlapped with whatever runs next (the next forward).
+
+``step()`` ends by launching one all-gather per bucket (this rank's updated slice into every
+rank's copy of the bucket in the flat param buffer) and, with ``overlap_param_gather=True``,
+returns without waiting for them: the next forward's first layers start while the later
+buckets are still on the wire, as Megatron-LM's ``overlap_param_gather`` does. The buckets are
+launched in forward order (the reverse of the layout, which follows backward order), so the
+first module that runs waits only for its own bucket; each bucket is waited for just before the
+first torch function that reads or writes one of its params.
+
+Why a ``TorchFunctionMode`` rather than forward pre-hooks on the modules (Megatron's way): the
+optimizer is given params, not modules, and a param can be read outside any forward — an EMA
+copy, ``model.state_dict()``, ``torch.save``, ``p.clone()``, evaluation code that indexes a weight.
+Every one of them goes through a torch function that takes the param (or something made from it
+after the step), and :class:`_ParamGuard` sees that call first. So nothing can read a param
+half-gathered: a stale read would be a silent wrong number. Covered: every torch function and
+``Tensor`` method, ``torch.ops`` custom ops, and ``torch.compile`` (Dynamo honours active modes).
+Not covered: a C++ extension bound without the dispatcher that is handed a param directly, or an
+alias of a param made *before* ``step()`` and read after it; call
+:meth:`~zeroshard.ShardedOptimizer.wait_params` first there.
+
+The guard is pushed on the torch-function mode stack only when the stack is empty (so it never
+sits between another mode's enter and exit); otherwise, and with ``overlap_param_gather=False``,
+``step()`` waits for its all-gathers before it returns, as before. It is popped as soon as no
+gather is pending, at the next module call or zeroshard call that finds it on top of the stack.
+Its cost while pushed is one Python call per torch function (a dictionary lookup per tensor
+argument).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode, _push_mode
+
+from zeroshard import collectives
+from zeroshard.chunk import Chunk
+from zeroshard.local_shard import LocalShard
+
+WHAT = "the all-gather of the updated params"
+HINT = "call step() on every rank"
+
+
+@dataclass
+class BucketGather:
+    """One bucket's all-gather in flight.
+
+    Attributes:
+        work: the async handle (``None``: a shard group of one, nothing to wait for).
+        params: the model params whose values the gather completes (the bucket's params).
+    """
+
+    work: dist.Work | None
+    params: tuple[nn.Parameter, ...]
+
+
+class ParamGather:
+    """One optimizer's param all-gathers: launched at the end of ``step()``, waited for in launch order.
+
+    Args:
+        group: the shard group the slices are gathered over.
+        timeout: the bound on each wait (see :func:`zeroshard.collectives.wait`), or ``None``.
+        overlap: leave the gathers in flight when ``step()`` returns, guarded (see the module
+            docstring); ``False`` waits for them inside :meth:`launch`.
+    """
+
+    def __init__(self, group: ProcessGroup, timeout: datetime.timedelta | None, overlap: bool) -> None:
+        self.group = group
+        self.timeout = timeout
+        self.overlap = overlap
+        self._pending: list[BucketGather] = []  # in launch order; earlier ones complete first
+
+    @property
+    def pending(self) -> int:
+        """How many bucket all-gathers are in flight."""
+        return len(self._pending)
+
+    def launch(self, chunks: Sequence[Chunk], shards: list[LocalShard]) -> None:
+        """Start the all-gather of every chunk's bucket, last bucket of the layout first (forward order).
+
+        Args:
+            chunks: this rank's chunks whose slices were updated, in layout order (as
+                :meth:`zeroshard.fused_adam.FusedAdam.step` yields them); each one's ``params``
+                (this rank's slice) is gathered into its ``bucket_params``.
+            shards: the shards the chunks belong to (for the params of each bucket).
+
+        Waits for the gathers before returning unless ``overlap`` is on and the guard could be
+        pushed (see the module docstring).
+        """
+        self.wait()  # a param is written only after every earlier gather into it is done
+        params_of = {id(chunk): _bucket_params(shard, chunk) for shard in shards for chunk in shard.chunks}
+        multi_rank = dist.get_world_size(self.group) > 1
+        for chunk in reversed(chunks):
+            work = collectives.all_gather(chunk.bucket_params, chunk.params, self.group) if multi_rank else None
+            self._pending.append(BucketGather(work, params_of[id(chunk)]))
+        if not (self.overlap and _GUARD.watch(self)):
+            self.wait()
+
+    def drop_completed(self) -> None:
+        """Retire the gathers at the front that have completed by themselves (never blocks)."""
+        while self._pending and (self._pending[0].work is None or self._pending[0].work.is_completed()):
+            self.wait(upto=self._pending[0])
+
+    def wait(self, upto: BucketGather | None = None) -> None:
+        """Wait for the pending gathers in launch order, through ``upto`` (``None``: all of them).
+
+        Raises:
+            RuntimeError: with a ``timeout``, a gather some rank did not join in time (named).
+        """
+        while self._pending:
+            gather = self._pending[0]
+            if gather.work is not None:
+                # The params must hold every rank's update before anything reads or writes them.
+                collectives.wait(gather.work, self.timeout, f"{WHAT} (waited for before a param was read)", HINT)
+            self._pending.pop(0)
+            _GUARD.forget(gather)
+            if gather is upto:
+                return
+
+
+def _bucket_params(shard: LocalShard, chunk: Chunk) -> tuple[nn.Parameter, ...]:
+    buffer = shard.buffer
+    return tuple(buffer.params[i] for i in buffer.layout.buckets[chunk.bucket].params)
+
+
+class _ParamGuard(TorchFunctionMode):
+    """The mode that waits for a param's pending all-gather before any torch function touches it.
+
+    One per process: every optimizer's pending gathers are registered here (param id → its
+    gather), so several optimizers (Muon + AdamW) share one mode on the stack.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._waiting: dict[int, tuple[ParamGather, BucketGather]] = {}  # id(param) -> (its optimizer's gathers, its bucket's)
+        self._gathers: dict[int, ParamGather] = {}  # id -> the optimizers' gathers with buckets in _waiting
+        self._thread: int | None = None  # the thread whose mode stack holds the guard; None: not pushed
+        self._pop_hook: torch.utils.hooks.RemovableHandle | None = None
+
+    def watch(self, gathers: ParamGather) -> bool:
+        """Register ``gathers``' pending buckets and push the guard; ``False`` where it cannot be pushed."""
+        if self._thread is None:
+            if _get_current_function_mode_stack():
+                return False  # another mode is active: pushing now would break its exit (a stack)
+            _push_mode(self)
+            self._thread = threading.get_ident()
+            self._pop_hook = nn.modules.module.register_module_forward_pre_hook(self._pop_when_done)
+        elif self._thread != threading.get_ident():
+            return False  # the guard guards one thread's torch calls
+        self._gathers[id(gathers)] = gathers
+        for gather in gathers._pending:
+            for param in gather.params:
+                self._waiting[id(param)] = (gathers, gather)
+        return True
+
+    def forget(self, gather: BucketGather) -> None:
+        """Drop a completed bucket's params from the watch list."""
+        for param in gather.params:
+            entry = self._waiting.get(id(param))
+            if entry is not None and entry[1] is gather:
+                del self._waiting[id(param)]
+
+    def pop_if_done(self) -> None:
+        """Leave the mode stack once nothing is pending, if the guard is on top of this thread's stack.
+
+        Gathers that completed by themselves are retired first, so the guard goes as soon as the
+        wire is done, whether or not their params were touched.
+        """
+        for key, gathers in list(self._gathers.items()):
+            gathers.drop_completed()
+            if not gathers.pending:
+                del self._gathers[key]
+        if self._waiting or self._thread != threading.get_ident():
+            return
+        stack = _get_current_function_mode_stack()
+        if stack and stack[-1] is self:
+            _pop_mode()
+            self._thread = None
+            if self._pop_hook is not None:
+                self._pop_hook.remove()
+                self._pop_hook = None
+
+    def _pop_when_done(self, module: nn.Module, args: object) -> None:
+        self.pop_if_done()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self._waiting:
+            for tensor in _tensors(args, kwargs):
+                entry = self._waiting.get(id(tensor))
+                if entry is not None:
+                    entry[0].wait(upto=entry[1])
+        return func(*args, **(kwargs or {}))
+
+
+def _tensors(args: Iterable[object], kwargs: dict | None) -> Iterable[Tensor]:
+    """The tensors among ``args`` and ``kwargs`` values, and inside their lists and tuples (one level)."""
+    values = list(args) + (list(kwargs.values()) if kwargs else [])
+    for value in values:
+        if isinstance(value, Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, Tensor):
+                    yield item
+
+
+_GUARD = _ParamGuard()
+
+
+def pop_guard_if_done() -> None:
+    """Take the guard off the mode stack if no gather is pending (called at zeroshard's entry points)."""
+    _GUARD.pop_if_done()
