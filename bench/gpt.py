@@ -35,6 +35,8 @@ class GPTConfig:
 QUICK = GPTConfig(n_layer=2, n_embd=128, n_head=4, seq_len=64, batch_size=8)
 FULL_CPU = GPTConfig(n_layer=4, n_embd=256, n_head=4, seq_len=128, batch_size=8)
 FULL_GPU = GPTConfig(n_layer=12, n_embd=768, n_head=12, seq_len=1024, batch_size=8)
+LARGE_CPU = GPTConfig(n_layer=8, n_embd=512, n_head=8, seq_len=128, batch_size=8)
+LARGE_GPU = GPTConfig(n_layer=24, n_embd=1024, n_head=16, seq_len=1024, batch_size=4)
 
 
 def build(config: GPTConfig, device: torch.device, seed: int = 0) -> nn.Module:

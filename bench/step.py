@@ -1,10 +1,11 @@
 """``step`` suite: one training step (forward, backward, optimizer step) of the example GPT at 2 ranks.
 
 zeroshard stages 1 and 2 against DDP + AdamW, ``ZeroRedundancyOptimizer(AdamW)`` + DDP and FSDP2
-``fully_shard(reshard_after_forward=False)`` + AdamW: same model, batch and dtype (fp32), same
-AdamW settings. Methods take turns in rounds so drift in the machine's speed hits all alike; each
-figure is the median step time over all rounds, and each ratio is against a baseline measured in
-the same run.
+``fully_shard(reshard_after_forward=False)`` + AdamW: same model, batch and dtype, same AdamW
+settings, at two model sizes (the example GPT and one 8 layers x 512 wide on CPU) in fp32 and in
+bf16 (params and gradients in bf16 for every method; zeroshard keeps fp32 masters, the others
+none). Methods take turns in rounds so drift in the machine's speed hits all alike; each figure is
+the median step time over all rounds, and each ratio is against a baseline measured in the same run.
 
 The suite also counts the bytes each rank sends per step at world size 4 for DDP, flat sharding
 (shard size 4) and hybrid sharding (``zeroshard.hybrid_mesh(2)``): the growth of the process's
@@ -52,9 +53,10 @@ def _fully_shard():
     return fully_shard
 
 
-def build_method(method: str, config: gpt.GPTConfig, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """(model to call, optimizer) for one method, from the same initial weights."""
-    model = gpt.build(config, device)
+def build_method(method: str, config: gpt.GPTConfig, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """(model to call, optimizer) for one method, from the same initial weights, params in ``dtype``."""
+    model = gpt.build(config, device).to(dtype)
     if method == "ddp":
         return DDP(model), torch.optim.AdamW(gpt.decay_groups(model), **ADAMW)
     if method == "torch_zero":
@@ -95,10 +97,10 @@ def time_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     return times
 
 
-def rank_main(config: gpt.GPTConfig, rounds: int, steps: int, warmup: int) -> dict[str, list[float]]:
+def rank_main(config: gpt.GPTConfig, dtype: torch.dtype, rounds: int, steps: int, warmup: int) -> dict[str, list[float]]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     x, y = gpt.batch(config, dist.get_rank(), device)
-    built: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {m: build_method(m, config, device) for m in METHODS}
+    built: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {m: build_method(m, config, device, dtype) for m in METHODS}
     for model, opt in built.values():
         time_steps(model, opt, x, y, warmup, device)
     samples: dict[str, list[float]] = {m: [] for m in METHODS}
@@ -108,24 +110,36 @@ def rank_main(config: gpt.GPTConfig, rounds: int, steps: int, warmup: int) -> di
     return samples
 
 
+def settings(quick: bool) -> list[tuple[gpt.GPTConfig, torch.dtype, int, int, int]]:
+    """(model, dtype, rounds, steps per round, warm-up steps) for each timed setting."""
+    if quick:
+        return [(gpt.QUICK, torch.float32, 3, 5, 2)]
+    small, large = (gpt.FULL_GPU, gpt.LARGE_GPU) if torch.cuda.is_available() else (gpt.FULL_CPU, gpt.LARGE_CPU)
+    return [(small, torch.float32, 5, 10, 3), (small, torch.bfloat16, 5, 6, 2), (large, torch.float32, 3, 4, 1),
+            (large, torch.bfloat16, 3, 3, 1)]
+
+
 def run(quick: bool) -> list[dict]:
-    """Time every method at world size 2; rows: one per method, one per ratio, then one per layout's bytes."""
+    """Time every method at world size 2 per setting: a row per method, a row per ratio; then one row per layout's bytes."""
+    rows: list[dict] = []
+    for config, dtype, rounds, steps, warmup in settings(quick):
+        name = str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
+        progress("step", f"timing {len(METHODS)} methods at 2 ranks in {name}, {rounds} rounds x {steps} steps each ({config})")
+        samples = run_ranks(rank_main, 2, config, dtype, rounds, steps, warmup)[0]
+        timings = {m: Timing(m, tuple(s)) for m, s in samples.items()}
+        tokens = config.batch_size * config.seq_len * 2
+        model = f"{config.n_layer}x{config.n_embd}"
+        rows += [
+            {"kind": "time", "model": model, "dtype": name, "method": m, "baseline": "", "median_ms": t.median * 1e3, "p20_ms": t.p20 * 1e3,
+             "p80_ms": t.p80 * 1e3, "tokens_per_s": tokens / t.median, "ratio": ""}
+            for m, t in timings.items()
+        ]
+        rows += [
+            {"kind": "ratio", "model": model, "dtype": name, "method": a, "baseline": b, "median_ms": "", "p20_ms": "", "p80_ms": "",
+             "tokens_per_s": "", "ratio": ratio(timings[a], timings[b])}
+            for a, b in RATIOS
+        ]
     config = gpt.QUICK if quick else (gpt.FULL_GPU if torch.cuda.is_available() else gpt.FULL_CPU)
-    rounds, steps, warmup = (3, 5, 2) if quick else (5, 10, 3)
-    progress("step", f"timing {len(METHODS)} methods at 2 ranks, {rounds} rounds x {steps} steps each ({config})")
-    samples = run_ranks(rank_main, 2, config, rounds, steps, warmup)[0]
-    timings = {m: Timing(m, tuple(s)) for m, s in samples.items()}
-    tokens = config.batch_size * config.seq_len * 2
-    rows = [
-        {"kind": "time", "method": m, "baseline": "", "median_ms": t.median * 1e3, "p20_ms": t.p20 * 1e3, "p80_ms": t.p80 * 1e3,
-         "tokens_per_s": tokens / t.median, "ratio": ""}
-        for m, t in timings.items()
-    ]
-    rows += [
-        {"kind": "ratio", "method": a, "baseline": b, "median_ms": "", "p20_ms": "", "p80_ms": "", "tokens_per_s": "",
-         "ratio": ratio(timings[a], timings[b])}
-        for a, b in RATIOS
-    ]
     progress("step", f"counting bytes sent per rank per step at world size 4 ({', '.join(name for name, _ in COMM_LAYOUTS)})")
     return rows + comm_rows(config, steps=3 if quick else 5)
 

@@ -35,6 +35,7 @@ from zeroshard.local_shard import LocalShard
 from zeroshard.param_owners import ddp_wrappers_of_owners, register_owner
 from zeroshard.reduced_grad import ReducedGrad
 from zeroshard.shard_grads import ShardGrads
+from zeroshard.staging import StagingBuckets
 
 # Stage 2 keeps at most this many bucket reductions in flight (double buffering, as DeepSpeed's
 # ZeRO-2 does): launching one more first completes the oldest, so staging memory stays bounded at
@@ -90,7 +91,7 @@ class GradReducer:
 
     Stage 1: each param's ``.grad`` is a view of a flat grad buffer (param dtype, full gradients
     kept) holding the running local sum of all micro-steps, so each reduction overwrites the grad
-    shard. Stage 2: a ready gradient is added into a staging bucket in ``reduce_dtype`` and
+    shard. Stage 2: a ready gradient is copied into a staging bucket in ``reduce_dtype`` and
     ``.grad`` is freed; each reduction is added into the grad shard, with at most
     ``MAX_BUCKETS_IN_FLIGHT`` in flight. Either way the grad shard ends up holding ``sum over
     data-parallel ranks / their number`` (ZeRO, SC'20, §5.2).
@@ -120,8 +121,7 @@ class GradReducer:
         self._grads: list[ShardGrads] = []  # per shard: its gradient bookkeeping
         self._order: list[tuple[int, int]] = []  # (shard, bucket), the launch order
         self._position: dict[tuple[int, int], int] = {}
-        self._staging: dict[tuple[int, int], Tensor] = {}  # stage 2: 1-D reduce dtype, padded bucket
-        self._staging_pool: dict[tuple[int, torch.dtype], list[Tensor]] = {}  # stage 2: free staging buffers, until reset
+        self._staging = StagingBuckets()  # stage 2
         self._pending: list[PendingReduce] = []
         self._next_launch = 0
         self._callback_queued = False
@@ -301,27 +301,11 @@ class GradReducer:
             raise RuntimeError(f"param {tuple(param.shape)} got a second gradient after its bucket was reduced in this backward pass (reentrant "
                                "backward, e.g. checkpoint(use_reentrant=True), is not supported)")
         if self.stage == 2 and param.grad is not None and not isinstance(param.grad, ReducedGrad):
-            staging = self._staging_for(k, slot.bucket)
-            bucket = self.shards[k].buffer.layout.buckets[slot.bucket]
-            start = slot.offset - bucket.offset
-            staging[start : start + slot.numel].add_(param.grad.reshape(-1))
+            self._staging.add((k, slot.bucket), self.shards[k].buffer.layout, i, param.grad, self._reduce_dtype(k))
             param.grad = None if self._ddp_reduced else self._grads[k].reduced_grad(i, param)
         if not self._grads[k].ready[i]:
             self._grads[k].ready[i] = True
             self._grads[k].ready_count[slot.bucket] += 1
-
-    def _staging_for(self, k: int, b: int) -> Tensor:
-        """Stage 2: the zeroed staging buffer of bucket ``b`` of shard ``k``, reused from the pool if one is free."""
-        staging = self._staging.get((k, b))
-        if staging is None:
-            numel, dtype = self.shards[k].buffer.layout.buckets[b].padded_numel, self._reduce_dtype(k)
-            free = self._staging_pool.get((numel, dtype))
-            if free:
-                staging = free.pop().zero_()
-            else:
-                staging = torch.zeros(numel, dtype=dtype, device=self.shards[k].buffer.device)
-            self._staging[(k, b)] = staging
-        return staging
 
     def _launch_complete_buckets(self, in_turn: bool = True) -> None:
         """Launch the complete buckets in order; ``in_turn``: after the group's earlier reducers (launch_order.py)."""
@@ -359,7 +343,7 @@ class GradReducer:
             elif _divides_first(dtype) or self.world_size == 1:
                 grads = grads.clone()  # the flat grad keeps this rank's running sum: reduce a copy
         else:
-            staged = self._staging.pop((k, b), None)
+            staged = self._staging.pop((k, b), buffer.layout)
             # None: no param of the bucket got a gradient on this rank
             grads = staged if staged is not None else torch.zeros(buffer.layout.buckets[b].padded_numel, dtype=dtype, device=buffer.device)
         if _divides_first(dtype):
@@ -391,7 +375,7 @@ class GradReducer:
             target.copy_(reduced)
         else:
             target.add_(reduced)
-            self._staging_pool.setdefault((pending.input.numel(), pending.input.dtype), []).append(pending.input)
+            self._staging.recycle(pending.input)
 
     def _wait(self, work: dist.Work | None, what: str) -> None:
         if work is None:  # a shard group of one: nothing was sent
@@ -477,14 +461,12 @@ class GradReducer:
             self._wait(pending.work, f"the reduce-scatter of gradient bucket {pending.shard}.{pending.bucket}")
         self._pending.clear()
         self._clear_backward_state()
-        self._staging.clear()
-        self._staging_pool.clear()  # stage 2 holds no gradient buffers between steps
+        self._staging.clear()  # stage 2 holds no gradient buffers between steps
         self._reductions = 0
         self._unreduced = self._flushed = False
         self._note_flat_grad_versions()
 
     def grad_buffers(self) -> list[Tensor]:
         """The gradient buffers this reducer owns right now: stage 1 flat grads, stage 2 staging buckets (pooled too)."""
-        pooled = [t for free in self._staging_pool.values() for t in free]
         in_flight = [p.input for p in self._pending] if self.stage == 2 else []
-        return [g.flat for g in self._grads if g.flat is not None] + list(self._staging.values()) + in_flight + pooled
+        return [g.flat for g in self._grads if g.flat is not None] + self._staging.buffers() + in_flight
