@@ -101,6 +101,9 @@ def training_worker(overlap: bool, steps: int = 4) -> list[torch.Tensor]:
         x, y = batch(rank, step)
         loss_fn(model, x, y).backward()
         opt.step()
+        model.zero_grad()
+        opt.zero_grad()
+        {p: p.shape for p in model.parameters()}  # metadata only: no wait
         pending = opt._gather.pending
         torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 0.5)
         with torch.no_grad():

@@ -191,12 +191,37 @@ class _ParamGuard(TorchFunctionMode):
         self.pop_if_done()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self._waiting:
+        if self._waiting and func not in _METADATA:
             for tensor in _tensors(args, kwargs):
                 entry = self._waiting.get(id(tensor))
                 if entry is not None:
                     entry[0].wait(upto=entry[1])
         return func(*args, **(kwargs or {}))
+
+
+def _metadata_functions() -> frozenset:
+    """The torch functions that read or set a tensor's metadata, never its values, nor make an alias of it.
+
+    ``model.zero_grad()`` (``p.grad = None``), ``p.shape``, ``p.numel()``, a dict keyed by params:
+    these need no wait, so the gathers keep overlapping whatever comes between ``step()`` and the
+    forward. Views and ``.data`` are not here: an alias made now could be read after the gather
+    without passing through the guard again.
+    """
+    getters = ("grad", "_grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "_version", "layout", "ndim", "is_cuda",
+               "is_sparse", "is_meta", "is_quantized", "grad_fn", "names")
+    setters = ("grad", "_grad", "requires_grad")
+    methods = ("numel", "nelement", "dim", "size", "stride", "storage_offset", "data_ptr", "element_size", "is_contiguous",
+               "get_device", "is_floating_point", "is_complex", "requires_grad_", "retain_grad", "register_hook",
+               "register_post_accumulate_grad_hook", "__hash__", "__len__")
+    found = [getattr(Tensor, name, None) for name in getters + setters + methods]
+    return frozenset(
+        [d.__get__ for d in found[: len(getters)] if d is not None]
+        + [d.__set__ for d in found[len(getters) : len(getters) + len(setters)] if d is not None]
+        + [f for f in found[len(getters) + len(setters) :] if f is not None]
+    )
+
+
+_METADATA = _metadata_functions()
 
 
 def _tensors(args: Iterable[object], kwargs: dict | None) -> Iterable[Tensor]:
