@@ -120,6 +120,7 @@ def memory_worker(stage: int, ddp: str | None) -> dict[str, float]:
         opt.step()
         opt.zero_grad()
         if step >= WARMUP_STEPS:
+            opt.wait_params()  # measured at rest: no all-gather in flight
             info = process.memory_info()
             rss, vms = max(rss, info.rss - rss0), max(vms, info.vms - vms0)
     dist.barrier()  # every byte of the last step acknowledged

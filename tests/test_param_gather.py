@@ -50,6 +50,9 @@ def _read(how: str, model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tenso
     if how == "forward":
         with torch.no_grad():
             return [model(x)]
+    if how == "compiled_forward":  # Dynamo sees the active mode and honours it
+        with torch.no_grad():
+            return [torch.compile(model, backend="eager")(x)]
     raise ValueError(how)
 
 
@@ -66,6 +69,7 @@ def overlapped_reads_worker(how: str, guard_waits: bool) -> bool:
                                     lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})))
     with mock.patch.object(collectives, "all_gather", delay):
         opt.step()
+    opt.zero_grad()
     assert opt._gather.pending > 0 or rank == 1, "step() waited for its all-gathers"
     if guard_waits:
         read = _read(how, model, x)
@@ -79,7 +83,7 @@ def overlapped_reads_worker(how: str, guard_waits: bool) -> bool:
     return current
 
 
-@pytest.mark.parametrize("how", ["clone", "state_dict", "ema", "forward"])
+@pytest.mark.parametrize("how", ["clone", "state_dict", "ema", "forward", "compiled_forward"])
 def test_reads_after_step_see_every_ranks_update(pools, how):
     assert pools[2].run(overlapped_reads_worker, how, True) == [True, True]
 

@@ -241,7 +241,8 @@ def give_back_reducer(wrapped: WrappedDDP, holder: int) -> None:
 def find_wrappers(params: Iterable[nn.Parameter]) -> list[nn.Module]:
     """Every ``DistributedDataParallel`` alive now whose module has one of ``params`` (one pass over the objects the garbage collector tracks)."""
     ours = {id(p) for p in params}
-    return [obj for obj in gc.get_objects() if isinstance(obj, DistributedDataParallel) and hasattr(obj, "module")
+    # type(), not isinstance(), first: isinstance() on a dead weakref.proxy (torch.compile leaves some) raises ReferenceError.
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), DistributedDataParallel) and hasattr(obj, "module")
             and any(id(p) in ours for p in obj.module.parameters())]
 
 
