@@ -53,11 +53,11 @@ class BucketGather:
     """One bucket's all-gather in flight.
 
     Attributes:
-        work: the async handle (``None``: a shard group of one, nothing to wait for).
+        work: the async handle.
         params: the model params whose values the gather completes (the bucket's params).
     """
 
-    work: dist.Work | None
+    work: dist.Work
     params: tuple[nn.Parameter, ...]
 
 
@@ -96,16 +96,17 @@ class ParamGather:
         """
         self.wait()  # a param is written only after every earlier gather into it is done
         params_of = {id(chunk): _bucket_params(shard, chunk) for shard in shards for chunk in shard.chunks}
-        multi_rank = dist.get_world_size(self.group) > 1
+        if dist.get_world_size(self.group) == 1:
+            return  # a shard group of one: the params are already complete, nothing to guard
         for chunk in reversed(chunks):
-            work = collectives.all_gather(chunk.bucket_params, chunk.params, self.group) if multi_rank else None
+            work = collectives.all_gather(chunk.bucket_params, chunk.params, self.group)
             self._pending.append(BucketGather(work, params_of[id(chunk)]))
         if not (self.overlap and _GUARD.watch(self)):
             self.wait()
 
     def drop_completed(self) -> None:
         """Retire the gathers at the front that have completed by themselves (never blocks)."""
-        while self._pending and (self._pending[0].work is None or self._pending[0].work.is_completed()):
+        while self._pending and self._pending[0].work.is_completed():
             self.wait(upto=self._pending[0])
 
     def wait(self, upto: BucketGather | None = None) -> None:
@@ -116,9 +117,8 @@ class ParamGather:
         """
         while self._pending:
             gather = self._pending[0]
-            if gather.work is not None:
-                # The params must hold every rank's update before anything reads or writes them.
-                collectives.wait(gather.work, self.timeout, f"{WHAT} (waited for before a param was read)", HINT)
+            # The params must hold every rank's update before anything reads or writes them.
+            collectives.wait(gather.work, self.timeout, f"{WHAT} (waited for before a param was read)", HINT)
             self._pending.pop(0)
             _GUARD.forget(gather)
             if gather is upto:
