@@ -95,9 +95,9 @@ class ParamGather:
         pushed (see the module docstring).
         """
         self.wait()  # a param is written only after every earlier gather into it is done
-        params_of = {id(chunk): _bucket_params(shard, chunk) for shard in shards for chunk in shard.chunks}
         if dist.get_world_size(self.group) == 1:
             return  # a shard group of one: the params are already complete, nothing to guard
+        params_of = {id(chunk): _bucket_params(shard, chunk) for shard in shards for chunk in shard.chunks}
         for chunk in reversed(chunks):
             work = collectives.all_gather(chunk.bucket_params, chunk.params, self.group)
             self._pending.append(BucketGather(work, params_of[id(chunk)]))
