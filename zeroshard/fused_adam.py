@@ -13,8 +13,8 @@ gradient and share a step count.
 Chunks on the device take :func:`device_adam`: :func:`zeroshard.kernels.fused_adamw_` on CUDA
 (16-bit params receive the cast of the updated master in the same pass) and torch's own
 functional Adam/AdamW elsewhere (the ``foreach``/``fused`` implementation the user configured).
-Chunks in host memory (``offload="cpu"``) take torch's fused CPU Adam/AdamW (:func:`functional_adam`)
-chunk by chunk, between the copies of :class:`~zeroshard.offload.OffloadPipeline`.
+Chunks in host memory (``offload="cpu"``) take torch's fused CPU Adam/AdamW kernel
+(:func:`host_adam`) chunk by chunk, between the copies of :class:`~zeroshard.offload.OffloadPipeline`.
 """
 
 from __future__ import annotations
@@ -70,8 +70,7 @@ def fused_adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
     return "adamw" if decoupled else "adam"
 
 
-def functional_adam(runs: list[Run], group: dict, adamw: bool, foreach: bool | None, fused: bool | None,
-                    grad_scale: Tensor | None = None) -> None:
+def functional_adam(runs: list[Run], group: dict, adamw: bool, foreach: bool | None, fused: bool | None) -> None:
     """torch's functional Adam/AdamW over ``runs`` in place, one call per step count.
 
     Args:
@@ -79,19 +78,44 @@ def functional_adam(runs: list[Run], group: dict, adamw: bool, foreach: bool | N
         group: the param group's hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``,
             ``maximize``).
         adamw: decoupled weight decay (AdamW) instead of L2 (Adam).
-        foreach, fused: torch's implementation flags (``fused=True`` on host chunks).
-        grad_scale: 1-element fp32 tensor the gradients are divided by as they are read
-            (``fused=True`` only), or ``None``.
+        foreach, fused: torch's implementation flags, as the user configured them.
     """
     for step in sorted({run.step for run in runs}):
         batch = [run for run in runs if run.step == step]
         (torch_functional_adamw if adamw else torch_functional_adam)(
             [r.param for r in batch], [r.grad for r in batch], [r.exp_avg for r in batch], [r.exp_avg_sq for r in batch], [],
             [torch.tensor(float(step - 1)) for _ in batch],  # torch advances them to ``step``
-            foreach=foreach, fused=fused, grad_scale=grad_scale, found_inf=None, amsgrad=False,
+            foreach=foreach, fused=fused, grad_scale=None, found_inf=None, amsgrad=False,
             beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=group.get("maximize", False),
         )
+
+
+def host_adam(runs: list[Run], group: dict, adamw: bool, grad_scale: Tensor | None = None) -> None:
+    """torch's fused CPU Adam/AdamW kernel over ``runs`` (host memory) in place, in one call.
+
+    ``torch._fused_adamw_``/``torch._fused_adam_`` is the kernel that ``AdamW(fused=True).step()``
+    (and :func:`functional_adam` with ``fused=True``) ends in; called here with the same
+    arguments, so the results are bitwise equal. Called directly, it skips the functional
+    wrapper's work per call (argument checks, grouping by device and dtype, a step tensor per run
+    and their increment): about 15 µs per chunk, 100 µs under the profiler (measured on 2 AMD EPYC
+    cores). Runs of different step counts share the call: the kernel reads each run's step on its own.
+
+    Args:
+        runs: the runs of one host chunk (master dtype, contiguous 1-D views).
+        group: the param group's hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``,
+            ``maximize``); ``lr`` and ``betas`` are floats (see :func:`fused_adam_kind`).
+        adamw: decoupled weight decay (AdamW) instead of L2 (Adam).
+        grad_scale: 1-element fp32 tensor the gradients are divided by as they are read, or ``None``.
+    """
+    # 0-D fp32 step tensors, one per step count, holding the step after this update: torch's
+    # optimizer increments its state["step"] to that value just before the same call.
+    steps = {step: torch.scalar_tensor(float(step), dtype=torch.float32) for step in {run.step for run in runs}}
+    (torch._fused_adamw_ if adamw else torch._fused_adam_)(
+        [r.param for r in runs], [r.grad for r in runs], [r.exp_avg for r in runs], [r.exp_avg_sq for r in runs], [],
+        [steps[r.step] for r in runs], amsgrad=False, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False), grad_scale=grad_scale, found_inf=None,
+    )
 
 
 def device_adam(runs: list[Run], group: dict, multiplier: float, adamw: bool, device: torch.device) -> None:
@@ -219,8 +243,7 @@ class FusedAdam:
                 if chunk_runs is not None:
                     self._pipeline.receive_grad(chunk)
                     with torch.profiler.record_function(CPU_ADAM_RANGE):
-                        functional_adam(chunk_runs, self.optimizer.param_groups[shards[k].group], self.adamw, foreach=None, fused=True,
-                                        grad_scale=grad_scale)
+                        host_adam(chunk_runs, self.optimizer.param_groups[shards[k].group], self.adamw, grad_scale)
                     self._pipeline.send_params(chunk)
                 yield chunk
         self._pipeline.finish()
