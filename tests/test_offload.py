@@ -74,14 +74,17 @@ def test_offload_with_mixed_precision_and_loss_scaling(pools, dtype):
     assert err <= 2 * bf16_ddp_err, (err, bf16_ddp_err)
 
 
-def fused_bitwise_worker(adamw: bool) -> bool:
-    """One rank, fp32, 6 steps: the offloaded step against torch's own ``fused=True`` optimizer
-    (params and state). Params of odd sizes in two groups and several chunks; the loss is linear
-    in the params, so both see exactly the same gradients (a model's forward could differ in the
-    last bit between the flat buffer's views and separate params); the last param is unused in
-    steps 1 and 4, so its runs lag the others' step count."""
+def fused_bitwise_worker(adamw: bool, offload: str | None) -> bool:
+    """One rank, fp32, 6 steps: against torch's own ``fused=True`` optimizer (params and state).
+    ``offload=None``: the wrapped optimizer is ``fused=True`` too, stepped on the device (here the
+    CPU). Params of odd sizes in two groups and several chunks: the 29 and 13 elements sit inside
+    runs, where torch's kernel would take their last elements through its vector body instead of
+    its tail loop unless the runs are cut (see ``FusedAdam._runs``). The loss is linear in the
+    params, so both see exactly the same gradients (a model's forward could differ in the last
+    bit between the flat buffer's views and separate params); the last param is unused in steps
+    1 and 4, so its runs lag the others' step count."""
     g = torch.Generator().manual_seed(0)
-    sizes = (7, 4097, 300, 1000)
+    sizes = (7, 4097, 29, 13, 300, 1000)
     params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
     ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
 
@@ -89,7 +92,7 @@ def fused_bitwise_worker(adamw: bool) -> bool:
         return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
 
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    opt = zeroshard.ShardedOptimizer(cls(groups(params), lr=1e-2), offload="cpu", bucket_size_mb=2000 * 4 / 2**20)
+    opt = zeroshard.ShardedOptimizer(cls(groups(params), lr=1e-2, fused=offload is None), offload=offload, bucket_size_mb=2000 * 4 / 2**20)
     ref = cls(groups(ref_params), lr=1e-2, fused=True)
     for step in range(6):
         used = sizes if step % 3 != 1 else sizes[:-1]
@@ -105,9 +108,9 @@ def fused_bitwise_worker(adamw: bool) -> bool:
             and all(torch.equal(a, b) for a, b in zip(params, ref_params)))
 
 
-@pytest.mark.parametrize("adamw", [True, False])
-def test_offload_equals_torch_fused_bitwise(pools, adamw):
-    assert pools[1].run(fused_bitwise_worker, adamw) == [True]
+@pytest.mark.parametrize("adamw, offload", [(True, "cpu"), (False, "cpu"), (True, None)])
+def test_fused_update_equals_torch_fused_bitwise(pools, adamw, offload):
+    assert pools[1].run(fused_bitwise_worker, adamw, offload) == [True]
 
 
 @pytest.mark.parametrize("adamw, maximize", [(True, False), (True, True), (False, False)])

@@ -8,7 +8,8 @@ this rank's slice of one bucket) in the master dtype (fp32; fp64 for fp64 params
 wrapped optimizer's ``state[virtual_param]`` entries are views of them — so ``state_dict()``,
 checkpoints and LR schedulers see ordinary ``torch.optim`` state while the update runs over whole
 runs of pieces. A :class:`Run` is a maximal sequence of adjacent pieces of one chunk that got a
-gradient and share a step count.
+gradient and share a step count (on CPU, also: each piece starts a whole number of 64-byte cache
+lines into the run; see :meth:`FusedAdam._runs`).
 
 Chunks on the device take :func:`device_adam`: :func:`zeroshard.kernels.fused_adamw_` on CUDA
 (16-bit params receive the cast of the updated master in the same pass) and torch's own
@@ -254,7 +255,15 @@ class FusedAdam:
         Steps come from the host counts in ``steps`` (per param of the shard), never from
         reading ``state["step"]`` (which torch may keep on the device): no host-device
         synchronization per piece. A host chunk's runs read its host gradient copy (allocated here).
+
+        On CPU, torch's fused Adam kernel runs a tensor's last ``numel % W`` elements (``W``: its
+        vector width, at most one 64-byte cache line) through a scalar tail loop, which can round
+        ``exp_avg_sq`` differently from the vector body. So a piece joins a run only where the run
+        so far is a whole number of cache lines: each element then takes the path it takes in
+        torch's own per-param step, and a whole param's update is bitwise torch's. (CUDA chunks
+        take zeroshard's Triton kernel, the same code for every element: no such limit.)
         """
+        unit = 64 // chunk.master_dtype.itemsize if chunk.device.type == "cpu" else 1  # elements per cache line
         start: int | None = None  # the current run's first piece
         run_step = 0  # the current run's step
         for i, (piece, vparam) in enumerate(zip(chunk.pieces, chunk.virtual_params)):
@@ -270,8 +279,9 @@ class FusedAdam:
                 state["exp_avg"] = chunk.shaped(piece, chunk.exp_avg)
                 state["exp_avg_sq"] = chunk.shaped(piece, chunk.exp_avg_sq)
             state["step"].fill_(float(step))
-            adjacent = start is not None and chunk.pieces[i - 1].shard_offset + chunk.pieces[i - 1].numel == piece.shard_offset
-            if start is not None and (step != run_step or not adjacent):
+            joins = (start is not None and chunk.pieces[i - 1].shard_offset + chunk.pieces[i - 1].numel == piece.shard_offset
+                     and (piece.shard_offset - chunk.pieces[start].shard_offset) % unit == 0)
+            if start is not None and (step != run_step or not joins):
                 yield self._run(chunk, start, i, run_step)
                 start = None
             if start is None:
