@@ -1,18 +1,39 @@
 """``offload`` suite: the CPU-offloaded optimizer step against torch's CPU ``AdamW(fused=True)``.
 
-One rank, shards of N fp32 elements in 4 params. Timed alone, after a backward that reduced the
-gradients (as in training):
+One rank, shards of N fp32 elements in 4 params. Each subject's step is timed alone, after a
+backward that produced its gradients (as in training):
 
 * ``zeroshard_offload``: the whole ``ShardedOptimizer(AdamW, offload="cpu").step()`` — global norm,
   gradient copy to the host, torch's fused CPU AdamW chunk by chunk, params copied back, gradient
   buffers zeroed. On a CPU-only machine the "device" is the host, so the two copies are memcpys
   the CPU does itself (on a GPU machine they are DMA transfers overlapped with the update).
 * ``zeroshard_offload_cpu_adam``: the CPU update alone within that step — the sum of the
-  ``zeroshard.offload.cpu_adam`` profiler ranges — which is the CPU's share of an offloaded step.
+  ``zeroshard.offload.cpu_adam`` profiler ranges, each around one chunk's call of torch's fused
+  kernel — which is the CPU's share of an offloaded step.
 * ``zeroshard_on_device``: the same ShardedOptimizer without offload.
 * ``torch_adamw_fused`` (the baseline): ``torch.optim.AdamW(fused=True).step()`` on one N-element
-  tensor; ``torch_adamw_fused_profiled``: the same under the profiler, the baseline of the CPU
-  update (both sides pay the profiler's per-op cost).
+  tensor, whose gradient comes from a backward of the same form; ``torch_adamw_fused_profiled``:
+  the same step under the profiler, the baseline of the CPU update (both sides pay the
+  profiler's per-op cost). The baseline's range is its whole ``step()``, bookkeeping included;
+  zeroshard's bookkeeping (step counts, state views, runs) precedes its ranges.
+
+The subjects take turns, one step each per round, the order rotated every round, so each sees
+the same machine (load from other processes, clock) and the same cache: the other subjects' work
+runs between two of its steps, as a forward and backward do in training. Fairness fixes of
+2026-11-22:
+
+* each subject used to run all its steps back to back, the baseline after a bare gradient clone:
+  at 2^20 its 16 MiB of state stayed in the 32 MiB L3 cache from one step to the next, while
+  zeroshard's ran behind a backward and the copies (alone, the baseline step was 1.3-2x faster
+  there than after other work); and on a loaded machine whichever phase ran while it was quiet won;
+* zeroshard's step() leaves the guard of its in-flight all-gathers (a TorchFunctionMode, see
+  ``zeroshard/param_gather.py``) on the mode stack until a module or zeroshard call pops it, so
+  the baseline's steps, run after zeroshard's, paid its Python call on every torch function
+  (~65 µs a step); each zeroshard subject now waits for its all-gathers after its step (untimed).
+
+One difference remains, and it favours zeroshard slightly: on a CPU-only machine the CPU itself
+copies each chunk's gradient to the host buffer just before the chunk's update, so the update
+reads it from cache (~2% at the default 25 MiB buckets; a GPU's DMA would leave it in memory).
 
 Figures: elements updated per second and the ratio subject time / baseline time (goal for the CPU
 update: <= 1.0).
@@ -35,6 +56,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 from unittest import mock
 
 import torch
@@ -77,41 +99,59 @@ def without_profiler_noise() -> Iterator[None]:
             os.write(2, b"".join(line for line in captured.readlines() if not PROFILER_NOISE.match(line)))
 
 
-def _time(prepare: Callable[[], None], fn: Callable[[], None], repeats: int) -> Timing:
-    """Median etc. of ``fn`` alone; ``prepare`` (untimed) runs before each call and once to warm up."""
-    prepare()
-    fn()  # warm-up: allocates state
-    samples = []
-    for _ in range(repeats):
-        prepare()
+class Subject(NamedTuple):
+    """One timed thing: ``step`` is timed; ``prepare`` runs untimed before each step, ``after`` untimed after it."""
+
+    prepare: Callable[[], None]
+    step: Callable[[], None]
+    after: Callable[[], None] = lambda: None
+
+
+def _rounds(subjects: dict[str, Subject], repeats: int) -> Iterator[tuple[str, Subject]]:
+    """``repeats`` rounds of every subject once, the order rotated by one each round."""
+    names = list(subjects)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            yield name, subjects[name]
+
+
+def _time(subjects: dict[str, Subject], repeats: int) -> dict[str, Timing]:
+    """Per subject, the times of its step alone, the subjects taking turns (see :func:`_rounds`); one warm-up round first (allocates state)."""
+    samples: dict[str, list[float]] = {name: [] for name in subjects}
+    for warm, (name, subject) in enumerate(_rounds(subjects, repeats + 1)):
+        subject.prepare()
         start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return Timing("", tuple(samples))
+        subject.step()
+        elapsed = time.perf_counter() - start
+        subject.after()
+        if warm >= len(subjects):
+            samples[name].append(elapsed)
+    return {name: Timing("", tuple(times)) for name, times in samples.items()}
 
 
-def _profiled(prepare: Callable[[], None], step: Callable[[], None], repeats: int, inner: str) -> Timing:
-    """Per call of ``step``, the summed duration of the profiler ranges named ``inner`` within it.
+def _profiled(subjects: dict[str, Subject], repeats: int, inner: dict[str, str | None]) -> dict[str, Timing]:
+    """Per subject, per call of its step, the summed duration of the profiler ranges named ``inner[name]`` within it (``None``: the whole step).
 
-    A separate pass under ``torch.profiler``, whose instrumentation of every op costs time: compare
-    only with figures measured the same way."""
+    The subjects take turns (see :func:`_rounds`) in one pass under ``torch.profiler``, whose
+    instrumentation of every op costs time: compare only with figures measured the same way."""
     with without_profiler_noise(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(repeats):
-            prepare()
-            with torch.profiler.record_function(STEP_RANGE):
-                step()
-    steps = [e for e in prof.events() if e.name == STEP_RANGE]
-    adam = [e for e in prof.events() if e.name == inner]
-    samples = [
-        sum(a.time_range.elapsed_us() for a in adam if s.time_range.start <= a.time_range.start <= s.time_range.end) * 1e-6
-        for s in steps
-    ]
-    return Timing("", tuple(samples))
+        for name, subject in _rounds(subjects, repeats):
+            subject.prepare()
+            with torch.profiler.record_function(f"{STEP_RANGE}:{name}"):
+                subject.step()
+            subject.after()
+    events = prof.events()
+    timings = {}
+    for name in subjects:
+        outer = [e.time_range for e in events if e.name == f"{STEP_RANGE}:{name}"]
+        ranges = [e.time_range for e in events if e.name == inner[name]] if inner[name] else outer
+        timings[name] = Timing("", tuple(sum(r.elapsed_us() for r in ranges if s.start <= r.start <= s.end) * 1e-6 for s in outer))
+    return timings
 
 
 def rank_main(numel: int, repeats: int) -> dict[str, Timing]:
     grads = torch.randn(numel)
-    timings = {}
+    subjects: dict[str, Subject] = {}
     for name, offload in (("zeroshard_offload", "cpu"), ("zeroshard_on_device", None)):
         params = [nn.Parameter(torch.randn(numel // 4)) for _ in range(4)]  # a few params, like a model
         opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(params, lr=1e-3), offload=offload)
@@ -119,18 +159,24 @@ def rank_main(numel: int, repeats: int) -> dict[str, Timing]:
         def backward(params=params) -> None:  # gradients arrive through autograd: reduced in backward, as in training
             sum((p * grads[i * p.numel() : (i + 1) * p.numel()]).sum() for i, p in enumerate(params)).backward()
 
-        timings[name] = _time(backward, opt.step, repeats)
-        if offload:
-            timings["zeroshard_offload_cpu_adam"] = _profiled(backward, opt.step, repeats, CPU_ADAM_RANGE)
+        # step() leaves its all-gathers in flight behind a TorchFunctionMode that every torch call
+        # passes through until a module or zeroshard call finds them done (zeroshard/param_gather.py);
+        # wait_params() after each step, as the next forward would, keeps it off the others' steps.
+        subjects[name] = Subject(backward, opt.step, opt.wait_params)
     param = nn.Parameter(torch.randn(numel))
     fused = torch.optim.AdamW([param], lr=1e-3, fused=True)
 
-    def set_grad() -> None:
-        param.grad = grads.clone()
+    def fused_backward() -> None:  # the same backward; a fresh gradient, as zero_grad() (set_to_none) leaves it
+        param.grad = None
+        (param * grads).sum().backward()
 
-    timings["torch_adamw_fused"] = _time(set_grad, fused.step, repeats)
-    timings["torch_adamw_fused_profiled"] = _profiled(set_grad, fused.step, repeats, STEP_RANGE)
-    return timings
+    subjects["torch_adamw_fused"] = Subject(fused_backward, fused.step)
+    timed = _time(subjects, repeats)
+    profiled = _profiled({name: subjects[name] for name in ("zeroshard_offload", "torch_adamw_fused")}, repeats,
+                         {"zeroshard_offload": CPU_ADAM_RANGE, "torch_adamw_fused": None})
+    return {"zeroshard_offload": timed["zeroshard_offload"], "zeroshard_offload_cpu_adam": profiled["zeroshard_offload"],
+            "zeroshard_on_device": timed["zeroshard_on_device"], "torch_adamw_fused": timed["torch_adamw_fused"],
+            "torch_adamw_fused_profiled": profiled["torch_adamw_fused"]}
 
 
 GPU_METHODS = {"on_device": (None, None), "offload": ("cpu", None), "offload_half": ("cpu", 0.5)}  # (offload, share of chunk bytes on the GPU)
@@ -158,9 +204,9 @@ def training_rank_main(config: gpt.GPTConfig, steps: int) -> dict[str, Timing]:
                 torch.cuda.synchronize(device)
 
         with margin:
-            timings[name] = _time(lambda: None, train_step, steps)
+            timings[name] = _time({name: Subject(lambda: None, train_step)}, steps)[name]
         if share:
-            timings[f"{name}_cpu_adam"] = _profiled(lambda: None, train_step, steps, CPU_ADAM_RANGE)
+            timings[f"{name}_cpu_adam"] = _profiled({name: Subject(lambda: None, train_step)}, steps, {name: CPU_ADAM_RANGE})[name]
         del model, opt
         if device.type == "cuda":
             torch.cuda.empty_cache()
