@@ -24,7 +24,8 @@ D = data-parallel size, r = this rank):
   ``exp_avg_sq`` and, offloaded, its host gradient and host param. A chunk lives and moves as a
   whole, on the device or in host memory.
 * **run** (adjacent pieces of one chunk): a maximal sequence of adjacent pieces with the same step
-  count; the fused update takes a run in one call.
+  count (on CPU, each starting a whole number of 64-byte cache lines into the run); the fused
+  update takes a run in one call.
 * **master** (1-D, master dtype (fp32 for bf16/fp16 params)): a chunk's full-precision copy of its
   slice, for 16-bit params and offloaded chunks; for fp32/fp64 params on their device the slice of
   the flat param buffer is the master, with no copy.
