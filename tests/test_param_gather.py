@@ -9,6 +9,7 @@ and must see stale values, so the delay does expose the race.
 
 from __future__ import annotations
 
+import threading
 import time
 from unittest import mock
 
@@ -142,3 +143,32 @@ def other_mode_worker() -> tuple[int, int]:
 
 def test_step_inside_another_mode_waits_for_its_gathers(pools):
     assert pools[2].run(other_mode_worker) == [(0, 1), (0, 1)]
+
+
+def thread_worker() -> list[bool]:
+    """Each iteration steps and reads in a new thread (thread ids are reused); the main thread waits in between."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=0.1), bucket_size_mb=SMALL_BUCKETS_MB)
+    reads: list[list[torch.Tensor]] = []
+    current = []
+
+    def step_and_read(step: int) -> None:  # ends with the guard still on its own stack
+        loss_fn(model, *batch(rank, step)).backward()
+        with mock.patch.object(collectives, "all_gather", _delayed_all_gather(DELAY_S if rank == 1 else 0.0)):
+            opt.step()
+        reads.append([p.detach().clone() for p in model.parameters()])
+
+    for step in range(3):
+        thread = threading.Thread(target=step_and_read, args=(step,))
+        thread.start()
+        thread.join()
+        opt.wait_params()
+        current.append(all(torch.equal(a, p) for a, p in zip(reads[-1], model.parameters())))
+    opt.close()
+    return current
+
+
+def test_a_new_thread_that_steps_is_guarded_too(pools):
+    assert pools[2].run(thread_worker) == [[True] * 3, [True] * 3]

@@ -15,9 +15,10 @@ Every one of them goes through a torch function that takes the param (or somethi
 after the step), and :class:`_ParamGuard` sees that call first. So nothing can read a param
 half-gathered: a stale read would be a silent wrong number. Covered: every torch function and
 ``Tensor`` method, ``torch.ops`` custom ops, and ``torch.compile`` (Dynamo honours active modes).
-Not covered: a C++ extension bound without the dispatcher that is handed a param directly, or an
-alias of a param made *before* ``step()`` and read after it; call
-:meth:`~zeroshard.ShardedOptimizer.wait_params` first there.
+Not covered: a C++ extension bound without the dispatcher that is handed a param directly (also
+``torch.utils.dlpack.to_dlpack``), an alias of a param made *before* ``step()`` and read after it,
+and reads from another thread than the one that called ``step()`` (mode stacks are per thread);
+call :meth:`~zeroshard.ShardedOptimizer.wait_params` first there.
 
 The guard is pushed on the torch-function mode stack only when the stack is empty (so it never
 sits between another mode's enter and exit); otherwise, and with ``overlap_param_gather=False``,
@@ -30,7 +31,6 @@ argument).
 from __future__ import annotations
 
 import datetime
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -141,19 +141,23 @@ class _ParamGuard(TorchFunctionMode):
         super().__init__()
         self._waiting: dict[int, tuple[ParamGather, BucketGather]] = {}  # id(param) -> (its optimizer's gathers, its bucket's)
         self._gathers: dict[int, ParamGather] = {}  # id -> the optimizers' gathers with buckets in _waiting
-        self._thread: int | None = None  # the thread whose mode stack holds the guard; None: not pushed
         self._pop_hook: torch.utils.hooks.RemovableHandle | None = None
 
     def watch(self, gathers: ParamGather) -> bool:
-        """Register ``gathers``' pending buckets and push the guard; ``False`` where it cannot be pushed."""
-        if self._thread is None:
-            if _get_current_function_mode_stack():
-                return False  # another mode is active: pushing now would break its exit (a stack)
+        """Register ``gathers``' pending buckets and push the guard on this thread's mode stack; ``False`` where it cannot be pushed.
+
+        Mode stacks are per thread, so the guard is looked for on the calling thread's own stack
+        (a thread that stepped before may have ended with the guard on its stack, and thread ids
+        are reused): already there, it stays; an empty stack gets it; another mode on the stack
+        means no push (pushing now would break that mode's exit, a stack pop).
+        """
+        stack = _get_current_function_mode_stack()
+        if self not in stack:
+            if stack:
+                return False
             _push_mode(self)
-            self._thread = threading.get_ident()
-            self._pop_hook = nn.modules.module.register_module_forward_pre_hook(self._pop_when_done)
-        elif self._thread != threading.get_ident():
-            return False  # the guard guards one thread's torch calls
+            if self._pop_hook is None:
+                self._pop_hook = nn.modules.module.register_module_forward_pre_hook(self._pop_when_done)
         self._gathers[id(gathers)] = gathers
         for gather in gathers._pending:
             for param in gather.params:
@@ -168,7 +172,7 @@ class _ParamGuard(TorchFunctionMode):
                 del self._waiting[id(param)]
 
     def pop_if_done(self) -> None:
-        """Leave the mode stack once nothing is pending, if the guard is on top of this thread's stack.
+        """Leave this thread's mode stack once nothing is pending, if the guard is on top of it.
 
         Gathers that completed by themselves are retired first, so the guard goes as soon as the
         wire is done, whether or not their params were touched.
@@ -177,12 +181,11 @@ class _ParamGuard(TorchFunctionMode):
             gathers.drop_completed()
             if not gathers.pending:
                 del self._gathers[key]
-        if self._waiting or self._thread != threading.get_ident():
+        if self._waiting:
             return
         stack = _get_current_function_mode_stack()
         if stack and stack[-1] is self:
             _pop_mode()
-            self._thread = None
             if self._pop_hook is not None:
                 self._pop_hook.remove()
                 self._pop_hook = None
