@@ -209,15 +209,14 @@ class FusedAdam:
         self.bind(shards)
 
     @torch.no_grad()
-    def step(self, shards: list[LocalShard], steps: list[list[int]], multiplier: float) -> Iterator[Chunk]:
-        """Update every used piece of every shard; yield each chunk, in layout order, once its params are final.
+    def step(self, shards: list[LocalShard], steps: list[list[int]], multiplier: float) -> None:
+        """Update every used piece of every shard; afterwards each chunk's slice of the flat param buffer holds its updated params.
 
         Unused pieces and their state stay untouched. The host chunks' gradient copies are
         queued first, then the device chunks' updates launched (on CUDA they run while the host
-        works), then the host chunks take the CPU update one by one between their copies. A
-        yielded chunk's slice of the flat param buffer holds its updated params (on CUDA: the
-        current stream is ordered after them), so the caller can launch the bucket's all-gather
-        before asking for the next chunk. The caller must exhaust the iterator.
+        works), then the host chunks take the CPU update one by one between their copies. On
+        CUDA the current stream is ordered after all of it, so the all-gathers the caller queues
+        next read the updated params.
 
         Args:
             shards: this rank's shards (each knows its param group, whose hyperparameters apply).
@@ -246,7 +245,6 @@ class FusedAdam:
                     with torch.profiler.record_function(CPU_ADAM_RANGE):
                         host_adam(chunk_runs, self.optimizer.param_groups[shards[k].group], self.adamw, grad_scale)
                     self._pipeline.send_params(chunk)
-                yield chunk
         self._pipeline.finish()
 
     def _runs(self, chunk: Chunk, steps: list[int]) -> Iterator[Run]:

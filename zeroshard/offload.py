@@ -60,8 +60,9 @@ class OffloadPipeline:
     layout order, :meth:`receive_grad` before the CPU update and :meth:`send_params` after it;
     finally :meth:`finish`. On CUDA the copies run on two streams of their own (created on first
     use, kept), so that while the CPU updates chunk i, chunk i+1's gradient is on its way to the
-    host and chunk i-1's params on their way back to the device and into their all-gather. On a
-    CPU-only machine (or in a step without host chunks) the same calls are plain copies, in order.
+    host and chunk i-1's params on their way back to the device (the all-gathers follow the whole
+    update). On a CPU-only machine (or in a step without host chunks) the same calls are plain
+    copies, in order.
     """
 
     def __init__(self) -> None:
@@ -125,7 +126,7 @@ class OffloadPipeline:
         with torch.cuda.stream(h2d):
             # Hand-off 3: the source is written by the CPU above, before this copy is queued.
             target.copy_(source, non_blocking=True)
-        # Hand-off 4: the bucket's all-gather, queued next on the compute stream by the
+        # Hand-off 4: the bucket's all-gather, queued later on the compute stream by the
         # optimizer's step(), reads the params just copied: the compute stream waits for the copy.
         self._compute.wait_stream(h2d)
 

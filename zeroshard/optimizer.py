@@ -351,10 +351,10 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         for shard in self._shards:
             shard.refresh_master()
         if self._fused is not None:
-            final = self._fused.step(self._shards, steps, multiplier)
+            self._fused.step(self._shards, steps, multiplier)
         else:
-            final = wrapped_step(self.optimizer, self._shards, stats.used, multiplier)
-        self._gather.launch(list(final), self._shards)  # waited for before the params are next read (param_gather.py)
+            wrapped_step(self.optimizer, self._shards, stats.used, multiplier)
+        self._gather.launch(self._shards)  # waited for before the params are next read (param_gather.py)
 
     def _place_chunks(self, tracer: MemoryTracer, fused: FusedAdam) -> None:
         """End the first iteration's tracer and move that margin's share of chunks to the device (logged once)."""

@@ -31,7 +31,7 @@ argument).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -82,14 +82,10 @@ class ParamGather:
         """How many bucket all-gathers are in flight."""
         return len(self._pending)
 
-    def launch(self, chunks: Sequence[Chunk], shards: list[LocalShard]) -> None:
-        """Start the all-gather of every chunk's bucket, last bucket of the layout first (forward order).
+    def launch(self, shards: list[LocalShard]) -> None:
+        """Start the all-gather of every bucket of ``shards``, last bucket of the layout first (forward order).
 
-        Args:
-            chunks: this rank's chunks whose slices were updated, in layout order (as
-                :meth:`zeroshard.fused_adam.FusedAdam.step` yields them); each one's ``params``
-                (this rank's slice) is gathered into its ``bucket_params``.
-            shards: the shards the chunks belong to (for the params of each bucket).
+        Each chunk's ``params`` (this rank's updated slice) is gathered into its ``bucket_params``.
 
         Waits for the gathers before returning unless ``overlap`` is on and the guard could be
         pushed (see the module docstring).
@@ -97,10 +93,10 @@ class ParamGather:
         self.wait()  # a param is written only after every earlier gather into it is done
         if dist.get_world_size(self.group) == 1:
             return  # a shard group of one: the params are already complete, nothing to guard
-        params_of = {id(chunk): _bucket_params(shard, chunk) for shard in shards for chunk in shard.chunks}
-        for chunk in reversed(chunks):
+        in_layout_order = [(shard, chunk) for shard in shards for chunk in shard.chunks]
+        for owner, chunk in reversed(in_layout_order):
             work = collectives.all_gather(chunk.bucket_params, chunk.params, self.group)
-            self._pending.append(BucketGather(work, params_of[id(chunk)]))
+            self._pending.append(BucketGather(work, _bucket_params(owner, chunk)))
         if not (self.overlap and _GUARD.watch(self)):
             self.wait()
 

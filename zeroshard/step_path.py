@@ -4,17 +4,14 @@ See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py``.
 
 :func:`grad_multiplier` gives what every path multiplies the gradients by; :func:`wrapped_step`
 runs the wrapped optimizer's own ``step()`` on the virtual params. Like
-:meth:`zeroshard.fused_adam.FusedAdam.step`, it yields the chunks whose params are final, in
-layout order, and ``ShardedOptimizer.step`` launches their all-gathers.
+:meth:`zeroshard.fused_adam.FusedAdam.step`, it leaves each chunk's slice of the flat param
+buffer updated, and ``ShardedOptimizer.step`` then launches the all-gathers (``param_gather.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
-from zeroshard.chunk import Chunk, chunks_of
 from zeroshard.local_shard import LocalShard
 
 
@@ -29,14 +26,13 @@ def grad_multiplier(norm: float, loss_scale: float, max_norm: float | None) -> f
 
 
 @torch.no_grad()
-def wrapped_step(optimizer: torch.optim.Optimizer, shards: list[LocalShard], used: list[list[bool]], multiplier: float) -> Iterator[Chunk]:
-    """Run ``optimizer.step()`` on the virtual params; then yield every chunk, in layout order.
+def wrapped_step(optimizer: torch.optim.Optimizer, shards: list[LocalShard], used: list[list[bool]], multiplier: float) -> None:
+    """Run ``optimizer.step()`` on the virtual params.
 
     The grad shards are multiplied by ``multiplier`` in place (they are consumed), each virtual
     param's ``.grad`` is its piece of them, or ``None`` where ``used`` (per shard, per param)
     says no rank gave the param a gradient, so the optimizer skips it as ``torch.optim`` does.
-    Afterwards 16-bit params receive the cast of their updated fp32 masters. All chunks are final
-    together, once the whole update is done. The caller must exhaust the iterator.
+    Afterwards 16-bit params receive the cast of their updated fp32 masters.
     """
     for shard, flags in zip(shards, used):
         if multiplier != 1.0:
@@ -46,4 +42,4 @@ def wrapped_step(optimizer: torch.optim.Optimizer, shards: list[LocalShard], use
     for shard in shards:
         shard.detach_grads()
         shard.write_back()
-    yield from chunks_of(shards)
+
