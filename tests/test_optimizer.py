@@ -336,6 +336,9 @@ def staging_bound_worker() -> tuple[int, int, int]:
         model(torch.randn(4, 64)).sum().backward()
         record(None)  # after the end-of-backward reduction too
         opt.step()
+    # The hooks keep ``opt`` alive (params -> hook -> opt) after this returns: leave nothing in flight,
+    # or its gathers would keep the shared guard pushed for later tests in this process.
+    opt.close()
     return peak, 64 * 64 * 4, 8 * 64 * 64 * 4
 
 

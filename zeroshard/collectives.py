@@ -3,13 +3,20 @@
 torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in favour of
 ``all_gather_single`` / ``reduce_scatter_single``; the wrappers take the new names where they
 exist and fall back to the old ones on torch 2.4 - 2.12.
+
+On gloo (CPU tensors) the bucket reduce-scatter and all-gather run as point-to-point sends and
+receives instead (:class:`PointToPointWork`). gloo runs ``reduce_scatter_tensor`` as a full
+all-reduce, sending ``2 (N-1)/N`` of the input where a reduce-scatter needs ``(N-1)/N``, and its
+``all_gather_into_tensor`` took 2.5-3x as long as the same bytes sent point to point (2 ranks,
+1M-16M elements, loopback). With sends and receives, zeroshard's reduce-scatter plus all-gather
+move the bytes of DDP's one all-reduce, as they do on NCCL.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,25 +28,99 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup) -> dist.Work:
+# Point-to-point message tags of the two bucket collectives (gloo matches a pair's messages of one
+# tag first in, first out; every rank posts its buckets in the same order).
+_REDUCE_SCATTER_TAG = 0x2A01
+_ALL_GATHER_TAG = 0x2A02
+# Set to False to run gloo's own reduce_scatter_tensor / all_gather_into_tensor (for comparison).
+POINT_TO_POINT_ON_GLOO = True
+
+
+class PointToPointWork:
+    """The handle of a reduce-scatter or all-gather run as point-to-point sends and receives.
+
+    Answers ``wait(timeout=None)`` and ``is_completed()`` as a ``dist.Work`` does. ``wait``
+    waits for every send and receive, then runs ``finish`` once (the reduce-scatter's sum of the
+    received pieces into its output).
+    """
+
+    def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None) -> None:
+        self._works = works
+        self._finish = finish
+
+    def is_completed(self) -> bool:
+        """Whether every send and receive has completed (the sum, if any, runs in :meth:`wait`)."""
+        return all(work.is_completed() for work in self._works)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Wait for every send and receive (each within ``timeout``), then finish; ``True`` as ``dist.Work.wait``.
+
+        Raises:
+            RuntimeError: a send or receive did not complete within ``timeout`` (gloo's error).
+        """
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+
+def _point_to_point(tensor: Tensor, group: ProcessGroup) -> bool:
+    """Whether a bucket collective of ``tensor`` on ``group`` runs point to point (CPU tensors on gloo)."""
+    return POINT_TO_POINT_ON_GLOO and tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
+
+
+def _exchange(sends: dict[int, Tensor], receives: dict[int, Tensor], group: ProcessGroup, tag: int) -> list[dist.Work]:
+    """Post a send of ``sends[q]`` to and a receive into ``receives[q]`` from each group rank ``q``."""
+    works = []
+    for q in sends:
+        peer = dist.get_global_rank(group, q)
+        works.append(dist.isend(sends[q], dst=peer, group=group, tag=tag))
+        works.append(dist.irecv(receives[q], src=peer, group=group, tag=tag))
+    return works
+
+
+def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup) -> dist.Work | PointToPointWork:
     """Start a sum reduce-scatter: rank r receives the sum over ranks of ``input[r*n:(r+1)*n]``.
+
+    Mirrors ``torch.distributed.reduce_scatter_tensor`` (``op=SUM``). On gloo each rank sends
+    every other rank its piece, copies its own into ``output`` at once, and adds what it receives
+    in group rank order (at 2 ranks the same bits as gloo's own sum: one addition, commutative);
+    ``N - 1`` pieces of ``n`` elements are held for the receives until ``wait()``.
 
     Args:
         output: 1-D, ``n`` elements, same dtype and device as ``input``; written when the work completes.
-        input: 1-D, ``n * group.size()`` elements.
+        input: 1-D, ``n * group.size()`` elements; not written.
         group: the sharding process group.
 
     Returns:
-        The async work handle; call ``wait()`` before reading ``output``.
+        The async work handle; call ``wait()`` before reading ``output`` or writing ``input``.
     """
-    return _reduce_scatter_single(output, input, group=group, async_op=True)
+    if not _point_to_point(input, group):
+        return _reduce_scatter_single(output, input, group=group, async_op=True)
+    me, n = dist.get_rank(group), output.numel()
+    pieces = list(input.view(-1, n).unbind())
+    others = [q for q in range(len(pieces)) if q != me]
+    received = {q: torch.empty_like(output) for q in others}
+    works = _exchange({q: pieces[q] for q in others}, received, group, _REDUCE_SCATTER_TAG)
+    output.copy_(pieces[me])  # read now, as the sends read theirs: the input may change before wait()
+
+    def finish() -> None:
+        for q in others:
+            output.add_(received[q])
+
+    return PointToPointWork(works, finish)
 
 
-def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> dist.Work:
+def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> dist.Work | PointToPointWork:
     """Start an all-gather: ``output[r*n:(r+1)*n]`` receives rank r's ``input``.
 
-    ``input`` may be this rank's own slot of ``output`` (an in-place gather), which is how
-    zeroshard gathers updated slices back into the flat param buffer.
+    Mirrors ``torch.distributed.all_gather_into_tensor``; on gloo, each rank sends its slot to
+    every other rank and receives theirs into their slots. ``input`` may be this rank's own slot
+    of ``output`` (an in-place gather), which is how zeroshard gathers updated slices back into
+    the flat param buffer.
 
     Args:
         output: 1-D, ``n * group.size()`` elements.
@@ -49,7 +130,13 @@ def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> dist.Work:
     Returns:
         The async work handle; call ``wait()`` before reading ``output``.
     """
-    return _all_gather_single(output, input, group=group, async_op=True)
+    if not _point_to_point(input, group):
+        return _all_gather_single(output, input, group=group, async_op=True)
+    me, slots = dist.get_rank(group), list(output.view(-1, input.numel()).unbind())
+    if slots[me].data_ptr() != input.data_ptr():
+        slots[me].copy_(input)
+    others = [q for q in range(len(slots)) if q != me]
+    return PointToPointWork(_exchange({q: slots[me] for q in others}, {q: slots[q] for q in others}, group, _ALL_GATHER_TAG))
 
 
 def all_reduce(tensor: Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work:
@@ -143,7 +230,7 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
     world = dist.get_world_size(group)
     if world == 1:
         return
-    device = _collective_device(group)
+    device = collective_device(group)
     counts = _all_gather_int64(torch.tensor([len(fingerprint)], device=device), group)
     longest = max(int(c) for c in counts)
     hashes = torch.full((longest,), 0, dtype=torch.int64)
@@ -172,7 +259,7 @@ def _digest(entry: tuple[Any, ...]) -> int:
     return int.from_bytes(hashlib.blake2b(repr(entry).encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def _collective_device(group: ProcessGroup) -> torch.device:
+def collective_device(group: ProcessGroup) -> torch.device:
     """Where small tensors for collectives on ``group`` must live: the current CUDA device for NCCL, else the CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -4,8 +4,9 @@ See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py`` for the buffers na
 
 Collective order. gloo and NCCL match collectives by the order each rank issues them, so every
 rank must issue the same reduce-scatters in the same order. Buckets are therefore launched strictly
-in one fixed order (flat buffers in param-group order, buckets in layout order): a complete bucket
-waits until every bucket before it has been launched. At the end of every backward pass (an
+in one order, the same on every rank: a complete bucket waits until every bucket before it has been
+launched. The order starts as flat buffers in param-group order, buckets in layout order, and is
+rebuilt once from the first backward (``zeroshard/bucket_order.py``). At the end of every backward pass (an
 autograd engine callback, queued by the first hook of that pass), buckets still incomplete because
 some param got no gradient on this rank are completed with zeros for those params and launched, so
 every backward issues every bucket once on every rank (DDP's ``find_unused_parameters`` semantics:
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 
 from zeroshard import collectives, launch_order
+from zeroshard.bucket_order import BucketOrder
 from zeroshard.ddp_wrapper import DDPWrappers, find_wrappers, watch_new_wrappers
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
@@ -119,8 +121,7 @@ class GradReducer:
         self.overlap_comm = overlap_comm
         self.shards: list[LocalShard] = []
         self._grads: list[ShardGrads] = []  # per shard: its gradient bookkeeping
-        self._order: list[tuple[int, int]] = []  # (shard, bucket), the launch order
-        self._position: dict[tuple[int, int], int] = {}
+        self._order = BucketOrder()  # rebuilt once, from the first reduced backward
         self._staging = StagingBuckets()  # stage 2
         self._pending: list[PendingReduce] = []
         self._next_launch = 0
@@ -170,9 +171,7 @@ class GradReducer:
         self.shards.append(shard)
         layout = shard.buffer.layout
         self._grads.append(ShardGrads.for_shard(shard, flat=self.stage == 1))
-        for bucket in layout.buckets:
-            self._position[(k, bucket.index)] = len(self._order)
-            self._order.append((k, bucket.index))
+        self._order.append(k, len(layout.buckets))
         for i, param in enumerate(shard.buffer.params):
             self._hooks.append(param.register_hook(self._make_pre_hook(k, i, param)))
             self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(k, i)))
@@ -297,7 +296,7 @@ class GradReducer:
     def _take_grad(self, k: int, i: int, param: nn.Parameter) -> None:
         """Mark param ``i`` of shard ``k`` ready; stage 2 moves its gradient into the staging bucket."""
         slot = self.shards[k].buffer.layout.slots[i]
-        if self._position[(k, slot.bucket)] < self._next_launch:
+        if self._order.position((k, slot.bucket)) < self._next_launch:
             raise RuntimeError(f"param {tuple(param.shape)} got a second gradient after its bucket was reduced in this backward pass (reentrant "
                                "backward, e.g. checkpoint(use_reentrant=True), is not supported)")
         if self.stage == 2 and param.grad is not None and not isinstance(param.grad, ReducedGrad):
@@ -306,6 +305,8 @@ class GradReducer:
         if not self._grads[k].ready[i]:
             self._grads[k].ready[i] = True
             self._grads[k].ready_count[slot.bucket] += 1
+            if self._grads[k].ready_count[slot.bucket] == len(self.shards[k].buffer.layout.buckets[slot.bucket].params):
+                self._order.completed((k, slot.bucket))
 
     def _launch_complete_buckets(self, in_turn: bool = True) -> None:
         """Launch the complete buckets in order; ``in_turn``: after the group's earlier reducers (launch_order.py)."""
@@ -399,6 +400,7 @@ class GradReducer:
                 self._take_grad(k, i, param)
         self._launch_complete_buckets(in_turn=False)
         self._drain()
+        self._order.rebuild(self.groups, self.timeout)
         self._clear_backward_state()
         self._reductions += 1
         self._unreduced = False

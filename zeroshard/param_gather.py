@@ -24,6 +24,8 @@ The guard is pushed on the torch-function mode stack only when the stack is empt
 sits between another mode's enter and exit); otherwise, and with ``overlap_param_gather=False``,
 ``step()`` waits for its all-gathers before it returns, as before. It is popped as soon as no
 gather is pending, at the next module call or zeroshard call that finds it on top of the stack.
+(On gloo the gathers are point-to-point works, which report completion only once waited for: there
+the guard goes once every param was read, by the next forward, or after ``wait_params()``.)
 Its cost while pushed is one Python call per torch function (a dictionary lookup per tensor
 argument).
 """
