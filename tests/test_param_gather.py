@@ -9,6 +9,7 @@ and must see stale values, so the delay does expose the race.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from unittest import mock
@@ -27,14 +28,23 @@ DELAY_S = 0.5
 SMALL_BUCKETS_MB = 0.0005  # ~130 fp32 elements: TinyNet's params span several buckets
 
 
-def _delayed_all_gather(delay_s: float):
-    real = collectives.all_gather
+@contextlib.contextmanager
+def _delayed_all_gathers(delay_s: float):
+    """Sleep ``delay_s`` before the first all-gather launched in the block (a whole bucket, or a piece
+    of one on gloo), which delays every later one too: they are launched after it."""
+    slept = []
 
-    def all_gather(output, input, group):
-        time.sleep(delay_s)
-        return real(output, input, group)
+    def delayed(real):
+        def launch(*args):
+            if not slept:
+                slept.append(time.sleep(delay_s))
+            return real(*args)
 
-    return all_gather
+        return launch
+
+    with mock.patch.object(collectives, "all_gather", delayed(collectives.all_gather)), \
+            mock.patch.object(collectives, "all_gather_piece", delayed(collectives.all_gather_piece)):
+        yield
 
 
 def _read(how: str, model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -57,21 +67,25 @@ def _read(how: str, model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tenso
     raise ValueError(how)
 
 
-def overlapped_reads_worker(how: str, guard_waits: bool) -> bool:
-    """Step with rank 1's gathers delayed, read at once on every rank; whether the reads were current."""
+def overlapped_reads_worker(how: str, guard_waits: bool, first_piece_bytes: int = param_gather.FIRST_PIECE_BYTES) -> bool:
+    """Step with rank 1's gathers delayed, read at once on every rank; whether the reads were current.
+
+    ``first_piece_bytes``: the first piece of each bucket's gather (gloo sends them in pieces, forward-first).
+    """
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = TinyNet()
     opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=0.1), bucket_size_mb=SMALL_BUCKETS_MB)
     x, y = batch(rank, 0)
     loss_fn(model, x, y).backward()
-    delay = _delayed_all_gather(DELAY_S if rank == 1 else 0.0)
     passthrough = mock.patch.object(param_gather._ParamGuard, "__torch_function__",
                                     lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})))
-    with mock.patch.object(collectives, "all_gather", delay):
+    with _delayed_all_gathers(DELAY_S if rank == 1 else 0.0), mock.patch.object(param_gather, "FIRST_PIECE_BYTES", first_piece_bytes):
         opt.step()
     opt.zero_grad()
     assert opt._gather.pending > 0 or rank == 1, "step() waited for its all-gathers"
+    buckets = sum(len(shard.chunks) for shard in opt._shards)
+    assert rank == 1 or (opt._gather.pending > buckets) == (first_piece_bytes < 256), "pieces: one gather per bucket piece"
     if guard_waits:
         read = _read(how, model, x)
     else:
@@ -87,6 +101,12 @@ def overlapped_reads_worker(how: str, guard_waits: bool) -> bool:
 @pytest.mark.parametrize("how", ["clone", "state_dict", "ema", "forward", "compiled_forward"])
 def test_reads_after_step_see_every_ranks_update(pools, how):
     assert pools[2].run(overlapped_reads_worker, how, True) == [True, True]
+
+
+@pytest.mark.parametrize("how", ["clone", "forward"])
+def test_reads_wait_for_the_pieces_holding_their_params(pools, how):
+    # 32-byte first pieces: several per bucket, params split across pieces and ranks' slots
+    assert pools[2].run(overlapped_reads_worker, how, True, 32) == [True, True]
 
 
 def test_the_delay_exposes_a_stale_read_without_the_guard(pools):
@@ -156,7 +176,7 @@ def thread_worker() -> list[bool]:
 
     def step_and_read(step: int) -> None:  # ends with the guard still on its own stack
         loss_fn(model, *batch(rank, step)).backward()
-        with mock.patch.object(collectives, "all_gather", _delayed_all_gather(DELAY_S if rank == 1 else 0.0)):
+        with _delayed_all_gathers(DELAY_S if rank == 1 else 0.0):
             opt.step()
         reads.append([p.detach().clone() for p in model.parameters()])
 

@@ -67,6 +67,10 @@ class PointToPointWork:
         return True
 
 
+# The handle of an async bucket collective: torch's, or point to point (both answer wait / is_completed).
+AsyncWork = dist.Work | PointToPointWork
+
+
 def _point_to_point(tensor: Tensor, group: ProcessGroup) -> bool:
     """Whether a bucket collective of ``tensor`` on ``group`` runs point to point (CPU tensors on gloo)."""
     return POINT_TO_POINT_ON_GLOO and tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
@@ -74,15 +78,15 @@ def _point_to_point(tensor: Tensor, group: ProcessGroup) -> bool:
 
 def _exchange(sends: dict[int, Tensor], receives: dict[int, Tensor], group: ProcessGroup, tag: int) -> list[dist.Work]:
     """Post a send of ``sends[q]`` to and a receive into ``receives[q]`` from each group rank ``q``."""
-    works = []
+    works: list[dist.Work] = []
     for q in sends:
         peer = dist.get_global_rank(group, q)
-        works.append(dist.isend(sends[q], dst=peer, group=group, tag=tag))
-        works.append(dist.irecv(receives[q], src=peer, group=group, tag=tag))
+        posted = (dist.isend(sends[q], dst=peer, group=group, tag=tag), dist.irecv(receives[q], src=peer, group=group, tag=tag))
+        works += [work for work in posted if work is not None]
     return works
 
 
-def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup) -> dist.Work | PointToPointWork:
+def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup) -> AsyncWork:
     """Start a sum reduce-scatter: rank r receives the sum over ranks of ``input[r*n:(r+1)*n]``.
 
     Mirrors ``torch.distributed.reduce_scatter_tensor`` (``op=SUM``). On gloo each rank sends
@@ -114,7 +118,7 @@ def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup) -> dist.W
     return PointToPointWork(works, finish)
 
 
-def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> dist.Work | PointToPointWork:
+def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> AsyncWork:
     """Start an all-gather: ``output[r*n:(r+1)*n]`` receives rank r's ``input``.
 
     Mirrors ``torch.distributed.all_gather_into_tensor``; on gloo, each rank sends its slot to
@@ -132,10 +136,30 @@ def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> dist.Work 
     """
     if not _point_to_point(input, group):
         return _all_gather_single(output, input, group=group, async_op=True)
-    me, slots = dist.get_rank(group), list(output.view(-1, input.numel()).unbind())
-    if slots[me].data_ptr() != input.data_ptr():
-        slots[me].copy_(input)
-    others = [q for q in range(len(slots)) if q != me]
+    own = output.view(-1, input.numel())[dist.get_rank(group)]
+    if own.data_ptr() != input.data_ptr():
+        own.copy_(input)
+    return all_gather_piece(output, 0, input.numel(), group)
+
+
+def point_to_point(tensor: Tensor, group: ProcessGroup) -> bool:
+    """Whether :func:`reduce_scatter` and :func:`all_gather` of ``tensor`` on ``group`` run point to point (CPU tensors on gloo)."""
+    return _point_to_point(tensor, group)
+
+
+def all_gather_piece(output: Tensor, start: int, end: int, group: ProcessGroup) -> PointToPointWork:
+    """Start an in-place all-gather of elements ``[start, end)`` of every rank's slot of ``output``, point to point.
+
+    ``output`` is 1-D, ``group.size()`` equal slots one after another; this rank's slot already
+    holds its values. Sends ``slot[start:end]`` of this rank's slot to every other rank and
+    receives theirs into their slots. Only where :func:`point_to_point` holds.
+
+    Returns:
+        The async work handle; call ``wait()`` before reading those elements.
+    """
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    slots = [slot[start:end] for slot in output.view(world, -1).unbind()]
+    others = [q for q in range(world) if q != me]
     return PointToPointWork(_exchange({q: slots[me] for q in others}, {q: slots[q] for q in others}, group, _ALL_GATHER_TAG))
 
 
@@ -148,7 +172,7 @@ def all_reduce(tensor: Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType 
     return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 
-def wait(work: dist.Work, timeout: datetime.timedelta | None, what: str, hint: str) -> None:
+def wait(work: AsyncWork, timeout: datetime.timedelta | None, what: str, hint: str) -> None:
     """Wait for ``work``; with a ``timeout``, raise a ``RuntimeError`` naming the collective after it.
 
     Without a timeout this is ``work.wait()``: the process group's own timeout applies (30 minutes

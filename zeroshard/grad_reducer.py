@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
 
@@ -81,7 +80,7 @@ def _weak(method: Callable) -> Callable:
 class PendingReduce:
     """One launched bucket reduce-scatter of bucket ``bucket`` of shard ``shard``."""
 
-    work: dist.Work | None  # the async work handle; None: nothing to wait for (a shard group of one)
+    work: collectives.AsyncWork | None  # the async work handle; None: nothing to wait for (a shard group of one)
     input: Tensor  # 1-D reduce dtype, the bucket's padded gradients (kept alive until work is done)
     output: Tensor  # 1-D reduce dtype, this rank's summed slice of the bucket
     shard: int
@@ -378,7 +377,7 @@ class GradReducer:
             target.add_(reduced)
             self._staging.recycle(pending.input)
 
-    def _wait(self, work: dist.Work | None, what: str) -> None:
+    def _wait(self, work: collectives.AsyncWork | None, what: str) -> None:
         if work is None:  # a shard group of one: nothing was sent
             return
         collectives.wait(work, self.timeout, f"backward or step(): {what}",

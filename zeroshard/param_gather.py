@@ -47,6 +47,9 @@ from zeroshard.chunk import Chunk
 from zeroshard.local_shard import LocalShard
 
 WHAT = "the all-gather of the updated params"
+# Point to point (gloo), a bucket's gather goes in pieces, forward-first: the first piece holds this
+# many bytes of the bucket (its slice of every rank's slot), each later piece twice the one before.
+FIRST_PIECE_BYTES = 1 << 20
 HINT = "call step() on every rank"
 
 
@@ -59,7 +62,7 @@ class BucketGather:
         params: the model params whose values the gather completes (the bucket's params).
     """
 
-    work: dist.Work
+    work: collectives.AsyncWork
     params: tuple[nn.Parameter, ...]
 
 
@@ -97,8 +100,14 @@ class ParamGather:
             return  # a shard group of one: the params are already complete, nothing to guard
         in_layout_order = [(shard, chunk) for shard in shards for chunk in shard.chunks]
         for owner, chunk in reversed(in_layout_order):
-            work = collectives.all_gather(chunk.bucket_params, chunk.params, self.group)
-            self._pending.append(BucketGather(work, _bucket_params(owner, chunk)))
+            if not collectives.point_to_point(chunk.params, self.group):
+                work = collectives.all_gather(chunk.bucket_params, chunk.params, self.group)
+                self._pending.append(BucketGather(work, _bucket_params(owner, chunk)))
+                continue
+            world = dist.get_world_size(self.group)
+            pieces = forward_first_pieces(chunk.numel, max(1, FIRST_PIECE_BYTES // (world * chunk.params.element_size())))
+            for (start, end), params in zip(pieces, _params_by_piece(owner, chunk, pieces)):
+                self._pending.append(BucketGather(collectives.all_gather_piece(chunk.bucket_params, start, end, self.group), params))
         if not (self.overlap and _GUARD.watch(self)):
             self.wait()
 
@@ -126,6 +135,41 @@ class ParamGather:
 def _bucket_params(shard: LocalShard, chunk: Chunk) -> tuple[nn.Parameter, ...]:
     buffer = shard.buffer
     return tuple(buffer.params[i] for i in buffer.layout.buckets[chunk.bucket].params)
+
+
+def forward_first_pieces(slot_numel: int, first_numel: int) -> list[tuple[int, int]]:
+    """``[start, end)`` pieces of a slot of ``slot_numel`` elements: from its end backwards, each twice the one before.
+
+    The end of a slot is where the next forward begins (the layout follows backward order), so the
+    first piece is small and the first layers wait for little; doubling keeps the pieces few
+    (``log2`` of the slot over ``first_numel``), as DDP's small first bucket does for backward.
+    """
+    pieces, end, size = [], slot_numel, first_numel
+    while end > 0:
+        start = max(0, end - size)
+        pieces.append((start, end))
+        end, size = start, 2 * size
+    return pieces
+
+
+def _params_by_piece(shard: LocalShard, chunk: Chunk, pieces: list[tuple[int, int]]) -> list[tuple[nn.Parameter, ...]]:
+    """Per piece, the params of the bucket that it completes: those whose last piece (in launch order) it is.
+
+    A param's elements may lie in several ranks' slots; in each, the piece holding its first
+    element is its latest there, pieces going from the end of a slot backwards.
+    """
+    layout, slot_numel = shard.buffer.layout, chunk.numel
+    bucket = layout.buckets[chunk.bucket]
+    completes: list[list[nn.Parameter]] = [[] for _ in pieces]
+    for i in bucket.params:
+        start = layout.slots[i].offset - bucket.offset
+        end = start + layout.slots[i].numel
+        last = 0
+        for rank in range(start // slot_numel, max(start, end - 1) // slot_numel + 1):
+            first = max(start, rank * slot_numel) - rank * slot_numel
+            last = max(last, next(j for j, (lo, _) in enumerate(pieces) if first >= lo))
+        completes[last].append(shard.buffer.params[i])
+    return [tuple(params) for params in completes]
 
 
 class _ParamGuard(TorchFunctionMode):
