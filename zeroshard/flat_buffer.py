@@ -113,7 +113,6 @@ class FlatParamBuffer:
         b = self.layout.buckets[bucket]
         return (self.data if of is None else of)[b.offset : b.offset + b.padded_numel]
 
-    @torch.no_grad()
     def follow(self, index: int) -> bool:
         """Re-bind param ``index`` as a view of the buffer if its storage was replaced; whether it was.
 
@@ -126,7 +125,11 @@ class FlatParamBuffer:
             RuntimeError: the param now has another device, dtype or shape, which a buffer built
                 for the old ones cannot follow; names the param and says what to do.
         """
-        param = self.params[index]
+        param, slot, data = self.params[index], self.layout.slots[index], self.data
+        # Still a view of its slot (the common case, checked every step without making a view).
+        if param.data_ptr() == data.data_ptr() + slot.offset * data.element_size() and param.dtype == data.dtype and \
+                param.device == data.device and param.numel() == slot.numel:
+            return False
         view = self.param_view(index)
         if param.device == view.device and param.data_ptr() == view.data_ptr() and param.dtype == view.dtype and param.numel() == view.numel():
             return False
@@ -136,8 +139,9 @@ class FlatParamBuffer:
                 f"for {view.dtype} on {view.device} with {view.numel()} elements: zeroshard cannot follow a change of device, dtype or size. "
                 "Move or cast the model first, then build the optimizer (model.to(...); opt = ShardedOptimizer(...))"
             )
-        view.copy_(param.detach().reshape(-1))
-        param.data = view.view_as(param)
+        with torch.no_grad():
+            view.copy_(param.detach().reshape(-1))
+            param.data = view.view_as(param)
         return True
 
     def slice_view(self, bucket: int, rank: int) -> Tensor:

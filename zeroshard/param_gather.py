@@ -33,7 +33,8 @@ argument).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable
+import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,8 @@ class ParamGather:
         self.timeout = timeout
         self.overlap = overlap
         self._pending: list[BucketGather] = []  # in launch order; earlier ones complete first
+        # Per chunk (gathered in pieces): its pieces, and the params each completes (fixed by the layout).
+        self._plans: weakref.WeakKeyDictionary[Chunk, list[tuple[tuple[int, int], tuple[nn.Parameter, ...]]]] = weakref.WeakKeyDictionary()
 
     @property
     def pending(self) -> int:
@@ -104,12 +107,19 @@ class ParamGather:
                 work = collectives.all_gather(chunk.bucket_params, chunk.params, self.group)
                 self._pending.append(BucketGather(work, _bucket_params(owner, chunk)))
                 continue
-            world = dist.get_world_size(self.group)
-            pieces = forward_first_pieces(chunk.numel, max(1, FIRST_PIECE_BYTES // (world * chunk.params.element_size())))
-            for (start, end), params in zip(pieces, _params_by_piece(owner, chunk, pieces)):
+            for (start, end), params in self._plan(owner, chunk):
                 self._pending.append(BucketGather(collectives.all_gather_piece(chunk.bucket_params, start, end, self.group), params))
         if not (self.overlap and _GUARD.watch(self)):
             self.wait()
+
+    def _plan(self, owner: LocalShard, chunk: Chunk) -> list[tuple[tuple[int, int], tuple[nn.Parameter, ...]]]:
+        """``chunk``'s gather pieces with the params each completes (computed once per chunk and piece size)."""
+        first = max(1, FIRST_PIECE_BYTES // (dist.get_world_size(self.group) * chunk.params.element_size()))
+        plan = self._plans.get(chunk)
+        if plan is None or plan[0][0] != (max(0, chunk.numel - first), chunk.numel):
+            pieces = forward_first_pieces(chunk.numel, first)
+            plan = self._plans[chunk] = list(zip(pieces, _params_by_piece(owner, chunk, pieces)))
+        return plan
 
     def drop_completed(self) -> None:
         """Retire the gathers at the front that have completed by themselves (never blocks)."""
@@ -237,10 +247,12 @@ class _ParamGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self._waiting and func not in _METADATA:
-            for tensor in _tensors(args, kwargs):
-                entry = self._waiting.get(id(tensor))
-                if entry is not None:
-                    entry[0].wait(upto=entry[1])
+            for value in itertools.chain(args, kwargs.values() if kwargs else ()):
+                # A param, or a list of them (``_foreach_*``); any other value's id is not in _waiting.
+                for item in value if isinstance(value, (list, tuple)) else (value,):
+                    entry = self._waiting.get(id(item))
+                    if entry is not None:
+                        entry[0].wait(upto=entry[1])
         return func(*args, **(kwargs or {}))
 
 
@@ -267,18 +279,6 @@ def _metadata_functions() -> frozenset:
 
 
 _METADATA = _metadata_functions()
-
-
-def _tensors(args: Iterable[object], kwargs: dict | None) -> Iterable[Tensor]:
-    """The tensors among ``args`` and ``kwargs`` values, and inside their lists and tuples (one level)."""
-    values = list(args) + (list(kwargs.values()) if kwargs else [])
-    for value in values:
-        if isinstance(value, Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, Tensor):
-                    yield item
 
 
 _GUARD = _ParamGuard()
