@@ -64,6 +64,9 @@ def _read(how: str, model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tenso
     if how == "compiled_forward":  # Dynamo sees the active mode and honours it
         with torch.no_grad():
             return [torch.compile(model, backend="eager")(x)]
+    if how == "traced_forward":  # ``model`` traced before the step: its C++ forward reads params past the mode
+        with torch.no_grad():
+            return [model(x)]
     raise ValueError(how)
 
 
@@ -77,6 +80,7 @@ def overlapped_reads_worker(how: str, guard_waits: bool, first_piece_bytes: int 
     model = TinyNet()
     opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=0.1), bucket_size_mb=SMALL_BUCKETS_MB)
     x, y = batch(rank, 0)
+    reader = torch.jit.trace(model, x) if how == "traced_forward" else model  # shares model's params
     loss_fn(model, x, y).backward()
     passthrough = mock.patch.object(param_gather._ParamGuard, "__torch_function__",
                                     lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})))
@@ -87,18 +91,18 @@ def overlapped_reads_worker(how: str, guard_waits: bool, first_piece_bytes: int 
     buckets = sum(len(shard.chunks) for shard in opt._shards)
     assert rank == 1 or (opt._gather.pending > buckets) == (first_piece_bytes < 256), "pieces: one gather per bucket piece"
     if guard_waits:
-        read = _read(how, model, x)
+        read = _read(how, reader, x)
     else:
         with passthrough:
-            read = _read(how, model, x)
+            read = _read(how, reader, x)
     opt.wait_params()
-    final = _read(how, model, x)
+    final = _read(how, reader, x)
     current = all(torch.equal(a, b) for a, b in zip(read, final))
     opt.close()
     return current
 
 
-@pytest.mark.parametrize("how", ["clone", "state_dict", "ema", "forward", "compiled_forward"])
+@pytest.mark.parametrize("how", ["clone", "state_dict", "ema", "forward", "compiled_forward", "traced_forward"])
 def test_reads_after_step_see_every_ranks_update(pools, how):
     assert pools[2].run(overlapped_reads_worker, how, True) == [True, True]
 

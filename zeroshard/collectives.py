@@ -109,7 +109,7 @@ def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup) -> AsyncW
     others = [q for q in range(len(pieces)) if q != me]
     received = {q: torch.empty_like(output) for q in others}
     works = _exchange({q: pieces[q] for q in others}, received, group, _REDUCE_SCATTER_TAG)
-    output.copy_(pieces[me])  # read now, as the sends read theirs: the input may change before wait()
+    output.copy_(pieces[me])  # read now: the input may change before wait() (the sends read theirs while in flight)
 
     def finish() -> None:
         for q in others:

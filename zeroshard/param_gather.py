@@ -15,10 +15,13 @@ Every one of them goes through a torch function that takes the param (or somethi
 after the step), and :class:`_ParamGuard` sees that call first. So nothing can read a param
 half-gathered: a stale read would be a silent wrong number. Covered: every torch function and
 ``Tensor`` method, ``torch.ops`` custom ops, and ``torch.compile`` (Dynamo honours active modes).
-Not covered: a C++ extension bound without the dispatcher that is handed a param directly (also
-``torch.utils.dlpack.to_dlpack``), an alias of a param made *before* ``step()`` and read after it,
-and reads from another thread than the one that called ``step()`` (mode stacks are per thread);
-call :meth:`~zeroshard.ShardedOptimizer.wait_params` first there.
+A ``torch.jit`` scripted or traced module reads its params in C++, past the mode, so the module
+forward pre-hook that is registered while the guard is pushed waits for a ``ScriptModule``'s
+params before it runs. Not covered: a C++ extension bound without the dispatcher that is handed a
+param directly (also ``torch.utils.dlpack.to_dlpack``, and a ``torch.jit.script`` function, not
+module, called with a param), an alias of a param made *before* ``step()`` and read after it, and
+reads from another thread than the one that called ``step()`` (mode stacks are per thread); call
+:meth:`~zeroshard.ShardedOptimizer.wait_params` first there.
 
 The guard is pushed on the torch-function mode stack only when the stack is empty (so it never
 sits between another mode's enter and exit); otherwise, and with ``overlap_param_gather=False``,
@@ -243,6 +246,12 @@ class _ParamGuard(TorchFunctionMode):
                 self._pop_hook = None
 
     def _pop_when_done(self, module: nn.Module, args: object) -> None:
+        if isinstance(module, torch.jit.ScriptModule):
+            # A scripted or traced module reads its params in C++, past this mode: wait for them now.
+            for param in module.parameters():
+                entry = self._waiting.get(id(param))
+                if entry is not None:
+                    entry[0].wait(upto=entry[1])
         self.pop_if_done()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
