@@ -49,7 +49,11 @@ class PointToPointWork:
         self._finish = finish
 
     def is_completed(self) -> bool:
-        """Whether every send and receive has completed (the sum, if any, runs in :meth:`wait`)."""
+        """Whether every send and receive has completed (the sum, if any, runs in :meth:`wait`).
+
+        gloo's point-to-point works answer ``False`` until they are waited for, so in practice
+        this turns ``True`` only after :meth:`wait`.
+        """
         return all(work.is_completed() for work in self._works)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
@@ -71,8 +75,8 @@ class PointToPointWork:
 AsyncWork = dist.Work | PointToPointWork
 
 
-def _point_to_point(tensor: Tensor, group: ProcessGroup) -> bool:
-    """Whether a bucket collective of ``tensor`` on ``group`` runs point to point (CPU tensors on gloo)."""
+def point_to_point(tensor: Tensor, group: ProcessGroup) -> bool:
+    """Whether :func:`reduce_scatter` and :func:`all_gather` of ``tensor`` on ``group`` run point to point (CPU tensors on gloo)."""
     return POINT_TO_POINT_ON_GLOO and tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
@@ -102,7 +106,7 @@ def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup) -> AsyncW
     Returns:
         The async work handle; call ``wait()`` before reading ``output`` or writing ``input``.
     """
-    if not _point_to_point(input, group):
+    if not point_to_point(input, group):
         return _reduce_scatter_single(output, input, group=group, async_op=True)
     me, n = dist.get_rank(group), output.numel()
     pieces = list(input.view(-1, n).unbind())
@@ -134,17 +138,12 @@ def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> AsyncWork:
     Returns:
         The async work handle; call ``wait()`` before reading ``output``.
     """
-    if not _point_to_point(input, group):
+    if not point_to_point(input, group):
         return _all_gather_single(output, input, group=group, async_op=True)
     own = output.view(-1, input.numel())[dist.get_rank(group)]
     if own.data_ptr() != input.data_ptr():
         own.copy_(input)
     return all_gather_piece(output, 0, input.numel(), group)
-
-
-def point_to_point(tensor: Tensor, group: ProcessGroup) -> bool:
-    """Whether :func:`reduce_scatter` and :func:`all_gather` of ``tensor`` on ``group`` run point to point (CPU tensors on gloo)."""
-    return _point_to_point(tensor, group)
 
 
 def all_gather_piece(output: Tensor, start: int, end: int, group: ProcessGroup) -> PointToPointWork:

@@ -131,8 +131,6 @@ class FlatParamBuffer:
                 param.device == data.device and param.numel() == slot.numel:
             return False
         view = self.param_view(index)
-        if param.device == view.device and param.data_ptr() == view.data_ptr() and param.dtype == view.dtype and param.numel() == view.numel():
-            return False
         if param.device != view.device or param.dtype != view.dtype or param.numel() != view.numel():
             raise RuntimeError(
                 f"{self.names[index]} (shape {tuple(param.shape)}) is now {param.dtype} on {param.device}, but the optimizer was built "

@@ -116,10 +116,10 @@ class ParamGather:
             self.wait()
 
     def _plan(self, owner: LocalShard, chunk: Chunk) -> list[tuple[tuple[int, int], tuple[nn.Parameter, ...]]]:
-        """``chunk``'s gather pieces with the params each completes (computed once per chunk and piece size)."""
-        first = max(1, FIRST_PIECE_BYTES // (dist.get_world_size(self.group) * chunk.params.element_size()))
+        """``chunk``'s gather pieces with the params each completes (computed at its first gather)."""
         plan = self._plans.get(chunk)
-        if plan is None or plan[0][0] != (max(0, chunk.numel - first), chunk.numel):
+        if plan is None:
+            first = max(1, FIRST_PIECE_BYTES // (dist.get_world_size(self.group) * chunk.params.element_size()))
             pieces = forward_first_pieces(chunk.numel, first)
             plan = self._plans[chunk] = list(zip(pieces, _params_by_piece(owner, chunk, pieces)))
         return plan
@@ -212,7 +212,7 @@ class _ParamGuard(TorchFunctionMode):
                 return False
             _push_mode(self)
             if self._pop_hook is None:
-                self._pop_hook = nn.modules.module.register_module_forward_pre_hook(self._pop_when_done)
+                self._pop_hook = nn.modules.module.register_module_forward_pre_hook(self._before_module_call)
         self._gathers[id(gathers)] = gathers
         for gather in gathers._pending:
             for param in gather.params:
@@ -245,7 +245,8 @@ class _ParamGuard(TorchFunctionMode):
                 self._pop_hook.remove()
                 self._pop_hook = None
 
-    def _pop_when_done(self, module: nn.Module, args: object) -> None:
+    def _before_module_call(self, module: nn.Module, args: object) -> None:
+        """Global module forward pre-hook while pushed: wait for a ScriptModule's params, then pop if done."""
         if isinstance(module, torch.jit.ScriptModule):
             # A scripted or traced module reads its params in C++, past this mode: wait for them now.
             for param in module.parameters():
