@@ -22,7 +22,6 @@ import datetime
 import logging
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +33,7 @@ from zeroshard.ddp_wrapper import DDPWrappers, find_wrappers, watch_new_wrappers
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
 from zeroshard.param_owners import ddp_wrappers_of_owners, register_owner
+from zeroshard.reduce_records import ArrivedGrad, PendingReduce
 from zeroshard.reduced_grad import ReducedGrad
 from zeroshard.shard_grads import ShardGrads
 from zeroshard.staging import StagingBuckets
@@ -76,17 +76,6 @@ def _weak(method: Callable) -> Callable:
     return call
 
 
-@dataclass
-class PendingReduce:
-    """One launched bucket reduce-scatter of bucket ``bucket`` of shard ``shard``."""
-
-    work: collectives.AsyncWork | None  # the async work handle; None: nothing to wait for (a shard group of one)
-    input: Tensor  # 1-D reduce dtype, the bucket's padded gradients (kept alive until work is done)
-    output: Tensor  # 1-D reduce dtype, this rank's summed slice of the bucket
-    shard: int
-    bucket: int
-
-
 class GradReducer:
     """Reduce-scatters gradients, bucket by bucket, into each shard's ``grad_shard``.
 
@@ -123,8 +112,10 @@ class GradReducer:
         self._order = BucketOrder()  # rebuilt once, from the first reduced backward
         self._staging = StagingBuckets()  # stage 2
         self._pending: list[PendingReduce] = []
+        self._deferred: ArrivedGrad | None = None  # the last gradient, taken at the next one or at the end of backward
         self._next_launch = 0
         self._callback_queued = False
+        self._deferred = None
         self._flushed = False  # an earlier reducer's end of backward reduced this pass (see launch_order.py)
         self._no_sync = False
         self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
@@ -227,6 +218,7 @@ class GradReducer:
             if isinstance(param.grad, ReducedGrad):
                 param.grad = None  # autograd then stores the new gradient instead of adding to it
                 del self._grads[k].reduced_versions[i]
+                self._grads[k].continued[i] = True
 
     def _on_ddp_forward(self, no_sync: bool) -> None:
         """Before a forward of an adopted DDP wrapper: under ``ddp.no_sync()`` its backward accumulates without communication."""
@@ -278,6 +270,24 @@ class GradReducer:
             # Runs once the whole backward pass is done: completes and waits for every bucket.
             Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued, self._flushed = True, False
+        launch_order.take_deferred(self.group)  # the hooks after zeroshard's have run for the last gradient (see ArrivedGrad)
+        self._deferred = ArrivedGrad.of(k, i, param)
+        if self._ddp_reduced:  # a DDP reducer reduces this backward too: it reads .grad as zeroshard leaves it, take it now
+            self._take_deferred()
+
+    def _take_deferred(self) -> None:
+        """Take the gradient that arrived last, now that the hooks after zeroshard's have run; launch what is complete.
+
+        Raises:
+            RuntimeError: see :meth:`ShardGrads.refuse_partial_write`.
+        """
+        if self._deferred is None:
+            return
+        arrived, self._deferred = self._deferred, None
+        k, i, param = arrived.shard, arrived.index, arrived.param
+        self._grads[k].refuse_partial_write(arrived)
+        if self.stage == 1:
+            self._keep_in_flat_grad(k, i, param)  # a hook may have replaced .grad
         self._take_grad(k, i, param)
         if self.overlap_comm:
             self._launch_complete_buckets()
@@ -385,6 +395,7 @@ class GradReducer:
 
     def _reduce_everything(self) -> None:
         """Complete every bucket not yet launched, launch it, and add all results into the grad shards."""
+        self._take_deferred()
         for k, shard in enumerate(self.shards):
             for i, param in enumerate(shard.buffer.params):
                 if self._grads[k].ready[i]:
@@ -413,6 +424,7 @@ class GradReducer:
         """Forget which params were taken in the current backward pass."""
         self._next_launch = 0
         self._callback_queued = False
+        self._deferred = None
         self._backward_started = False
         for grads in self._grads:
             grads.clear_backward()

@@ -76,6 +76,12 @@ def drain_earlier(reducer: Any, group: Any) -> None:
         r._drain()
 
 
+def take_deferred(group: Any) -> None:
+    """A gradient arrived: every reducer of ``group`` takes the one it deferred (see ``GradReducer._on_grad_ready``)."""
+    for r in _live(group):
+        r._take_deferred()
+
+
 def let_later_launch(reducer: Any, group: Any) -> None:
     """``reducer`` launched everything: the later reducers taking part in this pass launch their complete buckets."""
     for r in later(reducer, group):

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from zeroshard.local_shard import LocalShard
 from zeroshard.partition import ShardPiece
+from zeroshard.reduce_records import ArrivedGrad
 from zeroshard.reduced_grad import ReducedGrad, reduced_grad
 
 
@@ -29,6 +30,8 @@ class ShardGrads:
         ready: per param: its gradient was taken in the current backward pass.
         ready_count: per bucket: how many of its params are ready.
         used: per param: it got a gradient on this rank since the last reset.
+        continued: stage 2, per param: an earlier backward of this step reduced its gradient into
+            the grad shard, so ``.grad`` holds only the current backward's gradient.
         reduced, reduced_versions: stage 2: per param, the ``ReducedGrad`` left in its ``.grad``
             (made once) and its version when left (absent: none left since).
     """
@@ -40,6 +43,7 @@ class ShardGrads:
     ready: list[bool]
     ready_count: list[int]
     used: list[bool]
+    continued: list[bool]
     reduced: dict[int, ReducedGrad] = field(default_factory=dict)
     reduced_versions: dict[int, int] = field(default_factory=dict)
 
@@ -52,7 +56,8 @@ class ShardGrads:
         for piece in shard.pieces:
             pieces_of[piece.param].append(piece)
         n = len(layout.slots)
-        return cls(shard, flat_grad, flat_grad._version if flat_grad is not None else 0, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n)
+        version = flat_grad._version if flat_grad is not None else 0
+        return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n)
 
     def note_flat_version(self) -> None:
         """Record that zeroshard wrote :attr:`flat` last."""
@@ -68,6 +73,7 @@ class ShardGrads:
         if self.flat is not None:
             self.flat.zero_()
         self.used = [False] * len(self.used)
+        self.continued = [False] * len(self.continued)
 
     def reduced_grad(self, i: int, param: nn.Parameter) -> ReducedGrad:
         """Stage 2: the ReducedGrad to leave in param ``i``'s ``.grad`` (made once), its version noted as left."""
@@ -103,6 +109,20 @@ class ShardGrads:
         else:
             self.used[i] = False
             del self.reduced_versions[i]
+
+    def refuse_partial_write(self, arrived: ArrivedGrad) -> None:
+        """Stage 2: raise if a hook changed a gradient of which an earlier backward of this step reduced a part.
+
+        Raises:
+            RuntimeError: the hook saw this backward's gradient only; under DDP it would have
+                changed the sum of the step's backward passes, which no rank holds here.
+        """
+        if self.continued[arrived.index] and arrived.changed():
+            raise RuntimeError(
+                f"{self.shard.buffer.names[arrived.index]}: a post-accumulate-grad hook changed its gradient in a backward after one "
+                "that reduced it (ZeRO stage 2), so the hook saw this backward's gradient only, not the sum DDP would show it. "
+                "Accumulate micro-steps with opt.no_sync() (reduced once, at the last), or use stage=1"
+            )
 
     @torch.no_grad()
     def follow_flat_writes(self, reduced: bool) -> None:
