@@ -50,8 +50,7 @@ def _divides_first(reduce_dtype: torch.dtype) -> bool:
     """Whether gradients in ``reduce_dtype`` are divided by the data-parallel size before the sum (fp16), not after.
 
     fp16 overflows at 65504: summing N ranks' gradients first would overflow where one rank's
-    does not, so, as DDP's default communication hook does, each rank divides first and the
-    headroom is DDP's. bf16 and fp32 have fp32's range; they divide the N-times-smaller slice after.
+    does not, so each rank divides first, as DDP's default hook does. bf16 and fp32 divide after.
     """
     return reduce_dtype == torch.float16
 
@@ -112,11 +111,11 @@ class GradReducer:
         self._order = BucketOrder()  # rebuilt once, from the first reduced backward
         self._staging = StagingBuckets()  # stage 2
         self._pending: list[PendingReduce] = []
-        self._deferred: ArrivedGrad | None = None  # the last gradient, taken at the next one or at the end of backward
+        self._deferred: ArrivedGrad | None = None  # the last gradient, not taken yet
         self._next_launch = 0
         self._callback_queued = False
         self._deferred = None
-        self._flushed = False  # an earlier reducer's end of backward reduced this pass (see launch_order.py)
+        self._flushed = False  # another reducer's end of backward reduced this pass (launch_order.flush)
         self._no_sync = False
         self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
         self._reductions = 0  # backward passes reduced since reset
@@ -272,7 +271,7 @@ class GradReducer:
             self._callback_queued, self._flushed = True, False
         launch_order.take_deferred(self.group)  # the hooks after zeroshard's have run for the last gradient (see ArrivedGrad)
         self._deferred = ArrivedGrad.of(k, i, param)
-        if self._ddp_reduced:  # a DDP reducer reduces this backward too: it reads .grad as zeroshard leaves it, take it now
+        if self._ddp_reduced:  # DDP's reducer, hooked after, reads .grad as zeroshard leaves it: take it now
             self._take_deferred()
 
     def _take_deferred(self) -> None:
@@ -336,12 +335,11 @@ class GradReducer:
         self._pending.clear()
 
     def _on_backward_end(self) -> None:
-        """At the end of backward: reduce the earlier reducers of this pass, then this one."""
+        """At the end of backward: every reducer of the process group reduces this pass, this one included (launch_order.flush)."""
         if self._flushed:
             self._flushed = False
             return
-        launch_order.flush_earlier(self, self.group)
-        self._reduce_everything()
+        launch_order.flush(self, self.group)
 
     def _launch(self, k: int, b: int) -> None:
         buffer = self.shards[k].buffer
@@ -441,6 +439,11 @@ class GradReducer:
         self._settle_all()
         if self._unreduced or self._reductions == 0:
             self._reduce_everything()
+
+    def reduce_absent(self) -> None:
+        """Reduce zeros at the end of a backward that reached none of these params on this rank (see launch_order.flush)."""
+        self._settle_all()
+        self._reduce_everything()
 
     def reduce_again(self) -> None:
         """Have the next :meth:`reduce_for_step` reduce every bucket again (after shards were added mid-step).

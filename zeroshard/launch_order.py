@@ -12,9 +12,11 @@ rank, construction being a collective): in a backward pass a reducer launches no
 earlier one has launched all its buckets, and before its first launch it completes theirs (so the
 all-reduces across replicas of hybrid sharding keep one order too). A reducer that has launched
 everything lets the later ones launch what is ready. At the end of backward, the first reducer
-whose callback runs reduces every earlier one that took part in the pass (``flush``); their own
-callbacks then have nothing left to do. A reducer under ``no_sync`` launches nothing and holds no
-one back. The one order costs overlap: a later reducer's buckets wait for the earlier reducers'
+whose callback runs reduces every reducer of the group, in order (``flush``), those that got no
+gradient on this rank too; their own callbacks then have nothing left to do. A reducer under
+``no_sync`` launches nothing and holds no one back. The one place this costs: optimizers of two
+models trained in turn (a GAN's) on one process group reduce zeros for the model a backward did
+not reach. The one order costs overlap: a later reducer's buckets wait for the earlier reducers'
 last bucket. Give a wrapper a process group of its own (``dist.new_group``) to overlap both.
 """
 
@@ -89,12 +91,22 @@ def let_later_launch(reducer: Any, group: Any) -> None:
             r._launch_complete_buckets()
 
 
-def flush_earlier(reducer: Any, group: Any) -> None:
-    """At ``reducer``'s end of backward: reduce every earlier reducer that took part in this pass and was not reduced yet.
+def flush(reducer: Any, group: Any) -> None:
+    """At ``reducer``'s end of backward, the first of the pass: every reducer of ``group`` reduces, in the order they were built.
 
-    Its own end-of-backward callback, still queued, then returns at once.
+    Those that took part in the pass reduce what they got; their own end-of-backward callbacks,
+    still queued, then return at once. Those that got no gradient on this rank reduce zeros for
+    all their params, as they do on a rank where they took part: which optimizers a backward
+    reaches may differ between ranks (an optimizer's params used on some ranks only), and every
+    rank must still issue every collective in one order (otherwise equal-sized buckets of two
+    optimizers would be summed together, in silence). Reducers under ``no_sync`` reduce nothing.
     """
-    for r in earlier(reducer, group):
-        if r._callback_queued and not r._flushed:
+    for r in _live(group):
+        if r is reducer:
             r._reduce_everything()
-            r._flushed = True
+        elif r._callback_queued:
+            if not r._flushed:
+                r._reduce_everything()
+                r._flushed = True
+        elif not (r._no_sync or r._ddp_no_sync):
+            r.reduce_absent()
