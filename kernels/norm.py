@@ -35,11 +35,11 @@ if HAS_TRITON:
 
 
 def grad_sumsq(grad: Tensor, *, backend: str = "auto") -> Tensor:
-    """fp32 sum of squares of ``grad`` (0-dim tensor on its device); non-finite iff ``grad`` has inf/NaN
-    (or the sum overflows fp32).
+    """fp32 sum of squares of ``grad`` (0-dim tensor on its device; fp64, by torch, for fp64 ``grad``);
+    non-finite iff ``grad`` has inf/NaN (or the sum overflows).
 
     Args:
-        grad: 1-D contiguous fp32, bf16 or fp16 tensor.
+        grad: 1-D contiguous fp32, bf16, fp16 or fp64 tensor.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``, as for :func:`fused_adamw_`.
 
     Raises:
@@ -48,9 +48,9 @@ def grad_sumsq(grad: Tensor, *, backend: str = "auto") -> Tensor:
     """
     if grad.dim() != 1 or not grad.is_contiguous():
         raise ValueError(f"grad_sumsq: grad must be 1-D and contiguous, got shape {tuple(grad.shape)}")
-    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"grad_sumsq: grad must be fp32, bf16 or fp16, got {grad.dtype}")
-    if not use_triton(backend, grad, "grad_sumsq"):
+    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"grad_sumsq: grad must be fp32, bf16, fp16 or fp64, got {grad.dtype}")
+    if grad.dtype == torch.float64 or not use_triton(backend, grad, "grad_sumsq"):
         # Block by block: the squares' temporary stays small enough for the allocator to reuse
         # (a 16M-element one costs fresh pages: ~5x slower), and each block keeps torch's
         # cascade summation (torch.dot and vector_norm were 1e-4 and 1e-3 off at 16M elements).

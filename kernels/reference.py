@@ -7,6 +7,7 @@ single-tensor implementation (``torch/optim/adam.py``, ``_single_tensor_adam``),
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
@@ -57,5 +58,5 @@ def adamw_reference_(
 
 
 def grad_sumsq_reference(grad: Tensor) -> Tensor:
-    """Sum of squares of ``grad`` in fp32 (0-dim); inf or NaN anywhere makes it non-finite."""
-    return grad.float().square().sum()
+    """Sum of squares of ``grad`` in fp32 (fp64 for fp64 ``grad``; 0-dim); inf or NaN anywhere makes it non-finite."""
+    return grad.to(torch.promote_types(grad.dtype, torch.float32)).square().sum()

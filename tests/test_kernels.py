@@ -107,6 +107,13 @@ def test_grad_sumsq_matches_float64(n, dtype):
     torch.testing.assert_close(grad_sumsq(grad.cpu()).double(), expected.cpu(), rtol=1e-6, atol=0)  # the torch path, block by block
 
 
+def test_grad_sumsq_of_fp64_is_fp64():
+    grad = torch.randn(2**20 + 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0), device="cpu")
+    total = grad_sumsq(grad, backend="auto")  # fp64 goes to torch, whatever the backend
+    assert total.dtype == torch.float64
+    torch.testing.assert_close(total, grad.square().sum(), rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("where", ["first", "last", "padding"])
 def test_non_finite_grads_show_in_sumsq_and_found_inf_changes_nothing(bad, where):

@@ -143,6 +143,20 @@ def test_add_param_group_matches_torch(pools):
         assert identical and worst <= 1.0, f"{config}: tolerance ratio {worst:.3g}"
 
 
+def fp64_worker(configs: list[tuple]) -> list[float]:
+    """Per (stage, offload, max_grad_norm): the worst tolerance ratio against DDP + AdamW in fp64, at fp64's tolerance."""
+    return [max(tolerance_ratio(model, ref_model, rtol=1e-12, atol=1e-14)
+                for ref_model, model, _ in _train_pair(stage, "backward", True, torch.float64, offload=offload, max_grad_norm=max_grad_norm))
+            for stage, offload, max_grad_norm in configs]
+
+
+def test_fp64_params_train_like_ddp_to_fp64_precision(pools):
+    # The norm, the clip coefficient and the update stay in fp64 (grad_sumsq and the CPU kernels' grad_scale read fp32).
+    configs = [(1, None, None), (2, None, 0.5), (1, "cpu", 0.5), (2, "cpu", None)]
+    for config, worst in zip(configs, pools[2].run(fp64_worker, configs)[0]):
+        assert worst <= 1.0, f"(stage, offload, max_grad_norm)={config}: params off DDP by {worst:.3g}x rtol 1e-12"
+
+
 def bf16_worker(stage: int) -> tuple[float, float]:
     """Error of bf16 ShardedOptimizer and of bf16 DDP + AdamW against fp32 DDP + AdamW."""
     fp32 = list(_train_pair(stage, "none", True, torch.float32))[-1][0]

@@ -123,12 +123,13 @@ def device_adam(runs: list[Run], group: dict, multiplier: float, adamw: bool, de
     """One Adam/AdamW step in place over ``runs`` on ``device``, the gradients multiplied by ``multiplier``.
 
     CUDA: :func:`~zeroshard.kernels.fused_adamw_` per run, ``param_out`` written in the same pass
-    (launched asynchronously). Elsewhere: the gradients are multiplied in place (they are
+    (launched asynchronously). Elsewhere, and for fp64: the gradients are multiplied in place (they are
     consumed), then torch's functional Adam/AdamW runs with the group's ``foreach``/``fused``
     flags, and ``param_out`` receives the cast of the updated master.
     """
-    grad_scale = None if multiplier == 1.0 else torch.full((1,), multiplier, device=device)
-    if device.type == "cuda":
+    fp64 = bool(runs) and runs[0].grad.dtype == torch.float64  # (one shard's runs share a dtype)
+    grad_scale = None if multiplier == 1.0 else torch.full((1,), multiplier, device=device, dtype=torch.float64 if fp64 else torch.float32)
+    if device.type == "cuda" and not fp64:
         for run in runs:
             fused_adamw_(
                 run.param, run.grad, run.exp_avg, run.exp_avg_sq, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
@@ -242,8 +243,13 @@ class FusedAdam:
                 chunk_runs = host_runs.get(chunk)
                 if chunk_runs is not None:
                     self._pipeline.receive_grad(chunk)
+                    scale = grad_scale
+                    if scale is not None and chunk_runs[0].grad.dtype == torch.float64:
+                        # The kernel reads grad_scale as fp32: multiply fp64 gradients exactly first, as torch's clipping does.
+                        torch._foreach_mul_([run.grad for run in chunk_runs], multiplier)
+                        scale = None
                     with torch.profiler.record_function(CPU_ADAM_RANGE):
-                        host_adam(chunk_runs, self.optimizer.param_groups[shards[k].group], self.adamw, grad_scale)
+                        host_adam(chunk_runs, self.optimizer.param_groups[shards[k].group], self.adamw, scale)
                     self._pipeline.send_params(chunk)
         self._pipeline.finish()
 

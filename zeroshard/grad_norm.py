@@ -68,13 +68,15 @@ def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
     if norm_type not in NORM_TYPES:
         raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
     device = shards[0].grad_shard.device
-    flags = torch.tensor([u for used in local_used for u in used], dtype=torch.float32, device=device)
+    # The norm in fp64 for fp64 gradients, as torch.nn.utils.clip_grad_norm_ computes it in their dtype.
+    dtype = torch.float64 if any(s.grad_shard.dtype == torch.float64 for s in shards) else torch.float32
+    flags = torch.tensor([u for used in local_used for u in used], dtype=dtype, device=device)
     if norm_type == 2.0:
         local = sum((grad_sumsq(s.grad_shard) for s in shards), torch.zeros((), device=device))
     else:
         local = torch.stack([s.grad_shard.abs().max() if s.grad_shard.numel() else torch.zeros((), device=device) for s in shards]).max()
     summed = local if norm_type == 2.0 else (~torch.isfinite(local)).float()  # sum of squares, or a non-finite count
-    both = torch.cat([summed.reshape(1).float(), flags])
+    both = torch.cat([summed.reshape(1).to(dtype), flags])
     replica_rank = dist.get_rank(groups.replicate) if groups.replicate is not None else 0
     hint = "run the same backward passes and call clip_grad_norm_() and step() alike"
     for group in groups.all():
