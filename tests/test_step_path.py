@@ -114,21 +114,6 @@ def test_fp16_trains_with_dynamic_scaling(pools, stage):
     assert math.isfinite(sharded_err) and sharded_err <= 2 * baseline, (sharded_err, fp16_err, bf16_err)
 
 
-def grad_scaler_worker() -> str:
-    model = TinyNet()
-    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2))
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(loss_fn(model, *batch(dist.get_rank(), 0))).backward()
-    with pytest.raises(RuntimeError, match="torch.amp.GradScaler cannot drive ShardedOptimizer"):
-        scaler.step(opt)
-    opt.step()  # the optimizer still works without it
-    return "ok"
-
-
-def test_grad_scaler_is_refused(pools):
-    assert pools[2].run(grad_scaler_worker) == ["ok", "ok"]
-
-
 def scaler_checkpoint_worker() -> tuple[float, float, float]:
     torch.manual_seed(0)
     model = TinyNet().half()

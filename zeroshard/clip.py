@@ -55,5 +55,5 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
         stats = opt._stats
         if stats is None:
             raise RuntimeError("internal error: clip_grad_norm_ left no gradient statistics")
-        opt._stats = GradStats(total * (opt.loss_scale or 1.0), stats.used)
+        opt._stats = GradStats(total * opt._gradient_scale(), stats.used)
     return torch.tensor(total)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from zeroshard.amp import GradScalerLink
 from zeroshard.chunk import Chunk, master_dtype_for
 from zeroshard.flat_buffer import FlatParamBuffer
 from zeroshard.partition import ShardPiece
@@ -143,6 +144,11 @@ class LocalShard:
                 vparam.grad = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape)
             else:
                 vparam.grad = None
+
+    def link_amp(self, link: GradScalerLink) -> None:
+        """Send a ``torch.amp.GradScaler``'s unscale of the virtual params' gradients to ``link`` (zeroshard/amp.py)."""
+        for idle in self._idle_grads:
+            idle.amp_link = link
 
     def detach_grads(self) -> None:
         """Replace the virtual params' ``.grad`` views by ReducedGrads (the grad shard itself is kept)."""

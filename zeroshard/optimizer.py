@@ -30,7 +30,6 @@ from zeroshard.memory import MemoryUsage, owned_memory
 from zeroshard.memory_tracer import MemoryTracer
 from zeroshard.param_gather import ParamGather, pop_guard_if_done
 from zeroshard.placement import Placement
-from zeroshard.reduced_grad import GRAD_SCALER_REFUSED
 from zeroshard.shard_set import ShardSet
 from zeroshard.state_dict_api import StateDictMixin
 from zeroshard.step_path import grad_multiplier, wrapped_step
@@ -239,8 +238,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         """
         return self._reducer.no_sync()
 
-    # The wrapped optimizer handles scaling itself: GradScaler.step() then sets grad_scale and
-    # found_inf on it and calls step(), which refuses (see _refuse_grad_scaler).
+    # GradScaler.step() sets grad_scale and found_inf on this optimizer and calls step(), which
+    # unscales and checks the gradients over every rank (zeroshard/amp.py).
     _step_supports_amp_scaling = True
 
     @property
@@ -287,12 +286,11 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
         self._stats = self._gather_stats(float(norm_type), "clip_grad_norm_()")
         self._clip_norm = float(max_norm)
-        return torch.tensor(self._stats.norm / (self.loss_scale or 1.0))
+        return torch.tensor(self._stats.norm / self._gradient_scale())
 
-    def _refuse_grad_scaler(self) -> None:
-        if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
-            self.found_inf = self.grad_scale = None
-            raise RuntimeError(GRAD_SCALER_REFUSED)
+    def _gradient_scale(self) -> float:
+        """What the gradients are multiplied by (see :meth:`GradScalerLink.gradient_scale`)."""
+        return self._shard_set.amp.gradient_scale(self, self.loss_scale)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Reduce what is left, update this rank's shard, all-gather the params.
@@ -308,14 +306,14 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         Collective: call on every rank.
 
         Raises:
-            RuntimeError: a ``torch.amp.GradScaler`` is driving this optimizer; with
+            RuntimeError: a ``torch.amp.GradScaler`` drives it while ``loss_scale`` is active; with
                 ``collective_timeout_s``, a collective that some rank did not join in time (named;
                 the process group is unusable afterwards).
 
         Returns:
             The closure's loss, or ``None``.
         """
-        self._refuse_grad_scaler()
+        scale = self._gradient_scale()
         self.wait_params()
         overflow.check_one_overflow_decision(self)
         if self._reducer.closed:
@@ -330,9 +328,9 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             stats = self._stats or self._gather_stats(2.0, "step()")
             if self._margin_tracer is not None and self._fused is not None:  # gpu_margin_mem_ratio: offload, so the fused update
                 self._place_chunks(self._margin_tracer, self._fused)
-            scale = self.loss_scale or 1.0
             self.grad_norm = torch.tensor(stats.norm / scale)
             self.step_was_skipped = stats.found_inf
+            self._shard_set.amp.finish_step(stats.found_inf)
             if self._scaler is not None:
                 self._scaler.update(stats.found_inf)
             if stats.found_inf:
@@ -396,6 +394,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         """
         self._reducer.reset()
         self._shard_set.zero_grad(set_to_none)
+        self._shard_set.amp.clear()
         self._stats = self._clip_norm = None
 
     def close(self) -> None:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.amp import GradScalerLink
+
 # Torch functions a ReducedGrad allows: attribute reads, the calls nn.Module.zero_grad makes, and
 # what printing and nn.Module._apply (model.to(...) to where the param already is) need.
 _ALLOWED = frozenset({
@@ -30,9 +32,7 @@ _ALLOWED = frozenset({
     "is_contiguous", "is_floating_point", "is_complex", "requires_grad_", "detach_", "zero_", "_is_view",
     "_has_compatible_shallow_copy_type",
 })
-GRAD_SCALER_REFUSED = ("torch.amp.GradScaler cannot drive ShardedOptimizer, which scales and checks gradients itself: "
-                       "drop the GradScaler and use ShardedOptimizer(..., loss_scale='dynamic') with opt.backward(loss)")
-# What torch.amp.GradScaler calls on the optimizer's gradients: refused with GRAD_SCALER_REFUSED.
+# What torch.amp.GradScaler calls on the optimizer's gradients: a virtual param's hand it to its link (zeroshard/amp.py).
 _GRAD_SCALER = frozenset({"_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_"})
 # Conversions nn.Module._apply applies to every .grad (model.to(), .cpu(), .double(), ...). They return the
 # ReducedGrad itself: the gradient stays in the grad shard, and whether the params' move can be followed
@@ -49,6 +49,7 @@ class ReducedGrad(torch.Tensor):
 
     param_name: str  # how errors name the param: "param_groups[g]['params'][j]"
     location: str  # where its gradient is, for errors (not ``where``: that is ``Tensor.where``)
+    amp_link: GradScalerLink | None = None  # a virtual param's: where a GradScaler's unscale_ goes (zeroshard/amp.py)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # shows no values it does not hold
         return f"ReducedGrad({self.param_name}, shape={tuple(self.shape)}, dtype={self.dtype}: {self.location})"
@@ -61,7 +62,12 @@ class ReducedGrad(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if name in _GRAD_SCALER:
-            raise RuntimeError(GRAD_SCALER_REFUSED)
+            grads = args[0] if args and isinstance(args[0], list) else []
+            links = {id(g.amp_link): g.amp_link for g in grads if isinstance(g, ReducedGrad)}
+            link = next(iter(links.values())) if len(links) == 1 else None
+            if name == "_amp_foreach_non_finite_check_and_unscale_" and link is not None and all(isinstance(g, ReducedGrad) for g in grads):
+                link.unscale_(args[1], args[2])  # GradScaler.unscale_ of a ShardedOptimizer's virtual params
+                return None
         self = next((a for a in args if isinstance(a, ReducedGrad)), None)
         if self is not None and name in _CONVERSIONS:
             return self

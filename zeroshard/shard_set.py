@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from zeroshard.amp import GradScalerLink
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
 from zeroshard.sharding import shard_param_groups
@@ -55,6 +56,7 @@ class ShardSet:
         self.group_params: list[list[nn.Parameter]] = []
         self.param_steps: list[int] = []
         self.device: torch.device | None = None
+        self.amp = GradScalerLink()  # what a torch.amp.GradScaler hands the virtual params' gradients
 
     def add_groups(self, indices: range) -> list[LocalShard]:
         """Shard the optimizer's param groups ``indices`` (a collective); returns the new shards.
@@ -70,8 +72,13 @@ class ShardSet:
         self.group_params.extend(new.group_params)
         self.param_steps.extend([0] * sum(len(params) for params in new.group_params))
         self.device = new.device
-        self.shards.extend(new.shards)
+        self._extend(new.shards)
         return new.shards
+
+    def _extend(self, shards: list[LocalShard]) -> None:
+        for shard in shards:
+            shard.link_amp(self.amp)
+        self.shards.extend(shards)
 
     def add_param_group(self, param_group: dict[str, Any]) -> list[LocalShard]:
         """Add ``param_group`` to the optimizer and shard it (``ShardedOptimizer.add_param_group``); the new shards.
@@ -128,7 +135,7 @@ class ShardSet:
                     first_shard=len(self.shards), first_param_index=first_param_index, host_master=self.host_master,
                     params_of=[params], already_sharded=sharded, partition=self.partition,
                 )
-                self.shards.extend(new.shards)
+                self._extend(new.shards)
                 added.extend(new.shards)
                 if dist.get_rank(self.groups.shard) == 0:
                     logger.info("zeroshard: param group %d: %d params trainable since the optimizer was built are now sharded",
