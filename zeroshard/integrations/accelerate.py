@@ -113,6 +113,10 @@ class ShardedAccelerator(accelerate.Accelerator):
             ValueError: as :func:`clip_sharded_grad_norm_`.
         """
         parameters = list(parameters)
+        if self.scaler is not None:  # fp16: hand each ShardedOptimizer the GradScaler's scale first, as accelerate unscales before clipping
+            for opt in sharded_optimizers(self._optimizers):
+                if opt._shard_set.amp.inv_scale is None:  # not unscaled yet in this step
+                    self.scaler.unscale_(opt)
         norm = clip_sharded_grad_norm_(self._optimizers, parameters, max_norm, norm_type)
         return super().clip_grad_norm_(parameters, max_norm, norm_type) if norm is None else norm
 

@@ -42,8 +42,9 @@ VALUE_CLIP_REFUSED = (
     "ShardedOptimizer: clip by norm (gradient_clip_val with the default algorithm 'norm', or max_norm=)"
 )
 GRAD_SCALER_REFUSED = (
-    "precision={precision!r} scales the loss with torch.amp.GradScaler, which a ShardedOptimizer refuses (it unscales "
-    "gradients this rank does not hold): use precision='bf16-mixed' or '32-true'"
+    "precision={precision!r} (fp16 AMP with a torch.amp.GradScaler) is not supported by zeroshard's Lightning strategies yet: "
+    "Lightning refuses to clip an optimizer that unscales its own gradients, and Lightning runs fp16 AMP on GPUs only, where "
+    "this path is untested. Use precision='bf16-mixed' or '32-true' (a plain loop with a GradScaler works: docs/numerics.md)"
 )
 
 
