@@ -21,7 +21,7 @@ import contextlib
 import datetime
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +33,7 @@ from zeroshard.ddp_wrapper import DDPWrappers, find_wrappers, watch_new_wrappers
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
 from zeroshard.param_owners import ddp_wrappers_of_owners, register_owner
-from zeroshard.reduce_records import ArrivedGrad, PendingReduce
+from zeroshard.reduce_records import ArrivedGrad, PendingReduce, divides_first, weak_method
 from zeroshard.reduced_grad import ReducedGrad
 from zeroshard.shard_grads import ShardGrads
 from zeroshard.staging import StagingBuckets
@@ -46,33 +46,12 @@ MAX_BUCKETS_IN_FLIGHT = 2
 
 logger = logging.getLogger("zeroshard")
 
-def _divides_first(reduce_dtype: torch.dtype) -> bool:
-    """Whether gradients in ``reduce_dtype`` are divided by the data-parallel size before the sum (fp16), not after.
-
-    fp16 overflows at 65504: summing N ranks' gradients first would overflow where one rank's
-    does not, so each rank divides first, as DDP's default hook does. bf16 and fp32 divide after.
-    """
-    return reduce_dtype == torch.float16
-
-
 def _release(handles: list[torch.utils.hooks.RemovableHandle], ddps: DDPWrappers) -> None:
     """Remove a reducer's hooks and give each DDP wrapper it silenced its reducer and its gradient reduction back."""
     for handle in handles:
         handle.remove()
     handles.clear()
     ddps.close()
-
-
-def _weak(method: Callable) -> Callable:
-    """``method`` (bound to a GradReducer) called through a weak reference: a no-op once the reducer is gone."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: object) -> None:
-        live = ref()
-        if live is not None:
-            live(*args)
-
-    return call
 
 
 class GradReducer:
@@ -125,7 +104,7 @@ class GradReducer:
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates without communication
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         # DDP wrappers around these params: switched off, their reducers released (see DDPWrappers.adopt).
-        self._ddps = DDPWrappers(_weak(self._on_ddp_forward), _weak(self._sync_next_backward))
+        self._ddps = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))
         # The hooks hold this reducer weakly, so they go with it (or with close()). Not at exit:
         # DDP would get a reducer back for nothing, maybe after its process group is destroyed.
         self._remove_hooks = weakref.finalize(self, _release, self._hooks, self._ddps)
@@ -164,10 +143,11 @@ class GradReducer:
         for i, param in enumerate(shard.buffer.params):
             self._hooks.append(param.register_hook(self._make_pre_hook(k, i, param)))
             self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(k, i)))
+            self._grads[k].hook_ids[i] = self._hooks[-1].id
             register_owner(param, self)
 
     def _make_hook(self, k: int, i: int):
-        on_ready = _weak(self._on_grad_ready)
+        on_ready = weak_method(self._on_grad_ready)
         return lambda param: on_ready(k, i, param)
 
     def _make_pre_hook(self, k: int, i: int, param: nn.Parameter):
@@ -198,6 +178,7 @@ class GradReducer:
 
     def _before_accumulate(self, k: int, i: int, param: nn.Parameter) -> None:
         """Read what was done to the gradients since zeroshard last wrote them; clear a ReducedGrad."""
+        launch_order.take_deferred(self.group)  # before this accumulation bumps the flat grad's version (stage 1)
         if not self._backward_started:
             # DDP wrappers built since the last backward; adopting one may raise: nothing changed yet.
             syncs = self._ddps.adopt([ddp for ref in self._ddps.new if (ddp := ref()) is not None]) if self._ddps.new else []
@@ -212,12 +193,15 @@ class GradReducer:
                     # without communication, as zeroshard does for the later ones.
                     self._ddp_no_sync = self._unreduced = True
             self._check_flat_grads()
+        grads, held = self._grads[k], param.grad
+        # Holds a gradient reduced in this step (stage 2: one not zeroed since; see refuse_partial_write).
+        grads.continued[i] = self._reductions > 0 and held is not None and (
+            self.stage == 1 or (grads.reduced_versions.get(i) == held._version and held is grads.reduced.get(i)))
         if self.stage == 2:
             self._settle(k, i, param)
             if isinstance(param.grad, ReducedGrad):
                 param.grad = None  # autograd then stores the new gradient instead of adding to it
-                del self._grads[k].reduced_versions[i]
-                self._grads[k].continued[i] = True
+                del grads.reduced_versions[i]
 
     def _on_ddp_forward(self, no_sync: bool) -> None:
         """Before a forward of an adopted DDP wrapper: under ``ddp.no_sync()`` its backward accumulates without communication."""
@@ -265,6 +249,7 @@ class GradReducer:
             self._keep_in_flat_grad(k, i, param)
         if self._no_sync or self._ddp_no_sync:
             return
+        self._grads[k].refuse_partial_write(i, self._grads[k].hooked_before(i, param))
         if not self._callback_queued:
             # Runs once the whole backward pass is done: completes and waits for every bucket.
             Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -284,9 +269,11 @@ class GradReducer:
             return
         arrived, self._deferred = self._deferred, None
         k, i, param = arrived.shard, arrived.index, arrived.param
-        self._grads[k].refuse_partial_write(arrived)
+        self._grads[k].refuse_partial_write(i, arrived.changed())
+        if param.grad is None:  # a hook dropped it: as DDP does, count the param as unused on this rank
+            self._grads[k].used[i] = False
         if self.stage == 1:
-            self._keep_in_flat_grad(k, i, param)  # a hook may have replaced .grad
+            self._keep_in_flat_grad(k, i, param)  # a hook may have replaced .grad (None: zeroes this rank's part)
         self._take_grad(k, i, param)
         if self.overlap_comm:
             self._launch_complete_buckets()
@@ -348,13 +335,13 @@ class GradReducer:
             grads = buffer.bucket_view(b, of=self._grads[k].flat)
             if grads.dtype != dtype:
                 grads = grads.to(dtype)
-            elif _divides_first(dtype) or self.world_size == 1:
+            elif divides_first(dtype) or self.world_size == 1:
                 grads = grads.clone()  # the flat grad keeps this rank's running sum: reduce a copy
         else:
             staged = self._staging.pop((k, b), buffer.layout)
             # None: no param of the bucket got a gradient on this rank
             grads = staged if staged is not None else torch.zeros(buffer.layout.buckets[b].padded_numel, dtype=dtype, device=buffer.device)
-        if _divides_first(dtype):
+        if divides_first(dtype):
             grads.div_(self.groups.data_parallel_size)
         if self.world_size == 1:  # a shard group of one: the bucket is this rank's slice, no collective
             work, output = None, grads
@@ -376,7 +363,7 @@ class GradReducer:
             self._wait(work, f"the all-reduce across replicas of gradient bucket {pending.shard}.{pending.bucket}")
         shard = self.shards[pending.shard]
         reduced = pending.output.to(shard.grad_shard.dtype)
-        if not _divides_first(pending.output.dtype) and self.groups.data_parallel_size > 1:
+        if not divides_first(pending.output.dtype) and self.groups.data_parallel_size > 1:
             reduced.div_(self.groups.data_parallel_size)
         target = shard.grad_slice(pending.bucket)
         if self.stage == 1:
@@ -441,7 +428,7 @@ class GradReducer:
             self._reduce_everything()
 
     def reduce_absent(self) -> None:
-        """Reduce zeros at the end of a backward that reached none of these params on this rank (see launch_order.flush)."""
+        """Reduce zeros at the end of a backward that reached none of these params here (launch_order.flush)."""
         self._settle_all()
         self._reduce_everything()
 

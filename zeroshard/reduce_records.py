@@ -1,9 +1,12 @@
-"""What a ``GradReducer`` holds between hooks: a gradient arrived but not taken, a reduction launched but not waited for."""
+"""What a ``GradReducer`` holds between hooks (a gradient arrived but not taken, a reduction launched but not waited for), and two helpers of its hooks."""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from zeroshard import collectives
@@ -13,8 +16,8 @@ from zeroshard import collectives
 class ArrivedGrad:
     """The gradient autograd accumulated last into param ``index`` of shard ``shard``, not taken yet.
 
-    A gradient is taken (marked ready, moved into a staging bucket, its bucket launched) at the
-    next gradient or at the end of backward, not in zeroshard's own post-accumulate-grad hook:
+    A gradient is taken (marked ready, moved into a staging bucket, its bucket launched) before the
+    next gradient is accumulated or at the end of backward, not in zeroshard's own post-accumulate-grad hook:
     the hooks registered after zeroshard's, the user's, run in between, and DDP, whose reducer
     hooks the grad accumulator after every such hook, reduces what they leave in ``.grad``.
     """
@@ -44,3 +47,24 @@ class PendingReduce:
     output: Tensor  # 1-D reduce dtype, this rank's summed slice of the bucket
     shard: int
     bucket: int
+
+
+def divides_first(reduce_dtype: torch.dtype) -> bool:
+    """Whether gradients in ``reduce_dtype`` are divided by the data-parallel size before the sum (fp16), not after.
+
+    fp16 overflows at 65504: summing N ranks' gradients first would overflow where one rank's
+    does not, so each rank divides first, as DDP's default hook does. bf16 and fp32 divide after.
+    """
+    return reduce_dtype == torch.float16
+
+
+def weak_method(method: Callable) -> Callable:
+    """``method`` (bound to a GradReducer) called through a weak reference: a no-op once the reducer is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: object) -> None:
+        live = ref()
+        if live is not None:
+            live(*args)
+
+    return call

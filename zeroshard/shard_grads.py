@@ -12,7 +12,6 @@ from torch import Tensor, nn
 
 from zeroshard.local_shard import LocalShard
 from zeroshard.partition import ShardPiece
-from zeroshard.reduce_records import ArrivedGrad
 from zeroshard.reduced_grad import ReducedGrad, reduced_grad
 
 
@@ -30,8 +29,9 @@ class ShardGrads:
         ready: per param: its gradient was taken in the current backward pass.
         ready_count: per bucket: how many of its params are ready.
         used: per param: it got a gradient on this rank since the last reset.
-        continued: stage 2, per param: an earlier backward of this step reduced its gradient into
-            the grad shard, so ``.grad`` holds only the current backward's gradient.
+        continued: per param: an earlier backward of this step reduced the gradient it holds, so a
+            hook in this backward sees this rank's gradient, where DDP shows the all-reduced sum.
+        hook_ids: per param, the handle id of zeroshard's post-accumulate-grad hook on it.
         reduced, reduced_versions: stage 2: per param, the ``ReducedGrad`` left in its ``.grad``
             (made once) and its version when left (absent: none left since).
     """
@@ -46,6 +46,7 @@ class ShardGrads:
     continued: list[bool]
     reduced: dict[int, ReducedGrad] = field(default_factory=dict)
     reduced_versions: dict[int, int] = field(default_factory=dict)
+    hook_ids: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def for_shard(cls, shard: LocalShard, flat: bool) -> ShardGrads:
@@ -110,19 +111,24 @@ class ShardGrads:
             self.used[i] = False
             del self.reduced_versions[i]
 
-    def refuse_partial_write(self, arrived: ArrivedGrad) -> None:
-        """Stage 2: raise if a hook changed a gradient of which an earlier backward of this step reduced a part.
+    def refuse_partial_write(self, i: int, changed: bool) -> None:
+        """Raise if a hook ``changed`` param ``i``'s gradient in a backward after one that reduced it in this step.
 
         Raises:
-            RuntimeError: the hook saw this backward's gradient only; under DDP it would have
-                changed the sum of the step's backward passes, which no rank holds here.
+            RuntimeError: the hook saw this rank's gradient (stage 2: this backward's only);
+                under DDP it would have seen and changed the all-reduced sum, which no rank holds.
         """
-        if self.continued[arrived.index] and arrived.changed():
+        if self.continued[i] and changed:
             raise RuntimeError(
-                f"{self.shard.buffer.names[arrived.index]}: a post-accumulate-grad hook changed its gradient in a backward after one "
-                "that reduced it (ZeRO stage 2), so the hook saw this backward's gradient only, not the sum DDP would show it. "
-                "Accumulate micro-steps with opt.no_sync() (reduced once, at the last), or use stage=1"
+                f"{self.shard.buffer.names[i]}: a post-accumulate-grad hook changed its gradient (or, registered before the optimizer, "
+                "may have) in a backward after one that reduced it in this step, so the hook saw this rank's gradient, not the "
+                "all-reduced sum DDP shows it. Accumulate micro-steps with opt.no_sync() (reduced once, at the last)"
             )
+
+    def hooked_before(self, i: int, param: nn.Parameter) -> bool:
+        """Whether param ``i`` has post-accumulate-grad hooks registered before zeroshard's (they ran before it)."""
+        hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+        return any(key < self.hook_ids.get(i, -1) for key in hooks)
 
     @torch.no_grad()
     def follow_flat_writes(self, reduced: bool) -> None:

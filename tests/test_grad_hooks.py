@@ -1,0 +1,136 @@
+"""User post-accumulate-grad hooks that change gradients, against DDP + AdamW with the same hooks.
+
+DDP's reducer hooks each param's grad accumulator, so it reduces what every post-accumulate-grad
+hook left in ``.grad`` (scaled, replaced, set to ``None``). zeroshard takes each gradient once the
+hooks after its own have run, so it reduces the same. In a backward after one that already reduced
+the step's gradients (accumulation without ``no_sync()``), DDP shows a hook the all-reduced sum,
+which no rank holds here: a hook that changes a gradient there (or one registered before the
+optimizer, whose effect zeroshard cannot see) is refused, naming the param.
+
+The reduce-scatter is made to read its whole input at launch, as a GPU collective on its own
+stream may: a bucket launched before a hook ran would then miss what the hook wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import VOCAB, TinyNet, batch, loss_fn, param_groups, tolerance_ratio
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zeroshard
+
+STEPS = 4
+
+
+# The hooks change the tied embedding's gradient only: it is used on every rank in every step.
+def halve_in_place(p: nn.Parameter) -> None:
+    if p.shape[0] == VOCAB:
+        p.grad.mul_(0.5)
+
+
+def halve_by_replacing(p: nn.Parameter) -> None:
+    if p.shape[0] == VOCAB:
+        p.grad = p.grad * 0.5
+
+
+def drop(p: nn.Parameter) -> None:
+    if p.shape[0] == VOCAB:
+        p.grad = None  # DDP: unused on every rank, so not stepped
+
+
+def drop_on_rank_0(p: nn.Parameter) -> None:
+    if p.shape[0] == VOCAB and dist.get_rank() == 0:
+        p.grad = None  # DDP: unused on rank 0 only, so stepped with rank 1's gradient averaged over both
+
+
+def _hooked_training(stage: int, hook, accumulation: str = "none", overlap_comm: bool = True, zero: str = "set_to_none",
+                hook_first: bool = False) -> float:
+    """The worst tolerance ratio against DDP + AdamW over STEPS steps of 2 micro-steps (1 with ``accumulation="none"``).
+
+    ``zero``: what runs between steps: ``"set_to_none"`` (``opt.zero_grad()`` / ``model.zero_grad()``
+    in turns), ``"keep"`` (``zero_grad(set_to_none=False)`` on both), ``"nothing"`` (zeroshard's
+    step consumes the gradients; the reference zeroes them). ``hook_first``: the hook is
+    registered on zeroshard's model before the optimizer is built.
+    """
+    from zeroshard import collectives
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    model = copy.deepcopy(ref_model)
+    ref = DDP(ref_model, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
+    hooked = [p for p in ref_model.parameters() if p.requires_grad]
+    if hook_first:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(hook)
+    else:
+        hooked += [p for p in model.parameters() if p.requires_grad]
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage,
+                                     bucket_size_mb=200 * 4 / 2**20, overlap_comm=overlap_comm)
+    for p in hooked:
+        p.register_post_accumulate_grad_hook(hook)
+    original = collectives.reduce_scatter
+    collectives.reduce_scatter = lambda output, input, group: original(output, input.clone(), group)
+    worst = 0.0
+    try:
+        for step in range(STEPS):
+            micro = 1 if accumulation == "none" else 2
+            for m in range(micro):
+                local = accumulation == "no_sync" and m < micro - 1
+                x, y = batch(rank, step, m)
+                with ref.no_sync() if local else contextlib.nullcontext():
+                    (loss_fn(ref, x, y) / micro).backward()
+                with opt.no_sync() if local else contextlib.nullcontext():
+                    (loss_fn(model, x, y) / micro).backward()
+            ref_opt.step()
+            opt.step()
+            ref_model.zero_grad(set_to_none=zero != "keep")
+            if zero == "keep":
+                model.zero_grad(set_to_none=False)
+            elif zero == "set_to_none":
+                (model.zero_grad if step % 2 else opt.zero_grad)()
+            worst = max(worst, tolerance_ratio(model, ref_model))
+    finally:
+        collectives.reduce_scatter = original
+        opt.close()
+    return worst
+
+
+def hook_worker(stage: int, hook, options: dict) -> float:
+    return _hooked_training(stage, hook, **options)
+
+
+MATCH = [
+    (halve_in_place, {}),
+    (halve_in_place, {"accumulation": "no_sync"}),
+    (halve_in_place, {"overlap_comm": False}),
+    (halve_in_place, {"zero": "keep"}),
+    (halve_in_place, {"zero": "nothing"}),
+    (halve_in_place, {"hook_first": True}),
+    (halve_by_replacing, {}),
+    (drop, {}),
+    (drop_on_rank_0, {}),
+]
+REFUSED = [(halve_by_replacing, {"accumulation": "backward"}), (halve_in_place, {"accumulation": "backward", "hook_first": True})]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_hooks_after_the_optimizer_change_the_gradients_as_under_ddp(pools, stage):
+    for hook, options in MATCH:
+        worst = max(pools[2].run(hook_worker, stage, hook, options))
+        assert worst <= 1.0, f"{hook.__name__} {options}: params off DDP + AdamW by {worst:.3g}x the tolerance (rtol 1e-6)"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_hook_changing_a_gradient_reduced_earlier_in_the_step_is_refused(pools, stage):
+    for hook, options in REFUSED:
+        with pytest.raises(RuntimeError, match=r"params'\]\[\d+\]: a post-accumulate-grad hook changed its gradient .* opt.no_sync\(\)"):
+            pools[2].run(hook_worker, stage, hook, options)
