@@ -174,7 +174,7 @@ class GradReducer:
         finally:
             self._no_sync = previous
 
-    # -- what user code did to the gradients ------------------------------------------------
+    # -- what user code did to the gradients --
 
     def _before_accumulate(self, k: int, i: int, param: nn.Parameter) -> None:
         """Read what was done to the gradients since zeroshard last wrote them; clear a ReducedGrad."""
@@ -235,7 +235,7 @@ class GradReducer:
             for grads in self._grads:
                 grads.settle_all(self.stage)
 
-    # -- backward ---------------------------------------------------------------------------
+    # -- backward --
 
     def _on_grad_ready(self, k: int, i: int, param: nn.Parameter) -> None:
         self.shards[k].follow(i)  # the model may have moved since the optimizer was built
@@ -248,12 +248,11 @@ class GradReducer:
         if self.stage == 1:
             self._keep_in_flat_grad(k, i, param)
         if self._no_sync or self._ddp_no_sync:
+            if launch_order.shared(self.group):  # the group's other reducers still reduce at this backward's end
+                self._queue_end_of_backward()
             return
         self._grads[k].refuse_partial_write(i, self._grads[k].hooked_before(i, param))
-        if not self._callback_queued:
-            # Runs once the whole backward pass is done: completes and waits for every bucket.
-            Variable._execution_engine.queue_callback(self._on_backward_end)
-            self._callback_queued, self._flushed = True, False
+        self._queue_end_of_backward()
         launch_order.take_deferred(self.group)  # the hooks after zeroshard's have run for the last gradient (see ArrivedGrad)
         self._deferred = ArrivedGrad.of(k, i, param)
         if self._ddp_reduced:  # DDP's reducer, hooked after, reads .grad as zeroshard leaves it: take it now
@@ -321,10 +320,15 @@ class GradReducer:
             self._complete(pending)
         self._pending.clear()
 
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:  # runs once the backward pass is done: completes and waits for every bucket
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._callback_queued, self._flushed = True, False
+
     def _on_backward_end(self) -> None:
         """At the end of backward: every reducer of the process group reduces this pass, this one included (launch_order.flush)."""
         if self._flushed:
-            self._flushed = False
+            self._flushed = self._callback_queued = False
             return
         launch_order.flush(self, self.group)
 
@@ -426,11 +430,6 @@ class GradReducer:
         self._settle_all()
         if self._unreduced or self._reductions == 0:
             self._reduce_everything()
-
-    def reduce_absent(self) -> None:
-        """Reduce zeros at the end of a backward that reached none of these params here (launch_order.flush)."""
-        self._settle_all()
-        self._reduce_everything()
 
     def reduce_again(self) -> None:
         """Have the next :meth:`reduce_for_step` reduce every bucket again (after shards were added mid-step).

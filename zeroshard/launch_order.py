@@ -99,14 +99,26 @@ def flush(reducer: Any, group: Any) -> None:
     all their params, as they do on a rank where they took part: which optimizers a backward
     reaches may differ between ranks (an optimizer's params used on some ranks only), and every
     rank must still issue every collective in one order (otherwise equal-sized buckets of two
-    optimizers would be summed together, in silence). Reducers under ``no_sync`` reduce nothing.
+    optimizers would be summed together, in silence). Reducers under ``no_sync`` reduce nothing,
+    and queue this callback all the same when the group has others, for the others' sake.
     """
     for r in _live(group):
-        if r is reducer:
+        if r._no_sync or r._ddp_no_sync:  # accumulates locally (its callback, if queued, has nothing to do)
+            if r is reducer:
+                r._callback_queued = False
+            elif r._callback_queued:
+                r._flushed = True
+        elif r is reducer:
             r._reduce_everything()
         elif r._callback_queued:
             if not r._flushed:
                 r._reduce_everything()
                 r._flushed = True
-        elif not (r._no_sync or r._ddp_no_sync):
-            r.reduce_absent()
+        else:  # got no gradient here: reduce zeros, after following what was done to its gradients
+            r._settle_all()
+            r._reduce_everything()
+
+
+def shared(group: Any) -> bool:
+    """Whether ``group`` has more than one open reducer (a reducer under ``no_sync`` then still ends each backward: ``flush``)."""
+    return len(_live(group)) > 1
