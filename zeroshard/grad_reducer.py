@@ -93,7 +93,6 @@ class GradReducer:
         self._deferred: ArrivedGrad | None = None  # the last gradient, not taken yet
         self._next_launch = 0
         self._callback_queued = False
-        self._deferred = None
         self._flushed = False  # another reducer's end of backward reduced this pass (launch_order.flush)
         self._no_sync = False
         self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
@@ -251,10 +250,10 @@ class GradReducer:
             if launch_order.shared(self.group):  # the group's other reducers still reduce at this backward's end
                 self._queue_end_of_backward()
             return
-        self._grads[k].refuse_partial_write(i, self._grads[k].hooked_before(i, param))
+        if self._grads[k].continued[i]:
+            self._grads[k].refuse_partial_write(i, self._grads[k].hooked_before(i, param))
         self._queue_end_of_backward()
-        launch_order.take_deferred(self.group)  # the hooks after zeroshard's have run for the last gradient (see ArrivedGrad)
-        self._deferred = ArrivedGrad.of(k, i, param)
+        self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this param's pre-hook (_before_accumulate)
         if self._ddp_reduced:  # DDP's reducer, hooked after, reads .grad as zeroshard leaves it: take it now
             self._take_deferred()
 

@@ -79,7 +79,7 @@ def drain_earlier(reducer: Any, group: Any) -> None:
 
 
 def take_deferred(group: Any) -> None:
-    """A gradient arrived: every reducer of ``group`` takes the one it deferred (see ``GradReducer._on_grad_ready``)."""
+    """A gradient is about to be accumulated: every reducer of ``group`` takes the one it deferred (see ``ArrivedGrad``)."""
     for r in _live(group):
         r._take_deferred()
 

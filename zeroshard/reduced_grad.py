@@ -32,8 +32,6 @@ _ALLOWED = frozenset({
     "is_contiguous", "is_floating_point", "is_complex", "requires_grad_", "detach_", "zero_", "_is_view",
     "_has_compatible_shallow_copy_type",
 })
-# What torch.amp.GradScaler calls on the optimizer's gradients: a virtual param's hand it to its link (zeroshard/amp.py).
-_GRAD_SCALER = frozenset({"_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_"})
 # Conversions nn.Module._apply applies to every .grad (model.to(), .cpu(), .double(), ...). They return the
 # ReducedGrad itself: the gradient stays in the grad shard, and whether the params' move can be followed
 # is decided for the params (FlatParamBuffer.follow).
@@ -61,12 +59,12 @@ class ReducedGrad(torch.Tensor):
         if name in _ALLOWED:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if name in _GRAD_SCALER:
-            grads = args[0] if args and isinstance(args[0], list) else []
-            links = {id(g.amp_link): g.amp_link for g in grads if isinstance(g, ReducedGrad)}
-            link = next(iter(links.values())) if len(links) == 1 else None
-            if name == "_amp_foreach_non_finite_check_and_unscale_" and link is not None and all(isinstance(g, ReducedGrad) for g in grads):
-                link.unscale_(args[1], args[2])  # GradScaler.unscale_ of a ShardedOptimizer's virtual params
+        if name == "_amp_foreach_non_finite_check_and_unscale_" and args and isinstance(args[0], list):
+            # torch.amp.GradScaler's unscale_ (or inf check) of one ShardedOptimizer's virtual params: to its link (zeroshard/amp.py)
+            links = {getattr(g, "amp_link", None) for g in args[0]}
+            link = links.pop() if len(links) == 1 else None
+            if link is not None:
+                link.unscale_(args[1], args[2])
                 return None
         self = next((a for a in args if isinstance(a, ReducedGrad)), None)
         if self is not None and name in _CONVERSIONS:
