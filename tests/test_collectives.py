@@ -21,12 +21,12 @@ def _native(fn, *args):
         collectives.POINT_TO_POINT_ON_GLOO = True
 
 
-def _reduce_scatter(numel: int, dtype: torch.dtype) -> torch.Tensor:
+def _reduce_scatter(numel: int, dtype: torch.dtype, input_frozen: bool = False) -> torch.Tensor:
     world = dist.get_world_size()
     out = torch.full((numel,), float("nan"), dtype=dtype)
     inputs = torch.randn(world * numel, generator=torch.Generator().manual_seed(dist.get_rank())).to(dtype)
     before = inputs.clone()
-    work = collectives.reduce_scatter(out, inputs, dist.group.WORLD)
+    work = collectives.reduce_scatter(out, inputs, dist.group.WORLD, input_frozen=input_frozen)
     work.wait()
     if collectives.POINT_TO_POINT_ON_GLOO:  # ours leaves the input as it was (gloo's own reduces in it)
         assert work.is_completed() and torch.equal(inputs, before)
@@ -53,6 +53,8 @@ def collectives_worker(numel: int) -> list[tuple[str, bool, float]]:
         every = [torch.randn(world * numel, generator=torch.Generator().manual_seed(r)).to(dtype).double() for r in range(world)]
         exact = sum(every)[rank * numel : (rank + 1) * numel]
         rows.append((f"reduce_scatter {dtype}", torch.equal(ours, theirs), float((ours.double() - exact).abs().max())))
+        # Reading the own piece at wait() (a frozen input) sums in the same order: the same bits at any world size.
+        rows.append((f"reduce_scatter {dtype} input_frozen", torch.equal(_reduce_scatter(numel, dtype, True), ours), 0.0))
         for in_place in (True, False):
             ours, theirs = _all_gather(numel, dtype, in_place), _native(_all_gather, numel, dtype, in_place)
             rows.append((f"all_gather {dtype} in_place={in_place}", torch.equal(ours, theirs), 0.0 if torch.equal(ours, theirs) else float("inf")))
@@ -63,7 +65,7 @@ def collectives_worker(numel: int) -> list[tuple[str, bool, float]]:
 def test_point_to_point_collectives_match_gloos_own(pools, world_size):
     for rows in pools[world_size].run(collectives_worker, 1001):
         for name, equal, error in rows:
-            if name.startswith("all_gather") or world_size == 2:  # two ranks: one sum, a + b = b + a
+            if name.startswith("all_gather") or name.endswith("input_frozen") or world_size == 2:  # two ranks: one sum, a + b = b + a
                 assert equal, (world_size, name)
             else:  # more: the order of the sum differs from gloo's ring, within one rounding per add
                 tolerance = {"torch.float32": 1e-5, "torch.bfloat16": 0.1, "torch.float16": 0.02}[name.split()[1]]

@@ -78,7 +78,7 @@ def _hooked_training(stage: int, hook, accumulation: str = "none", overlap_comm:
     for p in hooked:
         p.register_post_accumulate_grad_hook(hook)
     original = collectives.reduce_scatter
-    collectives.reduce_scatter = lambda output, input, group: original(output, input.clone(), group)
+    collectives.reduce_scatter = lambda output, input, group, **kwargs: original(output, input.clone(), group, **kwargs)
     worst = 0.0
     try:
         for step in range(STEPS):

@@ -173,9 +173,9 @@ def reduce_dtype_worker(stage: int) -> tuple[float, float, set]:
     dtypes = set()
     original = grad_reducer.collectives.reduce_scatter
 
-    def recording(output, input, group):
+    def recording(output, input, group, **kwargs):
         dtypes.add(input.dtype)
-        return original(output, input, group)
+        return original(output, input, group, **kwargs)
 
     fp32 = list(_train_pair(stage, "none", True, torch.float32))[-1][0]
     grad_reducer.collectives.reduce_scatter = recording
@@ -211,9 +211,9 @@ def bf16_communication_worker(stage: int, accumulation: str) -> tuple[float, flo
     dtypes = set()
     original = grad_reducer.collectives.reduce_scatter
 
-    def recording(output, input, group):
+    def recording(output, input, group, **kwargs):
         dtypes.add(input.dtype)
-        return original(output, input, group)
+        return original(output, input, group, **kwargs)
 
     fp32 = list(_train_pair(stage, accumulation, True))[-1][0]
     grad_reducer.collectives.reduce_scatter = recording

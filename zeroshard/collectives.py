@@ -90,18 +90,21 @@ def _exchange(sends: dict[int, Tensor], receives: dict[int, Tensor], group: Proc
     return works
 
 
-def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup) -> AsyncWork:
+def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup, *, input_frozen: bool = False) -> AsyncWork:
     """Start a sum reduce-scatter: rank r receives the sum over ranks of ``input[r*n:(r+1)*n]``.
 
     Mirrors ``torch.distributed.reduce_scatter_tensor`` (``op=SUM``). On gloo each rank sends
-    every other rank its piece, copies its own into ``output`` at once, and adds what it receives
-    in group rank order (at 2 ranks the same bits as gloo's own sum: one addition, commutative);
-    ``N - 1`` pieces of ``n`` elements are held for the receives until ``wait()``.
+    every other rank its piece and adds what it receives to its own, in group rank order (at 2
+    ranks the same bits as gloo's own sum: one addition, commutative); ``N - 1`` pieces of ``n``
+    elements are held for the receives until ``wait()``. Its own piece is copied into ``output`` at
+    once, unless ``input_frozen``: then the first sum reads it at ``wait()`` and writes ``output``
+    (one pass over the piece fewer).
 
     Args:
         output: 1-D, ``n`` elements, same dtype and device as ``input``; written when the work completes.
         input: 1-D, ``n * group.size()`` elements; not written.
         group: the sharding process group.
+        input_frozen: the caller writes ``input`` only after ``wait()`` (a staging bucket, a copy).
 
     Returns:
         The async work handle; call ``wait()`` before reading ``output`` or writing ``input``.
@@ -113,10 +116,16 @@ def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup) -> AsyncW
     others = [q for q in range(len(pieces)) if q != me]
     received = {q: torch.empty_like(output) for q in others}
     works = _exchange({q: pieces[q] for q in others}, received, group, _REDUCE_SCATTER_TAG)
-    output.copy_(pieces[me])  # read now: the input may change before wait() (the sends read theirs while in flight)
+    if not input_frozen:
+        output.copy_(pieces[me])  # read now: the input may change before wait() (the sends read theirs while in flight)
 
     def finish() -> None:
-        for q in others:
+        first, *rest = others
+        if input_frozen:
+            torch.add(pieces[me], received[first], out=output)
+        else:
+            output.add_(received[first])
+        for q in rest:
             output.add_(received[q])
 
     return PointToPointWork(works, finish)

@@ -27,13 +27,14 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
 
-from zeroshard import collectives, launch_order
+from zeroshard import bucket_reduce, collectives, launch_order
 from zeroshard.bucket_order import BucketOrder
+from zeroshard.bucket_reduce import PendingReduce
 from zeroshard.ddp_wrapper import DDPWrappers, find_wrappers, watch_new_wrappers
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
 from zeroshard.param_owners import ddp_wrappers_of_owners, register_owner
-from zeroshard.reduce_records import ArrivedGrad, PendingReduce, divides_first, weak_method
+from zeroshard.reduce_records import ArrivedGrad, divides_first, weak_method
 from zeroshard.reduced_grad import ReducedGrad
 from zeroshard.shard_grads import ShardGrads
 from zeroshard.staging import StagingBuckets
@@ -60,8 +61,8 @@ class GradReducer:
     Stage 1: each param's ``.grad`` is a view of a flat grad buffer (param dtype, full gradients
     kept) holding the running local sum of all micro-steps, so each reduction overwrites the grad
     shard. Stage 2: a ready gradient is copied into a staging bucket in ``reduce_dtype`` and
-    ``.grad`` is freed; each reduction is added into the grad shard, with at most
-    ``MAX_BUCKETS_IN_FLIGHT`` in flight. Either way the grad shard ends up holding ``sum over
+    ``.grad`` is freed; each reduction is added into the grad shard (the first of a step written
+    straight into it), with at most ``MAX_BUCKETS_IN_FLIGHT`` in flight (``zeroshard/bucket_reduce.py``). Either way the grad shard ends up holding ``sum over
     data-parallel ranks / their number`` (ZeRO, SC'20, §5.2).
 
     Args:
@@ -332,47 +333,31 @@ class GradReducer:
         launch_order.flush(self, self.group)
 
     def _launch(self, k: int, b: int) -> None:
-        buffer = self.shards[k].buffer
+        buffer, grads_of = self.shards[k].buffer, self._grads[k]
         dtype = self._reduce_dtype(k)
         if self.stage == 1:
-            grads = buffer.bucket_view(b, of=self._grads[k].flat)
+            grads = buffer.bucket_view(b, of=grads_of.flat)
+            frozen = grads.dtype != dtype or divides_first(dtype) or self.world_size == 1
             if grads.dtype != dtype:
                 grads = grads.to(dtype)
-            elif divides_first(dtype) or self.world_size == 1:
+            elif frozen:
                 grads = grads.clone()  # the flat grad keeps this rank's running sum: reduce a copy
         else:
             staged = self._staging.pop((k, b), buffer.layout)
             # None: no param of the bucket got a gradient on this rank
             grads = staged if staged is not None else torch.zeros(buffer.layout.buckets[b].padded_numel, dtype=dtype, device=buffer.device)
-        if divides_first(dtype):
-            grads.div_(self.groups.data_parallel_size)
-        if self.world_size == 1:  # a shard group of one: the bucket is this rank's slice, no collective
-            work, output = None, grads
-        else:
-            output = torch.empty(buffer.layout.buckets[b].shard_numel(self.world_size), dtype=dtype, device=buffer.device)
-            work = collectives.reduce_scatter(output, grads, self.group)
-        self._pending.append(PendingReduce(work, grads, output, k, b))
+            frozen = True  # a staging bucket: written again only once recycled, after the reduction
+        fresh = self.stage == 1 or not grads_of.landed[b]
+        grads_of.landed[b] = True
+        self._pending.append(bucket_reduce.launch(grads, self.shards[k].grad_slice(b), self.groups, k, b, fresh=fresh, input_frozen=frozen))
         if self.stage == 2 and len(self._pending) > MAX_BUCKETS_IN_FLIGHT:
             # Bound stage 2's gradient memory: finish the oldest reduction and free its staging buffer.
             self._complete(self._pending.pop(0))
 
     def _complete(self, pending: PendingReduce) -> None:
-        """Wait for one reduction, fold its slice into the grad shard, recycle its staging buffer."""
-        # The reduced slice must have arrived before it is added into the grad shard.
-        self._wait(pending.work, f"the reduce-scatter of gradient bucket {pending.shard}.{pending.bucket}")
-        if self.groups.replicate is not None:
-            # Hybrid: the same slice on every replica, summed across them (MiCS, §3).
-            work = collectives.all_reduce(pending.output, self.groups.replicate)
-            self._wait(work, f"the all-reduce across replicas of gradient bucket {pending.shard}.{pending.bucket}")
-        shard = self.shards[pending.shard]
-        reduced = pending.output.to(shard.grad_shard.dtype)
-        if not divides_first(pending.output.dtype) and self.groups.data_parallel_size > 1:
-            reduced.div_(self.groups.data_parallel_size)
-        target = shard.grad_slice(pending.bucket)
-        if self.stage == 1:
-            target.copy_(reduced)
-        else:
-            target.add_(reduced)
+        """Wait for one reduction, leave it in the grad shard, recycle its staging buffer."""
+        bucket_reduce.complete(pending, self.groups, self._wait, overwrite=self.stage == 1)
+        if self.stage == 2:
             self._staging.recycle(pending.input)
 
     def _wait(self, work: collectives.AsyncWork | None, what: str) -> None:
@@ -455,12 +440,12 @@ class GradReducer:
                 for param in shard.buffer.params:
                     param.grad = None
         self._ddps.release()  # between backward passes: the one a DDP wrapper found at a backward reduced is over
+        for pending in self._pending:  # left behind by a backward pass that raised (some write into the grad shard: first)
+            self._wait(pending.work, pending.what)
+        self._pending.clear()
         for k, shard in enumerate(self.shards):
             shard.grad_shard.zero_()
             self._grads[k].reset()
-        for pending in self._pending:  # left behind by a backward pass that raised
-            self._wait(pending.work, f"the reduce-scatter of gradient bucket {pending.shard}.{pending.bucket}")
-        self._pending.clear()
         self._clear_backward_state()
         self._staging.clear()  # stage 2 holds no gradient buffers between steps
         self._reductions = 0

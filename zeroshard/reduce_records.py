@@ -1,4 +1,4 @@
-"""What a ``GradReducer`` holds between hooks (a gradient arrived but not taken, a reduction launched but not waited for), and two helpers of its hooks."""
+"""What a ``GradReducer`` holds between hooks (a gradient arrived but not taken yet), and two helpers of its hooks."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-
-from zeroshard import collectives
 
 
 @dataclass
@@ -36,17 +34,6 @@ class ArrivedGrad:
     def changed(self) -> bool:
         """Whether a hook wrote ``.grad`` in place or replaced it since the record was made."""
         return self.param.grad is not self.grad or (self.grad is not None and self.grad._version != self.version)
-
-
-@dataclass
-class PendingReduce:
-    """One launched bucket reduce-scatter of bucket ``bucket`` of shard ``shard``."""
-
-    work: collectives.AsyncWork | None  # the async work handle; None: nothing to wait for (a shard group of one)
-    input: Tensor  # 1-D reduce dtype, the bucket's padded gradients (kept alive until work is done)
-    output: Tensor  # 1-D reduce dtype, this rank's summed slice of the bucket
-    shard: int
-    bucket: int
 
 
 def divides_first(reduce_dtype: torch.dtype) -> bool:

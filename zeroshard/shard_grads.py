@@ -32,6 +32,8 @@ class ShardGrads:
         continued: per param: an earlier backward of this step reduced the gradient it holds, so a
             hook in this backward sees this rank's gradient, where DDP shows the all-reduced sum.
         hook_ids: per param, the handle id of zeroshard's post-accumulate-grad hook on it.
+        landed: per bucket: a reduction has been launched into its slice of the grad shard since
+            the last reset (stage 2's next one adds to it; see ``zeroshard/bucket_reduce.py``).
         reduced, reduced_versions: stage 2: per param, the ``ReducedGrad`` left in its ``.grad``
             (made once) and its version when left (absent: none left since).
     """
@@ -47,6 +49,7 @@ class ShardGrads:
     reduced: dict[int, ReducedGrad] = field(default_factory=dict)
     reduced_versions: dict[int, int] = field(default_factory=dict)
     hook_ids: dict[int, int] = field(default_factory=dict)
+    landed: list[bool] = field(default_factory=list)
 
     @classmethod
     def for_shard(cls, shard: LocalShard, flat: bool) -> ShardGrads:
@@ -58,7 +61,8 @@ class ShardGrads:
             pieces_of[piece.param].append(piece)
         n = len(layout.slots)
         version = flat_grad._version if flat_grad is not None else 0
-        return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n)
+        return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n,
+                   landed=[False] * len(layout.buckets))
 
     def note_flat_version(self) -> None:
         """Record that zeroshard wrote :attr:`flat` last."""
@@ -70,11 +74,12 @@ class ShardGrads:
         self.ready_count = [0] * len(self.ready_count)
 
     def reset(self) -> None:
-        """Between steps: zero the flat grad buffer and forget which params were used."""
+        """Between steps: zero the flat grad buffer and forget which params were used and which slices were reduced into."""
         if self.flat is not None:
             self.flat.zero_()
         self.used = [False] * len(self.used)
         self.continued = [False] * len(self.continued)
+        self.landed = [False] * len(self.landed)
 
     def reduced_grad(self, i: int, param: nn.Parameter) -> ReducedGrad:
         """Stage 2: the ReducedGrad to leave in param ``i``'s ``.grad`` (made once), its version noted as left."""
