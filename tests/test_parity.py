@@ -138,18 +138,31 @@ def test_add_param_group_matches_torch(pools):
         assert identical and worst <= 1.0, f"{config}: tolerance ratio {worst:.3g}"
 
 
-def fp64_worker(configs: list[tuple]) -> list[float]:
-    """Per (stage, offload, max_grad_norm): the worst tolerance ratio against DDP + AdamW in fp64, at fp64's tolerance."""
-    return [max(tolerance_ratio(model, ref_model, rtol=1e-12, atol=1e-14)
-                for ref_model, model, _ in _train_pair(stage, "backward", True, torch.float64, offload=offload, max_grad_norm=max_grad_norm, steps=6))
-            for stage, offload, max_grad_norm in configs]
+def fp64_worker(configs: list[tuple]) -> list[tuple[float, list[torch.dtype]]]:
+    """Per (stage, offload, max_grad_norm, clip_api): the worst tolerance ratio against DDP + AdamW in fp64, at fp64's
+    tolerance, and the dtypes of the norms zeroshard returned (``opt.grad_norm``; with ``clip_api``, ``clip_grad_norm_``'s)."""
+    out = []
+    for stage, offload, max_grad_norm, clip_api in configs:
+        worst, dtypes = 0.0, []
+        for ref_model, model, opt in _train_pair(stage, "backward", True, torch.float64, offload=offload, max_grad_norm=max_grad_norm,
+                                                 clip_api=clip_api, steps=6):
+            worst = max(worst, tolerance_ratio(model, ref_model, rtol=1e-12, atol=1e-14))
+            dtypes.append(opt.grad_norm.dtype)
+        if clip_api:  # one more backward: the value clip_grad_norm_ returns
+            loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+            dtypes.append(opt.clip_grad_norm_(1.0).dtype)
+            opt.zero_grad()
+        out.append((worst, dtypes))
+    return out
 
 
 def test_fp64_params_train_like_ddp_to_fp64_precision(pools):
-    # The norm, the clip coefficient and the update stay in fp64 (grad_sumsq and the CPU kernels' grad_scale read fp32).
-    configs = [(1, None, None), (2, None, 0.5), (1, "cpu", 0.5), (2, "cpu", None)]
-    for config, worst in zip(configs, pools[2].run(fp64_worker, configs)[0]):
-        assert worst <= 1.0, f"(stage, offload, max_grad_norm)={config}: params off DDP by {worst:.3g}x rtol 1e-12"
+    # The norm, the clip coefficient and the update stay in fp64 (grad_sumsq and the CPU kernels' grad_scale read fp32),
+    # and so do the norms returned, as torch.nn.utils.clip_grad_norm_ returns an fp64 model's.
+    configs = [(1, None, None, False), (2, None, 0.5, True), (1, "cpu", 0.5, True), (2, "cpu", None, False)]
+    for config, (worst, dtypes) in zip(configs, pools[2].run(fp64_worker, configs)[0]):
+        assert worst <= 1.0, f"(stage, offload, max_grad_norm, clip_api)={config}: params off DDP by {worst:.3g}x rtol 1e-12"
+        assert set(dtypes) == {torch.float64}, (config, dtypes)
 
 
 def bf16_worker(stage: int) -> tuple[float, float]:

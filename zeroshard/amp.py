@@ -53,18 +53,28 @@ class GradScalerLink:
             return 1.0 / float(self.inv_scale)
         return None
 
-    def gradient_scale(self, optimizer: Any, loss_scale: float | None) -> float:
-        """What ``optimizer``'s gradients are multiplied by: ``loss_scale`` or the GradScaler's scale; 1.0 for neither.
+    def check_one_scale(self, optimizer: Any, loss_scale: float | None) -> None:
+        """Raise if a GradScaler and ``loss_scale`` both scale ``optimizer``'s gradients; reads no device value.
 
         Raises:
             RuntimeError: both scale them (the hand-over is forgotten, so the next step starts clean).
         """
-        amp_scale = self.scale(optimizer)
-        if amp_scale is not None and loss_scale is not None:
+        if loss_scale is not None and (getattr(optimizer, "grad_scale", None) is not None or self.inv_scale is not None):
             self.clear()
             raise RuntimeError(f"a torch.amp.GradScaler and loss_scale={loss_scale} both scale this ShardedOptimizer's gradients: "
                                "use one (loss_scale=None with the GradScaler, or opt.backward(loss) without it)")
-        return amp_scale or loss_scale or 1.0
+
+    def gradient_scale(self, optimizer: Any, loss_scale: float | None) -> float:
+        """What ``optimizer``'s gradients are multiplied by: ``loss_scale`` or the GradScaler's scale; 1.0 for neither.
+
+        On CUDA, reading the GradScaler's scale waits for the device: ``step()`` reads it after the
+        gradient statistics, whose read waited already.
+
+        Raises:
+            RuntimeError: both scale them (:meth:`check_one_scale`).
+        """
+        self.check_one_scale(optimizer, loss_scale)
+        return self.scale(optimizer) or loss_scale or 1.0
 
     def finish_step(self, found_inf: bool) -> None:
         """Tell the GradScaler whether any rank's gradients had inf/NaN (its ``update()`` reads it), and forget the step."""

@@ -31,7 +31,7 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
         norm_type: 2.0 or ``inf``.
 
     Returns:
-        0-dim fp32 tensor on the CPU: the global pre-clip norm.
+        0-dim tensor on the CPU: the global pre-clip norm, fp32 (fp64 when any optimizer's params are fp64).
 
     Raises:
         TypeError: an entry of ``optimizers`` is not a ``ShardedOptimizer``.
@@ -55,5 +55,6 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
         stats = opt._stats
         if stats is None:
             raise RuntimeError("internal error: clip_grad_norm_ left no gradient statistics")
-        opt._stats = GradStats(total * opt._gradient_scale(), stats.used)
-    return torch.tensor(total)
+        opt._stats = GradStats(total * opt._gradient_scale(), stats.used, stats.dtype)
+    fp64 = any(stats.dtype == torch.float64 for stats in (opt._stats for opt in optimizers) if stats is not None)
+    return torch.tensor(total, dtype=torch.float64 if fp64 else torch.float32)

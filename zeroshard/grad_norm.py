@@ -38,10 +38,13 @@ class GradStats:
         norm: the global norm (of the ``norm_type`` asked for) of the gradients as they sit in
             the grad shards (still multiplied by the loss scale, if any); inf or NaN on overflow.
         used: per shard, per param: whether the param got a gradient on some rank.
+        dtype: the norm's dtype, as ``torch.nn.utils.clip_grad_norm_`` returns it: fp64 when any
+            grad shard is fp64 (fp64 params), else fp32.
     """
 
     norm: float
     used: list[list[bool]]
+    dtype: torch.dtype = torch.float32
 
     @property
     def found_inf(self) -> bool:
@@ -100,4 +103,4 @@ def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
     for per_shard in local_used:
         used.append([v > 0 for v in flat[start : start + len(per_shard)]])
         start += len(per_shard)
-    return GradStats(norm, used)
+    return GradStats(norm, used, dtype)

@@ -178,7 +178,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self._consolidated: dict[str, Any] | None = None  # full state, on the consolidate_state_dict rank
         self._issued: dict[int, weakref.ref] = {}  # id -> tensor, for those the last state_dict() returned
         self.max_grad_norm = max_grad_norm
-        self.grad_norm: Tensor | None = None  # the last step's pre-clip global norm (unscaled)
+        self.grad_norm: Tensor | None = None  # 0-dim fp32 (fp64 params: fp64): the last step's pre-clip global norm (unscaled)
         self.step_was_skipped = False  # whether the last step was skipped for inf/NaN gradients
         self._skipped_steps = 0
         self._stats: GradStats | None = None  # from clip_grad_norm_, for the coming step
@@ -286,7 +286,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
         self._stats = self._gather_stats(float(norm_type), "clip_grad_norm_()")
         self._clip_norm = float(max_norm)
-        return torch.tensor(self._stats.norm / self._gradient_scale())
+        return torch.tensor(self._stats.norm / self._gradient_scale(), dtype=self._stats.dtype)
 
     def _gradient_scale(self) -> float:
         """What the gradients are multiplied by (see :meth:`GradScalerLink.gradient_scale`)."""
@@ -313,7 +313,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        scale = self._gradient_scale()
+        self._shard_set.amp.check_one_scale(self, self.loss_scale)  # before any collective; the scale itself is read below
         self.wait_params()
         overflow.check_one_overflow_decision(self)
         if self._reducer.closed:
@@ -328,7 +328,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             stats = self._stats or self._gather_stats(2.0, "step()")
             if self._margin_tracer is not None and self._fused is not None:  # gpu_margin_mem_ratio: offload, so the fused update
                 self._place_chunks(self._margin_tracer, self._fused)
-            self.grad_norm = torch.tensor(stats.norm / scale)
+            scale = self._gradient_scale()  # a GradScaler's on CUDA: read once the statistics' read has waited for the device
+            self.grad_norm = torch.tensor(stats.norm / scale, dtype=stats.dtype)
             self.step_was_skipped = stats.found_inf
             self._shard_set.amp.finish_step(stats.found_inf)
             if self._scaler is not None:
