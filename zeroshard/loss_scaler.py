@@ -96,3 +96,17 @@ class DynamicLossScaler:
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler(scale={self.scale}, growth_interval={self.growth_interval}, hysteresis={self.hysteresis})"
+
+
+def choose_loss_scale(loss_scale: str | float | DynamicLossScaler | None, fp16: bool) -> tuple[DynamicLossScaler | None, float | None]:
+    """``(dynamic scaler, static scale)`` for ``ShardedOptimizer(loss_scale=...)`` (at most one is not ``None``).
+
+    A ``DynamicLossScaler`` is used as given; ``"dynamic"``, or ``None`` with ``fp16`` params, gets
+    a fresh one with the defaults (as DeepSpeed enables dynamic scaling for fp16); a number is a
+    static scale. ``loss_scale`` was validated by the constructor's checks.
+    """
+    if isinstance(loss_scale, DynamicLossScaler):
+        return loss_scale, None
+    if loss_scale == "dynamic" or (loss_scale is None and fp16):
+        return DynamicLossScaler(), None
+    return None, float(loss_scale) if isinstance(loss_scale, (int, float)) else None

@@ -25,7 +25,7 @@ from zeroshard.grad_norm import NORM_TYPES, GradStats, gather_grad_stats
 from zeroshard.grad_reducer import GradReducer
 from zeroshard.groups import ShardingGroups, resolve_groups
 from zeroshard.local_shard import LocalShard
-from zeroshard.loss_scaler import DynamicLossScaler
+from zeroshard.loss_scaler import DynamicLossScaler, choose_loss_scale
 from zeroshard.memory import MemoryUsage, owned_memory
 from zeroshard.memory_tracer import MemoryTracer
 from zeroshard.param_gather import ParamGather, pop_guard_if_done
@@ -197,10 +197,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self._margin_tracer = MemoryTracer(self._device, sample_interval_s=0.01).start() if gpu_margin_mem_ratio > 0 else None
         if self._margin_tracer is not None:  # an optimizer dropped before its first step stops the sampler too
             weakref.finalize(self, self._margin_tracer.cancel)
-        fp16 = any(s.buffer.dtype == torch.float16 for s in self._shards)
-        self._scaler = loss_scale if isinstance(loss_scale, DynamicLossScaler) else (
-            DynamicLossScaler() if loss_scale == "dynamic" or (loss_scale is None and fp16) else None)
-        self._static_scale = float(loss_scale) if isinstance(loss_scale, (int, float)) else None
+        self._scaler, self._static_scale = choose_loss_scale(loss_scale, fp16=any(s.buffer.dtype == torch.float16 for s in self._shards))
         if self._scaler is not None:
             overflow.note_dynamic_scale(self)
         if self.rank == 0:
@@ -313,7 +310,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        self._shard_set.amp.check_one_scale(self, self.loss_scale)  # before any collective; the scale itself is read below
+        self._shard_set.amp.check_one_scale(self, self.loss_scale)  # raises before any collective
         self.wait_params()
         overflow.check_one_overflow_decision(self)
         if self._reducer.closed:
@@ -328,7 +325,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             stats = self._stats or self._gather_stats(2.0, "step()")
             if self._margin_tracer is not None and self._fused is not None:  # gpu_margin_mem_ratio: offload, so the fused update
                 self._place_chunks(self._margin_tracer, self._fused)
-            scale = self._gradient_scale()  # a GradScaler's on CUDA: read once the statistics' read has waited for the device
+            scale = self._gradient_scale()  # after the statistics' device read (GradScaler on CUDA: no 2nd wait)
             self.grad_norm = torch.tensor(stats.norm / scale, dtype=stats.dtype)
             self.step_was_skipped = stats.found_inf
             self._shard_set.amp.finish_step(stats.found_inf)
