@@ -21,8 +21,14 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
     ``torch.optim.AdamW`` for the rest: each wrapper's :meth:`~ShardedOptimizer.clip_grad_norm_`
     gives the norm of its own params (one all-reduce each), and all of them then clip by the norm
     over every param, ``(sum of norm_i ** 2) ** 0.5`` (the largest for ``inf``), unscaled by each
-    one's loss scale. A non-finite norm skips the coming step of every one of them. Call it after
-    the backward passes and before the ``step()`` s, on every rank.
+    one's loss scale. A non-finite norm skips the coming step of every one of them, except of
+    those a ``torch.amp.GradScaler`` has unscaled (``scaler.unscale_(opt)``): as torch optimizers
+    under one GradScaler, each of them skips on inf/NaN in its own gradients only, and one whose
+    gradients are finite takes its step with the clip coefficient of the global norm, 0: a step on
+    zero gradients (weight decay, moments and step count move on), as after
+    ``torch.nn.utils.clip_grad_norm_`` of an inf norm. (Of a NaN norm torch's coefficient is NaN,
+    and that step writes NaN into the params; here it is 0 as well.) Call it after the backward
+    passes and before the ``step()`` s, on every rank.
 
     Args:
         optimizers: distinct ``ShardedOptimizer`` s (over disjoint params, which their
@@ -55,6 +61,9 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
         stats = opt._stats
         if stats is None:
             raise RuntimeError("internal error: clip_grad_norm_ left no gradient statistics")
-        opt._stats = GradStats(total * opt._gradient_scale(), stats.used, stats.dtype)
+        if opt._shard_set.amp.inv_scale is not None:  # a GradScaler's unscale_: its own overflow decides (zeroshard/amp.py)
+            opt._stats = GradStats(stats.norm, stats.used, stats.dtype, clip_norm=total * opt._gradient_scale())
+        else:
+            opt._stats = GradStats(total * opt._gradient_scale(), stats.used, stats.dtype)
     fp64 = any(stats.dtype == torch.float64 for stats in (opt._stats for opt in optimizers) if stats is not None)
     return torch.tensor(total, dtype=torch.float64 if fp64 else torch.float32)

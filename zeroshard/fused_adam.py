@@ -20,6 +20,7 @@ Chunks in host memory (``offload="cpu"``) take torch's fused CPU Adam/AdamW kern
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -236,8 +237,9 @@ class FusedAdam:
         self._pipeline.start(list(host_runs))
         for k, runs in device_runs.items():
             device_adam(runs, self.optimizer.param_groups[shards[k].group], multiplier, self.adamw, shards[k].grad_shard.device)
-        # torch's fused kernel divides the gradients by grad_scale as it reads them: no extra pass.
-        grad_scale = None if multiplier == 1.0 else torch.tensor(1.0 / multiplier)
+        # torch's fused kernel divides the gradients by grad_scale as it reads them: no extra pass
+        # (inf for a multiplier of 0: a clip coefficient of 0, see zeroshard/clip.py).
+        grad_scale = None if multiplier == 1.0 else torch.tensor(1.0 / multiplier if multiplier else math.inf)
         for k, shard in enumerate(shards):
             for chunk in shard.chunks:
                 chunk_runs = host_runs.get(chunk)

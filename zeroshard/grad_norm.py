@@ -40,11 +40,21 @@ class GradStats:
         used: per shard, per param: whether the param got a gradient on some rank.
         dtype: the norm's dtype, as ``torch.nn.utils.clip_grad_norm_`` returns it: fp64 when any
             grad shard is fp64 (fp64 params), else fp32.
+        clip_norm: the norm the clip coefficient and ``grad_norm`` take when it is not ``norm``
+            (scaled alike): the norm over several optimizers' params that
+            ``zeroshard.clip_grad_norm_`` gathered for one driven by a ``torch.amp.GradScaler``,
+            while its own ``norm`` decides whether it skips (zeroshard/clip.py).
     """
 
     norm: float
     used: list[list[bool]]
     dtype: torch.dtype = torch.float32
+    clip_norm: float | None = None
+
+    @property
+    def pre_clip_norm(self) -> float:
+        """The norm the clip coefficient divides by: ``clip_norm``, else ``norm``."""
+        return self.norm if self.clip_norm is None else self.clip_norm
 
     @property
     def found_inf(self) -> bool:

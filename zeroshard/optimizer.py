@@ -326,7 +326,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             if self._margin_tracer is not None and self._fused is not None:  # gpu_margin_mem_ratio: offload, so the fused update
                 self._place_chunks(self._margin_tracer, self._fused)
             scale = self._gradient_scale()  # after the statistics' device read (GradScaler on CUDA: no 2nd wait)
-            self.grad_norm = torch.tensor(stats.norm / scale, dtype=stats.dtype)
+            self.grad_norm = torch.tensor(stats.pre_clip_norm / scale, dtype=stats.dtype)
             self.step_was_skipped = stats.found_inf
             self._shard_set.amp.finish_step(stats.found_inf)
             if self._scaler is not None:
@@ -342,7 +342,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
 
     def _update(self, stats: GradStats, scale: float) -> None:
         max_norm = self._clip_norm if self._clip_norm is not None else self.max_grad_norm
-        multiplier = grad_multiplier(stats.norm, scale, max_norm)
+        multiplier = grad_multiplier(stats.pre_clip_norm, scale, max_norm)
         steps = self._shard_set.count_steps(stats.used)
         for shard in self._shards:
             shard.refresh_master()
