@@ -3,6 +3,8 @@ and a branch that can be left out of a forward (an unused param)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,11 +52,17 @@ def param_groups(model: nn.Module) -> list[dict]:
 
 
 def tolerance_ratio(actual: nn.Module, expected: nn.Module, rtol: float = 1e-6, atol: float = 1e-7) -> float:
-    """max over all params and elements of |a - e| / (atol + rtol |e|): <= 1 means within tolerance."""
+    """max over all params and elements of |a - e| / (atol + rtol |e|): <= 1 means within tolerance.
+
+    Equal non-finite elements (NaN and NaN, inf and inf) count as equal; any other NaN or inf makes it inf.
+    """
     worst = 0.0
     for a, e in zip(actual.parameters(), expected.parameters()):
         a, e = a.detach().double(), e.detach().double()
-        worst = max(worst, ((a - e).abs() / (atol + rtol * e.abs())).max().item())
+        ratio = (a - e).abs() / (atol + rtol * e.abs())
+        same = (a == e) | (a.isnan() & e.isnan())
+        ratio = torch.where(same, 0.0, ratio.nan_to_num(nan=math.inf))
+        worst = max(worst, ratio.max().item() if ratio.numel() else 0.0)
     return worst
 
 
