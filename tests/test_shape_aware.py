@@ -402,7 +402,7 @@ def reduce_order_worker() -> list[int]:
 
     sizes = []
 
-    def local(output, input, group):
+    def local(output, input, group, **kwargs):
         sizes.append(input.numel())
         output.copy_(input.view(-1, output.numel())[dist.get_rank(group)])
         return _Issued()
