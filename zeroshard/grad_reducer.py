@@ -62,8 +62,9 @@ class GradReducer:
     kept) holding the running local sum of all micro-steps, so each reduction overwrites the grad
     shard. Stage 2: a ready gradient is copied into a staging bucket in ``reduce_dtype`` and
     ``.grad`` is freed; each reduction is added into the grad shard (the first of a step written
-    straight into it), with at most ``MAX_BUCKETS_IN_FLIGHT`` in flight (``zeroshard/bucket_reduce.py``). Either way the grad shard ends up holding ``sum over
-    data-parallel ranks / their number`` (ZeRO, SC'20, §5.2).
+    straight into it, ``zeroshard/bucket_reduce.py``), with at most ``MAX_BUCKETS_IN_FLIGHT`` in
+    flight. Either way the grad shard ends up holding ``sum over data-parallel ranks / their
+    number`` (ZeRO, SC'20, §5.2).
 
     Args:
         shards: the local shards whose params get hooks.
