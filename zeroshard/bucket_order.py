@@ -62,7 +62,11 @@ class BucketOrder:
             self.order.append((shard, b))
 
     def completed(self, key: Key) -> None:
-        """Note that every gradient of bucket ``key`` arrived (recorded in the first reduced backward only)."""
+        """Note that every gradient of bucket ``key`` arrived (recorded in the first reduced backward only).
+
+        Noted again when one more arrives after that (reentrant checkpoints, ``zeroshard/nested_backward.py``):
+        the last note counts, as later passes wait for that gradient too.
+        """
         if self.recording is not None:
             self.recording.append(key)
 
@@ -76,7 +80,8 @@ class BucketOrder:
             return
         fixed = list(self.order)
         seen = set(self.recording)
-        recorded = list(dict.fromkeys(self.recording)) + [key for key in fixed if key not in seen]
+        last_noted = list(dict.fromkeys(reversed(self.recording)))[::-1]
+        recorded = last_noted + [key for key in fixed if key not in seen]
         index = {key: i for i, key in enumerate(fixed)}
         agreed = torch.tensor([index[key] for key in recorded], dtype=torch.int64)
         for group in groups.all():

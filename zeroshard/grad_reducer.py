@@ -7,7 +7,8 @@ rank must issue the same reduce-scatters in the same order. Buckets are therefor
 in one order, the same on every rank: a complete bucket waits until every bucket before it has been
 launched. The order starts as flat buffers in param-group order, buckets in layout order, and is
 rebuilt once from the first backward (``zeroshard/bucket_order.py``). At the end of every backward pass (an
-autograd engine callback, queued by the first hook of that pass), buckets still incomplete because
+autograd engine callback, queued by the first hook of that pass; the outermost pass, under reentrant
+checkpoints: ``zeroshard/nested_backward.py``), buckets still incomplete because
 some param got no gradient on this rank are completed with zeros for those params and launched, so
 every backward issues every bucket once on every rank (DDP's ``find_unused_parameters`` semantics:
 a missing gradient counts as zero). Then all reductions of the pass are waited for and added into
@@ -33,6 +34,7 @@ from zeroshard.bucket_reduce import PendingReduce
 from zeroshard.ddp_wrapper import DDPWrappers, find_wrappers, watch_new_wrappers
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
+from zeroshard.nested_backward import OutermostBackward
 from zeroshard.param_owners import ddp_wrappers_of_owners, register_owner
 from zeroshard.reduce_records import ArrivedGrad, divides_first, weak_method
 from zeroshard.reduced_grad import ReducedGrad
@@ -95,9 +97,11 @@ class GradReducer:
         self._deferred: ArrivedGrad | None = None  # the last gradient, not taken yet
         self._next_launch = 0
         self._callback_queued = False
+        self._outermost = OutermostBackward(weak_method(self._queue_end_of_backward))  # see zeroshard/nested_backward.py
         self._flushed = False  # another reducer's end of backward reduced this pass (launch_order.flush)
         self._no_sync = False
         self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
+        self._late = False  # a gradient arrived after its bucket was reduced, in a backward of this step (see _take_grad)
         self._reductions = 0  # backward passes reduced since reset
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
@@ -288,20 +292,20 @@ class GradReducer:
             view.copy_(grad.reshape(-1))
             param.grad = view.view_as(param)
 
-    def _take_grad(self, k: int, i: int, param: nn.Parameter) -> None:
-        """Mark param ``i`` of shard ``k`` ready; stage 2 moves its gradient into the staging bucket."""
+    def _take_grad(self, k: int, i: int, param: nn.Parameter, last: bool = False) -> None:
+        """Count a gradient of param ``i`` of shard ``k`` (``last``: at the end of the pass); stage 2 moves it into the staging bucket."""
         slot = self.shards[k].buffer.layout.slots[i]
         if self._order.position((k, slot.bucket)) < self._next_launch:
-            raise RuntimeError(f"param {tuple(param.shape)} got a second gradient after its bucket was reduced in this backward pass (reentrant "
-                               "backward, e.g. checkpoint(use_reentrant=True), is not supported)")
+            # More gradients than any pass had before, its bucket reduced (nested_backward.py): kept local, reduced at step().
+            self._grads[k].arrivals[i] += 1
+            self._late = True
+            self._order.completed((k, slot.bucket))  # it completes now in the next passes
+            return
         if self.stage == 2 and param.grad is not None and not isinstance(param.grad, ReducedGrad):
             self._staging.add((k, slot.bucket), self.shards[k].buffer.layout, i, param.grad, self._reduce_dtype(k))
             param.grad = None if self._ddp_reduced else self._grads[k].reduced_grad(i, param)
-        if not self._grads[k].ready[i]:
-            self._grads[k].ready[i] = True
-            self._grads[k].ready_count[slot.bucket] += 1
-            if self._grads[k].ready_count[slot.bucket] == len(self.shards[k].buffer.layout.buckets[slot.bucket].params):
-                self._order.completed((k, slot.bucket))
+        if self._grads[k].take(i, last):
+            self._order.completed((k, slot.bucket))
 
     def _launch_complete_buckets(self, in_turn: bool = True) -> None:
         """Launch the complete buckets in order; ``in_turn``: after the group's earlier reducers (launch_order.py)."""
@@ -328,6 +332,9 @@ class GradReducer:
 
     def _on_backward_end(self) -> None:
         """At the end of backward: every reducer of the process group reduces this pass, this one included (launch_order.flush)."""
+        if self._outermost.defer():  # the end of a reentrant checkpoint's nested backward: not yet
+            self._callback_queued = False
+            return
         if self._flushed:
             self._flushed = self._callback_queued = False
             return
@@ -381,7 +388,7 @@ class GradReducer:
                     self._grads[k].used[i] = True
                 if self.stage == 1:
                     self._keep_in_flat_grad(k, i, param)
-                self._take_grad(k, i, param)
+                self._take_grad(k, i, param, last=True)
         self._launch_complete_buckets(in_turn=False)
         self._drain()
         self._order.rebuild(self.groups, self.timeout)
@@ -398,6 +405,7 @@ class GradReducer:
         """Forget which params were taken in the current backward pass."""
         self._next_launch = 0
         self._callback_queued = False
+        self._outermost.clear()
         self._deferred = None
         self._backward_started = False
         for grads in self._grads:
@@ -407,13 +415,14 @@ class GradReducer:
         return param.grad is not None and param.grad.data_ptr() == self.shards[k].buffer.param_view(i, of=self._grads[k].flat).data_ptr()
 
     def reduce_for_step(self) -> None:
-        """Reduce whatever is still local: gradients from ``no_sync``, or a step with no reduced backward.
+        """Reduce whatever is still local: gradients from ``no_sync``, a late one (``_take_grad``), or a step with no reduced backward.
 
-        Both conditions are the same on every rank as long as the ranks run the same training
+        These conditions are the same on every rank as long as the ranks run the same training
         loop, so every rank issues the same collectives here.
         """
         self._settle_all()
-        if self._unreduced or self._reductions == 0:
+        if self._unreduced or self._late or self._reductions == 0:
+            self._late = False
             self._reduce_everything()
 
     def reduce_again(self) -> None:
@@ -450,7 +459,7 @@ class GradReducer:
         self._clear_backward_state()
         self._staging.clear()  # stage 2 holds no gradient buffers between steps
         self._reductions = 0
-        self._unreduced = self._flushed = False
+        self._unreduced = self._flushed = self._late = False
         self._note_flat_grad_versions()
 
     def grad_buffers(self) -> list[Tensor]:

@@ -26,8 +26,12 @@ class ShardGrads:
         flat_version: ``flat._version`` when zeroshard last wrote it (a later version means user
             code wrote the gradients: ``model.zero_grad(set_to_none=False)``, a clip).
         pieces_of: per param (layout order), this rank's pieces of it.
-        ready: per param: its gradient was taken in the current backward pass.
+        ready: per param: its gradients of the current backward pass were taken (all that are expected).
         ready_count: per bucket: how many of its params are ready.
+        arrivals: per param: how many gradients were taken in the current backward pass (more than
+            one: a param used in several reentrant checkpoints; see ``zeroshard/nested_backward.py``).
+        expected: per param: the most gradients taken in one backward pass so far (at least 1);
+            the param is ready once that many arrived, or at the end of the pass.
         used: per param: it got a gradient on this rank since the last reset.
         continued: per param: an earlier backward of this step reduced the gradient it holds, so a
             hook in this backward sees this rank's gradient, where DDP shows the all-reduced sum.
@@ -50,6 +54,8 @@ class ShardGrads:
     reduced_versions: dict[int, int] = field(default_factory=dict)
     hook_ids: dict[int, int] = field(default_factory=dict)
     landed: list[bool] = field(default_factory=list)
+    arrivals: list[int] = field(default_factory=list)
+    expected: list[int] = field(default_factory=list)
 
     @classmethod
     def for_shard(cls, shard: LocalShard, flat: bool) -> ShardGrads:
@@ -62,16 +68,28 @@ class ShardGrads:
         n = len(layout.slots)
         version = flat_grad._version if flat_grad is not None else 0
         return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n,
-                   landed=[False] * len(layout.buckets))
+                   landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n)
 
     def note_flat_version(self) -> None:
         """Record that zeroshard wrote :attr:`flat` last."""
         self.flat_version = self.flat._version if self.flat is not None else 0
 
     def clear_backward(self) -> None:
-        """Forget which params were taken in the current backward pass."""
+        """Forget which params were taken in the current backward pass (learning how many gradients each got)."""
         self.ready = [False] * len(self.ready)
         self.ready_count = [0] * len(self.ready_count)
+        self.expected = [max(e, a) for e, a in zip(self.expected, self.arrivals)]
+        self.arrivals = [0] * len(self.arrivals)
+
+    def take(self, i: int, last: bool) -> bool:
+        """Count a gradient of param ``i`` taken (``last``: the end of the pass, none arrived); whether its bucket just became complete."""
+        self.arrivals[i] += not last
+        if self.ready[i] or not (last or self.arrivals[i] >= self.expected[i]):
+            return False
+        self.ready[i] = True
+        bucket = self.shard.buffer.layout.slots[i].bucket
+        self.ready_count[bucket] += 1
+        return self.ready_count[bucket] == len(self.shard.buffer.layout.buckets[bucket].params)
 
     def reset(self) -> None:
         """Between steps: zero the flat grad buffer and forget which params were used and which slices were reduced into."""
