@@ -116,15 +116,15 @@ def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup, *, input_
     others = [q for q in range(len(pieces)) if q != me]
     received = {q: torch.empty_like(output) for q in others}
     works = _exchange({q: pieces[q] for q in others}, received, group, _REDUCE_SCATTER_TAG)
-    if not input_frozen:
+    frozen = input_frozen and bool(others)  # a group of one: nothing to sum, the own piece is the result
+    if not frozen:
         output.copy_(pieces[me])  # read now: the input may change before wait() (the sends read theirs while in flight)
 
     def finish() -> None:
-        first, *rest = others
-        if input_frozen:
-            torch.add(pieces[me], received[first], out=output)
-        else:
-            output.add_(received[first])
+        rest = others
+        if frozen:
+            torch.add(pieces[me], received[others[0]], out=output)
+            rest = others[1:]
         for q in rest:
             output.add_(received[q])
 
