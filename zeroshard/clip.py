@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from zeroshard import overflow
-from zeroshard.grad_norm import GradStats
 from zeroshard.optimizer import ShardedOptimizer
 
 
@@ -57,13 +57,13 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
     if any(not math.isfinite(n) for n in norms):
         total = math.inf
     overflow.note_joint(optimizers)
+    dtypes = set()
     for opt in optimizers:
         stats = opt._stats
         if stats is None:
             raise RuntimeError("internal error: clip_grad_norm_ left no gradient statistics")
-        if opt._shard_set.amp.inv_scale is not None:  # a GradScaler's unscale_: its own overflow decides (zeroshard/amp.py)
-            opt._stats = GradStats(stats.norm, stats.used, stats.dtype, clip_norm=total * opt._gradient_scale())
-        else:
-            opt._stats = GradStats(total * opt._gradient_scale(), stats.used, stats.dtype)
-    fp64 = any(stats.dtype == torch.float64 for stats in (opt._stats for opt in optimizers) if stats is not None)
-    return torch.tensor(total, dtype=torch.float64 if fp64 else torch.float32)
+        dtypes.add(stats.dtype)
+        joint = total * opt._gradient_scale()
+        # After a GradScaler's unscale_ its own overflow decides the skip (zeroshard/amp.py); the joint norm only clips.
+        opt._stats = replace(stats, clip_norm=joint) if opt._shard_set.amp.inv_scale is not None else replace(stats, norm=joint)
+    return torch.tensor(total, dtype=torch.float64 if torch.float64 in dtypes else torch.float32)
