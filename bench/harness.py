@@ -178,12 +178,21 @@ def _rank_entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], a
     os._exit(code)
 
 
+class NotEnoughGPUs(RuntimeError):
+    """A suite needs more ranks than this machine has GPUs: NCCL runs one rank per GPU."""
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 900) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned ranks (gloo on CPU, NCCL on GPU); results by rank.
 
     Raises:
+        NotEnoughGPUs: CUDA is visible with fewer GPUs than ``world_size`` (NCCL refuses two ranks on
+            one GPU: "Duplicate GPU detected"); raised before any process starts.
         RuntimeError: a rank exited without a result, or not all answered within ``timeout`` seconds.
     """
+    if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+        raise NotEnoughGPUs(f"{fn.__module__}.{fn.__name__} needs {world_size} ranks, one per GPU, and this machine has "
+                            f"{torch.cuda.device_count()} GPU(s); CUDA_VISIBLE_DEVICES= runs it on CPU ranks with gloo")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()

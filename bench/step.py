@@ -12,7 +12,8 @@ baseline measured in the same run.
 The suite also counts the bytes each rank sends per step at world size 4 for DDP, flat sharding
 (shard size 4) and hybrid sharding (``zeroshard.hybrid_mesh(2)``): the growth of the process's
 ``wchar`` in ``/proc/self/io``, which counts every byte written to the collectives' sockets (only
-collectives write during a step). Counted, not estimated; Linux only.
+collectives write during a step). Counted, not estimated; Linux and CPU ranks only (NCCL moves its
+bytes without write calls).
 """
 
 from __future__ import annotations
@@ -196,8 +197,11 @@ def comm_rank_main(config: gpt.GPTConfig, steps: int) -> dict[str, list[int]]:
 
 
 def comm_rows(config: gpt.GPTConfig, steps: int) -> list[dict]:
-    """One row per layout: the largest per-rank median of bytes sent per step, and that over flat sharding's."""
-    if not PROC_IO.exists():
+    """One row per layout: the largest per-rank median of bytes sent per step, and that over flat sharding's.
+
+    None on CUDA (NCCL moves bytes without write calls) or without ``/proc/self/io``.
+    """
+    if not PROC_IO.exists() or torch.cuda.is_available():
         return []
     per_rank = run_ranks(comm_rank_main, 4, config, steps)
     numel = sum(p.numel() for p in gpt.build(config, torch.device("cpu")).parameters())

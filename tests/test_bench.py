@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import bench.__main__ as bench_main  # noqa: E402
+from bench import harness  # noqa: E402
 from bench.formulas import zero_bytes  # noqa: E402
 from bench.harness import RATIO_LEGEND, Table, Timing, format_table, percentile, ratio, write_csv  # noqa: E402
 from bench.offload import without_profiler_noise  # noqa: E402
@@ -88,6 +89,21 @@ def test_help_lists_the_suites_and_what_each_measures(capsys):
     assert "{," not in out and "[]" not in out  # no empty choice
     for name, suite in bench_main.SUITES.items():
         assert f"  {name}  " in out and suite.SUMMARY in out
+
+
+def test_a_suite_needing_more_gpus_than_the_machine_has_is_skipped_by_name_and_fails_the_command(monkeypatch, tmp_path, capsys):
+    # A lent GPU machine has one GPU, and NCCL refuses two ranks on one ("Duplicate GPU detected"):
+    # the multi-rank suites must say so, before any process starts, and leave the others to run.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(harness.mp, "get_context", lambda *a: pytest.fail("a process was started"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main.main(["step", "memory", "--quick", "--out", str(tmp_path)])
+    assert exit_info.value.code == "skipped for want of GPUs: step, memory"
+    out = capsys.readouterr().out
+    assert "step: skipped: bench.step.rank_main needs 2 ranks, one per GPU, and this machine has 1 GPU(s)" in out
+    assert "memory: skipped: bench.memory.rank_main needs 2 ranks" in out
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_unknown_suite_is_refused_before_any_runs(capsys):
