@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import types
 from unittest import mock
 
 import pytest
@@ -196,3 +197,56 @@ def thread_worker() -> list[bool]:
 
 def test_a_new_thread_that_steps_is_guarded_too(pools):
     assert pools[2].run(thread_worker) == [[True] * 3, [True] * 3]
+
+
+class _NcclLikeWork:
+    """A collective handle with NCCL's wait semantics: ``wait()`` orders the current stream after
+    the collective and returns at once; ``is_completed()`` turns true only when the device is done."""
+
+    def __init__(self, streams: list[str]) -> None:
+        self.streams = streams  # the simulated current stream, last element
+        self.waited_on: list[str] = []
+        self.done = False
+
+    def wait(self, timeout=None) -> bool:
+        self.waited_on.append(self.streams[-1])
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_a_gather_waited_for_on_a_side_stream_is_waited_for_again_on_the_launch_stream(monkeypatch):
+    # On CUDA a wait is a fact about one stream. An EMA under torch.cuda.stream(side) touching a param
+    # first must not settle the gather for step()'s stream, which the next forward runs on. No GPU
+    # here: the streams are names and the handle has NCCL's semantics (the real thing needs 2 GPUs).
+    streams = ["launch"]
+    monkeypatch.setattr(param_gather, "_current_stream", lambda device: types.SimpleNamespace(name=streams[-1], device=device))
+    gathers = param_gather.ParamGather(group=None, timeout=None, overlap=True)
+    weight, other = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    first, second = _NcclLikeWork(streams), _NcclLikeWork(streams)
+    launched = param_gather._current_stream(weight.device)
+    gathers._pending += [param_gather.BucketGather(first, (weight,), launched), param_gather.BucketGather(second, (other,), launched)]
+    assert param_gather._GUARD.watch(gathers)
+    try:
+        streams.append("side")
+        weight.clone()  # the EMA's read, on the side stream
+        assert first.waited_on == ["side"] and gathers.pending == 2
+        weight.clone()  # still not waited for on the launch stream: waits again
+        assert first.waited_on == ["side", "side"]
+        streams.pop()
+        weight * 2  # the next forward, on the launch stream
+        assert first.waited_on == ["side", "side", "launch"] and gathers.pending == 1
+        weight * 2  # settled: no more waits
+        assert first.waited_on == ["side", "side", "launch"]
+        streams.append("side")
+        other.clone()
+        second.done = True  # the device finished it: retired without a wait on the launch stream
+        param_gather.pop_guard_if_done()
+        assert gathers.pending == 0 and second.waited_on == ["side"]
+        assert param_gather._GUARD not in _get_current_function_mode_stack()
+    finally:
+        gathers._pending.clear()
+        gathers._unsettled.clear()
+        param_gather._GUARD._waiting.clear()
+        param_gather.pop_guard_if_done()

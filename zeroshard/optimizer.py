@@ -370,7 +370,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         return self._placement
 
     def wait_params(self) -> None:
-        """Wait for the param all-gathers of the last :meth:`step`: then every param holds every rank's update.
+        """Wait for the last :meth:`step`'s param all-gathers (on CUDA: order the current stream after them).
 
         Torch code needs no call: any torch function given a param (the forward, ``state_dict()``,
         an EMA copy) waits for its bucket itself (``zeroshard/param_gather.py``). Call it before

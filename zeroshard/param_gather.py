@@ -57,17 +57,25 @@ FIRST_PIECE_BYTES = 1 << 20
 HINT = "call step() on every rank"
 
 
-@dataclass
+@dataclass(eq=False)
 class BucketGather:
     """One bucket's all-gather in flight.
 
     Attributes:
         work: the async handle.
         params: the model params whose values the gather completes (the bucket's params).
+        stream: on CUDA, the stream current when it was launched (``step()``'s, which the next
+            forward runs on); ``None`` elsewhere.
     """
 
     work: collectives.AsyncWork
     params: tuple[nn.Parameter, ...]
+    stream: torch.cuda.Stream | None = None
+
+
+def _current_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The current CUDA stream of ``device``; ``None`` off CUDA (waits there block the host)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
 class ParamGather:
@@ -85,13 +93,15 @@ class ParamGather:
         self.timeout = timeout
         self.overlap = overlap
         self._pending: list[BucketGather] = []  # in launch order; earlier ones complete first
+        # Waited for on another CUDA stream than their launch stream only: still guarded (see _settled).
+        self._unsettled: list[BucketGather] = []
         # Per chunk (gathered in pieces): its pieces, and the params each completes (fixed by the layout).
         self._plans: weakref.WeakKeyDictionary[Chunk, list[tuple[tuple[int, int], tuple[nn.Parameter, ...]]]] = weakref.WeakKeyDictionary()
 
     @property
     def pending(self) -> int:
-        """How many bucket all-gathers are in flight."""
-        return len(self._pending)
+        """How many bucket all-gathers are in flight, or not yet waited for on their launch stream."""
+        return len(self._pending) + len(self._unsettled)
 
     def launch(self, shards: list[LocalShard]) -> None:
         """Start the all-gather of every bucket of ``shards``, last bucket of the layout first (forward order).
@@ -106,12 +116,13 @@ class ParamGather:
             return  # a shard group of one: the params are already complete, nothing to guard
         in_layout_order = [(shard, chunk) for shard in shards for chunk in shard.chunks]
         for owner, chunk in reversed(in_layout_order):
+            stream = _current_stream(chunk.params.device)
             if not collectives.point_to_point(chunk.params, self.group):
                 work = collectives.all_gather(chunk.bucket_params, chunk.params, self.group)
-                self._pending.append(BucketGather(work, _bucket_params(owner, chunk)))
+                self._pending.append(BucketGather(work, _bucket_params(owner, chunk), stream))
                 continue
             for (start, end), params in self._plan(owner, chunk):
-                self._pending.append(BucketGather(collectives.all_gather_piece(chunk.bucket_params, start, end, self.group), params))
+                self._pending.append(BucketGather(collectives.all_gather_piece(chunk.bucket_params, start, end, self.group), params, stream))
         if not (self.overlap and _GUARD.watch(self)):
             self.wait()
 
@@ -128,21 +139,49 @@ class ParamGather:
         """Retire the gathers at the front that have completed by themselves (never blocks)."""
         while self._pending and self._pending[0].work.is_completed():
             self.wait(upto=self._pending[0])
+        for gather in [g for g in self._unsettled if g.work.is_completed()]:
+            self._unsettled.remove(gather)
+            _GUARD.forget(gather)
 
     def wait(self, upto: BucketGather | None = None) -> None:
         """Wait for the pending gathers in launch order, through ``upto`` (``None``: all of them).
 
+        On CUDA a wait orders the *current* stream after the gather (NCCL's ``work.wait()`` does not
+        block the host). A gather waited for on another stream than its launch stream (an EMA under
+        ``torch.cuda.stream(s)``) stays guarded until a wait on its launch stream or its completion,
+        so the next forward waits too. ``upto=None`` also waits for those on the current stream.
+
         Raises:
             RuntimeError: with a ``timeout``, a gather some rank did not join in time (named).
         """
+        if upto is not None and any(g is upto for g in self._unsettled):
+            self._settle(upto)
+            return
         while self._pending:
             gather = self._pending[0]
             # The params must hold every rank's update before anything reads or writes them.
             collectives.wait(gather.work, self.timeout, f"{WHAT} (waited for before a param was read)", HINT)
             self._pending.pop(0)
-            _GUARD.forget(gather)
+            if _settled(gather):
+                _GUARD.forget(gather)
+            else:
+                self._unsettled.append(gather)
             if gather is upto:
                 return
+        for gather in list(self._unsettled):
+            self._settle(gather)
+
+    def _settle(self, gather: BucketGather) -> None:
+        """Wait for an unsettled gather on the current stream; drop it from the guard if that settles it."""
+        collectives.wait(gather.work, self.timeout, f"{WHAT} (waited for before a param was read)", HINT)
+        if _settled(gather):
+            self._unsettled.remove(gather)
+            _GUARD.forget(gather)
+
+
+def _settled(gather: BucketGather) -> bool:
+    """Whether a waited-for gather needs no more waits: off CUDA, completed, or waited for on its launch stream."""
+    return gather.stream is None or gather.work.is_completed() or _current_stream(gather.stream.device) == gather.stream
 
 
 def _bucket_params(shard: LocalShard, chunk: Chunk) -> tuple[nn.Parameter, ...]:
