@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
+import torch
 from torch import Tensor
 
 try:
@@ -37,3 +39,13 @@ def use_triton(backend: str, tensor: Tensor, name: str) -> bool:
     if tensor.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"{name}: backend='triton' on {tensor.device.type} tensors runs only under TRITON_INTERPRET=1 (set before importing triton)")
     return True
+
+
+def on_device(tensor: Tensor) -> contextlib.AbstractContextManager:
+    """Make ``tensor``'s CUDA device current for a launch (a no-op off CUDA).
+
+    Triton launches on the current CUDA device and its current stream, not on the arguments'
+    device: with params on ``cuda:1`` while ``cuda:0`` is current (no ``torch.cuda.set_device``),
+    the kernel would run on the wrong device and stream.
+    """
+    return torch.cuda.device(tensor.device) if tensor.device.type == "cuda" else contextlib.nullcontext()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from zeroshard.kernels._backend import HAS_TRITON, use_triton
+from zeroshard.kernels._backend import HAS_TRITON, on_device, use_triton
 from zeroshard.kernels.reference import adamw_reference_
 
 BLOCK_SIZE = 1024
@@ -49,7 +49,7 @@ if HAS_TRITON:
         ADAMW: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,  # elements per program
     ):
-        offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)  # int64: no overflow past 2**31 elements
         limit = n_elements
         if HAS_FOUND_INF:  # an overflow masks off every load and store: a no-op
             limit = tl.where(tl.load(found_inf_ptr) == 0, n_elements, 0)
@@ -158,12 +158,13 @@ def fused_adamw_(
     n = param.numel()
     if n == 0:
         return
-    _fused_adamw_kernel[(triton.cdiv(n, BLOCK_SIZE),)](
-        param, grad, exp_avg, exp_avg_sq,
-        param if param_out is None else param_out,
-        param if grad_scale is None else grad_scale,
-        param if found_inf is None else found_inf,
-        n, lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1 ** float(step)), (1 - beta2 ** float(step)) ** 0.5,
-        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None, HAS_PARAM_OUT=param_out is not None,
-        MAXIMIZE=maximize, ADAMW=adamw, BLOCK_SIZE=BLOCK_SIZE,
-    )
+    with on_device(param):
+        _fused_adamw_kernel[(triton.cdiv(n, BLOCK_SIZE),)](
+            param, grad, exp_avg, exp_avg_sq,
+            param if param_out is None else param_out,
+            param if grad_scale is None else grad_scale,
+            param if found_inf is None else found_inf,
+            n, lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1 ** float(step)), (1 - beta2 ** float(step)) ** 0.5,
+            HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None, HAS_PARAM_OUT=param_out is not None,
+            MAXIMIZE=maximize, ADAMW=adamw, BLOCK_SIZE=BLOCK_SIZE,
+        )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from zeroshard.kernels._backend import HAS_TRITON, use_triton
+from zeroshard.kernels._backend import HAS_TRITON, on_device, use_triton
 from zeroshard.kernels.reference import grad_sumsq_reference
 
 BLOCK_SIZE = 4096
@@ -29,7 +29,7 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr,  # elements per program
     ):
         pid = tl.program_id(0)
-        offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        offsets = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)  # int64: no overflow past 2**31 elements
         g = tl.load(grad_ptr + offsets, mask=offsets < n_elements, other=0.0).to(tl.float32)
         tl.store(partial_ptr + pid, tl.sum(g * g, axis=0))
 
@@ -58,5 +58,6 @@ def grad_sumsq(grad: Tensor, *, backend: str = "auto") -> Tensor:
     blocks = triton.cdiv(grad.numel(), BLOCK_SIZE)
     partial = torch.zeros(max(blocks, 1), dtype=torch.float32, device=grad.device)
     if blocks:
-        _sumsq_kernel[(blocks,)](grad, partial, grad.numel(), BLOCK_SIZE=BLOCK_SIZE)
+        with on_device(grad):
+            _sumsq_kernel[(blocks,)](grad, partial, grad.numel(), BLOCK_SIZE=BLOCK_SIZE)
     return partial.sum()

@@ -85,3 +85,22 @@ def test_cuda_offload_bf16_and_memory_usage(nccl_group):
     assert usage.host_bytes >= (4 + 8 + 4 + 2) * shard
     assert usage.by_kind["master"] == 4 * shard
     assert usage.device_bytes < usage.host_bytes
+
+
+def test_cuda_fp64_with_fused_adamw_matches_torch(nccl_group):
+    # fp64 skips the Triton kernel for torch's functional AdamW with the user's fused=True, whose
+    # CUDA kernel reads the step counts on the GPU: zeroshard must hand them over there, in fp32.
+    models = []
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = TinyNet().to("cuda", torch.float64)
+        opt = torch.optim.AdamW(param_groups(model), lr=1e-2, fused=True)
+        opt = zeroshard.ShardedOptimizer(opt, bucket_size_mb=BUCKET_MB) if sharded else opt
+        for step in range(5):
+            x, y = (t.cuda() for t in batch(0, step))
+            loss_fn(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        models.append(model)
+    assert tolerance_ratio(models[1], models[0], rtol=1e-12, atol=1e-14) <= 1.0

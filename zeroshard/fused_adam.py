@@ -86,7 +86,8 @@ def functional_adam(runs: list[Run], group: dict, adamw: bool, foreach: bool | N
         batch = [run for run in runs if run.step == step]
         (torch_functional_adamw if adamw else torch_functional_adam)(
             [r.param for r in batch], [r.grad for r in batch], [r.exp_avg for r in batch], [r.exp_avg_sq for r in batch], [],
-            [torch.tensor(float(step - 1)) for _ in batch],  # torch advances them to ``step``
+            # torch advances them to ``step``; fused kernels read them on the params' device, in fp32 (as torch's Adam keeps them)
+            [torch.tensor(float(step - 1), dtype=torch.float32 if fused else None, device=r.param.device if fused else None) for r in batch],
             foreach=foreach, fused=fused, grad_scale=None, found_inf=None, amsgrad=False,
             beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=group.get("maximize", False),
