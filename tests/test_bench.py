@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import bench.__main__ as bench_main  # noqa: E402
-from bench import harness  # noqa: E402
+from bench import harness, muon  # noqa: E402
 from bench.formulas import zero_bytes  # noqa: E402
 from bench.harness import RATIO_LEGEND, Table, Timing, format_table, percentile, ratio, write_csv  # noqa: E402
 from bench.offload import without_profiler_noise  # noqa: E402
@@ -147,14 +147,18 @@ def test_profiler_notices_are_dropped_and_the_rest_of_stderr_kept(capfd):
     assert capfd.readouterr().err == "a warning that stays\n"
 
 
-def _run_suite(name: str, out, phases: int) -> list[dict]:
+def _run_suite(name: str, out, phases: int, ranks: int = 1) -> list[dict]:
     """Run ``python -m bench <name> --quick`` into ``out``; the rows of the CSV it wrote.
 
-    Also checks what it printed: ``phases`` progress lines before the first table, each table's
-    legend under its last row (the shared ratio legend where it has a ``ratio`` column), and none
-    of the profiler's own notices."""
+    A suite of more ``ranks`` than the machine has GPUs runs on CPU ranks (NCCL takes one GPU per
+    rank). Also checks what it printed: ``phases`` progress lines before the first table, each
+    table's legend under its last row (the shared ratio legend where it has a ``ratio`` column),
+    and none of the profiler's own notices."""
+    env = dict(os.environ)
+    if 0 < torch.cuda.device_count() < ranks:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     result = subprocess.run([sys.executable, "-m", "bench", name, "--quick", "--out", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     (path,) = out.glob(f"{name}-*.csv")
     with open(path) as f:
@@ -173,7 +177,7 @@ def _run_suite(name: str, out, phases: int) -> list[dict]:
 
 
 def test_step_suite_runs_end_to_end(tmp_path):
-    rows = _run_suite("step", tmp_path, phases=2)
+    rows = _run_suite("step", tmp_path, phases=2, ranks=4)
     times = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "time"}
     assert set(times) == {"ddp", "torch_zero", "fsdp2", "zeroshard_stage1", "zeroshard_stage2"}
     assert all(t > 0 for t in times.values())
@@ -213,7 +217,7 @@ def test_offload_suite_runs_end_to_end(tmp_path):
 
 
 def test_muon_suite_runs_end_to_end(tmp_path):
-    rows = _run_suite("muon", tmp_path, phases=1)
+    rows = _run_suite("muon", tmp_path, phases=1, ranks=muon.WORLD_SIZE)
     times = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "time"}
     assert set(times) == {"torch_muon", "zeroshard_muon", "all_gather", "zeroshard_adamw"}
     assert all(t > 0 for t in times.values())

@@ -72,6 +72,11 @@ def bad_mesh_worker() -> None:
     wrong = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     with pytest.raises(ValueError, match=r"dims \('dp', 'tp'\)"):
         zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(TinyNet())), process_group=wrong)
+    # gloo on a machine with GPUs (as these tests run on a lent GPU machine): the mesh stays on the CPU.
+    from unittest import mock
+
+    with mock.patch("torch.cuda.is_available", return_value=True):
+        assert zeroshard.hybrid_mesh(2).device_type == "cpu"
 
 
 def test_bad_shard_size_or_mesh_raises_before_any_collective(pools):

@@ -59,7 +59,8 @@ def hybrid_mesh(shard_size: int, device_type: str | None = None) -> DeviceMesh:
     Args:
         shard_size: ranks per shard group; must divide the world size. ``world_size`` gives flat
             sharding, 1 plain replication (DDP with a local optimizer).
-        device_type: the mesh's device type; default ``"cuda"`` when CUDA is available, else ``"cpu"``.
+        device_type: the mesh's device type; default ``"cuda"`` when the default process group
+            runs NCCL, else ``"cpu"`` (gloo on a machine with GPUs keeps its tensors on the CPU).
 
     Raises:
         ValueError: torch.distributed is not initialized, or ``shard_size`` does not divide the
@@ -71,7 +72,7 @@ def hybrid_mesh(shard_size: int, device_type: str | None = None) -> DeviceMesh:
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1 or world % shard_size:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise ValueError(f"shard_size={shard_size!r} must divide the world size {world}: one of {divisors}")
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() and "nccl" in dist.get_backend() else "cpu")
     return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=HYBRID_DIMS)
 
 
