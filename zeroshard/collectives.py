@@ -292,9 +292,14 @@ def _digest(entry: tuple[Any, ...]) -> int:
 
 
 def collective_device(group: ProcessGroup) -> torch.device:
-    """Where small tensors for collectives on ``group`` must live: the current CUDA device for NCCL, else the CPU."""
+    """Where small tensors for collectives on ``group`` must live, else the CPU.
+
+    For NCCL: the device the group is bound to (``init_process_group(device_id=...)``), else the
+    current CUDA device, as torch's object collectives choose it.
+    """
     if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        bound = getattr(group, "bound_device_id", None)  # torch >= 2.3
+        return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
