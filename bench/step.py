@@ -4,10 +4,10 @@ zeroshard stages 1 and 2 against DDP + AdamW, ``ZeroRedundancyOptimizer(AdamW)``
 ``fully_shard(reshard_after_forward=False)`` + AdamW: same model, batch and dtype, same AdamW
 settings, at two model sizes (the example GPT and one 8 layers x 512 wide on CPU) in fp32 and in
 bf16 (params and gradients in bf16 for every method; zeroshard keeps fp32 masters, the others
-none). Methods take turns in short rounds (2-3 steps each), in reverse order every other round, so
-drift in the machine's speed and the state one method leaves the next (caches, the allocator) hit
-all alike; each figure is the median step time over all rounds, and each ratio is against a
-baseline measured in the same run.
+none). Methods take turns in short rounds (2-3 timed steps after an untimed one, see
+:func:`time_steps`), in reverse order every other round, so drift in the machine's speed and the
+state one method leaves the next (caches, the allocator) hit all alike; each figure is the
+median step time over all rounds, and each ratio is against a baseline measured in the same run.
 
 The suite also counts the bytes each rank sends per step at world size 4 for DDP, flat sharding
 (shard size 4) and hybrid sharding (``zeroshard.hybrid_mesh(2)``): the growth of the process's
@@ -88,23 +88,24 @@ def _sync(device: torch.device) -> None:
 
 
 def time_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, steps: int, device: torch.device) -> list[float]:
-    """Seconds per step for ``steps`` consecutive steps, started together on all ranks (one barrier).
+    """Seconds per step for ``steps`` consecutive steps in steady state, started together on all ranks (one barrier).
 
-    No barrier between the steps: what a step leaves in flight (zeroshard's overlapped param
-    all-gather) is paid in the next step's time, as in training, not hidden in an untimed
-    barrier; the last step waits for its own (``wait_params``) before its time is taken.
+    One untimed step leads: its forward finds nothing in flight. Each timed step then pays what
+    the step before it left in flight (zeroshard's overlapped param all-gather, waited for by the
+    forward), as in training, and leaves its own for the next. After the last, the gathers are
+    waited for untimed (``wait_params``), so nothing is in flight when another method runs.
     """
     _sync(device)
     dist.barrier()
-    marks = [time.perf_counter()]
-    for step in range(steps):
+    marks = []
+    for _ in range(steps + 1):
         model(x, y).backward()
         opt.step()
         opt.zero_grad()
-        if step == steps - 1 and hasattr(opt, "wait_params"):
-            opt.wait_params()
         _sync(device)
         marks.append(time.perf_counter())
+    if hasattr(opt, "wait_params"):
+        opt.wait_params()
     return [b - a for a, b in zip(marks, marks[1:])]
 
 
@@ -125,7 +126,7 @@ def rank_main(config: gpt.GPTConfig, dtype: torch.dtype, rounds: int, steps: int
 def settings(quick: bool) -> list[tuple[gpt.GPTConfig, torch.dtype, int, int, int]]:
     """(model, dtype, rounds, steps per round, warm-up steps) for each timed setting."""
     if quick:
-        return [(gpt.QUICK, torch.float32, 2, 3, 1)]
+        return [(gpt.QUICK, torch.float32, 2, 2, 1)]
     small, large = (gpt.FULL_GPU, gpt.LARGE_GPU) if torch.cuda.is_available() else (gpt.FULL_CPU, gpt.LARGE_CPU)
     return [(small, torch.float32, 16, 3, 3), (small, torch.bfloat16, 10, 3, 2), (large, torch.float32, 6, 2, 1),
             (large, torch.bfloat16, 5, 2, 1)]
