@@ -291,11 +291,11 @@ def _digest(entry: tuple[Any, ...]) -> int:
     return int.from_bytes(hashlib.blake2b(repr(entry).encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def collective_device(group: ProcessGroup) -> torch.device:
-    """Where small tensors for collectives on ``group`` must live, else the CPU.
+def collective_device(group: ProcessGroup | None) -> torch.device:
+    """Where small tensors for collectives on ``group`` (``None``: the default group) must live.
 
     For NCCL: the device the group is bound to (``init_process_group(device_id=...)``), else the
-    current CUDA device, as torch's object collectives choose it.
+    current CUDA device, as torch's object collectives choose it. Other backends: the CPU.
     """
     if dist.get_backend(group) == "nccl":
         bound = getattr(group, "bound_device_id", None)  # torch >= 2.3

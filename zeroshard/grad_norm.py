@@ -84,9 +84,8 @@ def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
     # The norm in fp64 for fp64 gradients, as torch.nn.utils.clip_grad_norm_ computes it in their dtype.
     dtype = torch.float64 if any(s.grad_shard.dtype == torch.float64 for s in shards) else torch.float32
     flags = torch.tensor([u for used in local_used for u in used], dtype=dtype)
-    if device.type == "cuda":  # from pinned memory: a pageable copy would wait for the device (a second sync per step)
-        flags = flags.pin_memory().to(device, non_blocking=True)
-    flags = flags.to(device)
+    # On CUDA from pinned memory: a pageable copy would wait for the device (a second sync per step).
+    flags = flags.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flags.to(device)
     if norm_type == 2.0:
         local = sum((grad_sumsq(s.grad_shard) for s in shards), torch.zeros((), device=device))
     else:

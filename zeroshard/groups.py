@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import cast
 
-import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from zeroshard import collectives
 
 HYBRID_DIMS = ("replicate", "shard")
 
@@ -72,7 +73,7 @@ def hybrid_mesh(shard_size: int, device_type: str | None = None) -> DeviceMesh:
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1 or world % shard_size:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise ValueError(f"shard_size={shard_size!r} must divide the world size {world}: one of {divisors}")
-    device_type = device_type or ("cuda" if torch.cuda.is_available() and "nccl" in dist.get_backend() else "cpu")
+    device_type = device_type or collectives.collective_device(None).type
     return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=HYBRID_DIMS)
 
 
@@ -110,5 +111,5 @@ def resolve_groups(process_group: ProcessGroup | DeviceMesh | None) -> ShardingG
     if dist.get_rank(shard) < 0:
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of process_group")
     if mesh is None:  # no collective: the mesh wraps the existing group
-        mesh = DeviceMesh.from_group(shard, "cuda" if dist.get_backend(shard) == "nccl" else "cpu")
+        mesh = DeviceMesh.from_group(shard, collectives.collective_device(shard).type)
     return ShardingGroups(shard, replicate, mesh)

@@ -158,14 +158,9 @@ class ParamGather:
             self._settle(upto)
             return
         while self._pending:
-            gather = self._pending[0]
-            # The params must hold every rank's update before anything reads or writes them.
-            collectives.wait(gather.work, self.timeout, f"{WHAT} (waited for before a param was read)", HINT)
-            self._pending.pop(0)
-            if _settled(gather):
-                _GUARD.forget(gather)
-            else:
-                self._unsettled.append(gather)
+            gather = self._pending.pop(0)
+            self._unsettled.append(gather)
+            self._settle(gather)
             if gather is upto:
                 return
         for gather in list(self._unsettled):
@@ -173,6 +168,7 @@ class ParamGather:
 
     def _settle(self, gather: BucketGather) -> None:
         """Wait for an unsettled gather on the current stream; drop it from the guard if that settles it."""
+        # The params must hold every rank's update before anything reads or writes them.
         collectives.wait(gather.work, self.timeout, f"{WHAT} (waited for before a param was read)", HINT)
         if _settled(gather):
             self._unsettled.remove(gather)
