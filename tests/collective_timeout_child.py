@@ -1,5 +1,6 @@
 """Run with 2 ranks under torch.distributed.run (the process group keeps torch's 30-minute default
-timeout): both ranks run a backward, then rank 0 calls ``step()`` and rank 1 does not. With
+timeout): both ranks run a backward, then rank 0 calls ``step()`` (or, with ``norm`` as the second
+argument, reads a param's gradient norm) and rank 1 does not. With
 ``collective_timeout_s=2`` rank 0 must raise a clear error naming the collective within the bound;
 it prints ``timeout raised: <message>``, then writes ``argv[1]/raised`` so that rank 1, which
 waits for that file, exits. Neither rank destroys the process group (it is unusable afterwards)."""
@@ -20,7 +21,7 @@ from models import TinyNet, batch, loss_fn, param_groups
 import zeroshard
 
 
-def main(out: Path) -> None:
+def main(out: Path, what: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = TinyNet()
@@ -28,7 +29,7 @@ def main(out: Path) -> None:
     loss_fn(model, *batch(rank, 0)).backward()
     if rank == 0:
         try:
-            opt.step()
+            opt.step() if what == "step" else model.fc1.weight.grad.norm().item()
         except RuntimeError as error:
             print(f"timeout raised: {error}", flush=True)
         else:
@@ -43,4 +44,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "step")

@@ -200,44 +200,7 @@ def test_zeroed_unused_params_are_stepped_like_torch(pools, stage):
     pools[2].run(unused_zeroed_worker, stage)
 
 
-# -- 9. torch.nn.utils.clip_grad_norm_ on the model's params -----------------------------------
-
-
-def torch_clip_worker(stage: int) -> str:
-    _, _, model, opt = _pair(stage)
-    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
-    if stage == 2:
-        assert repr(model.fc1.weight.grad).startswith("ReducedGrad(param_groups[0]['params'][1], shape=(29, 13)"), repr(model.fc1.weight.grad)
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError) as error:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-        opt.step()  # stage 1: torch clipped by this rank's unreduced norm; the step refuses it
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "a refused clip changed the params"
-    return str(error.value)
-
-
-def clip_optimizer_params_worker(stage: int) -> str:
-    # What Lightning's gradient_clip_val and Fabric's clip_gradients do: clip the optimizer's params.
-    _, _, model, opt = _pair(stage)
-    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
-    with pytest.raises(RuntimeError) as error:
-        torch.nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], 0.1)
-    _train_step(model, opt, 0)  # the step still attaches the real gradients
-    return str(error.value)
-
-
-@pytest.mark.parametrize("stage", [1, 2])
-def test_torch_clip_grad_norm_on_the_optimizers_params_raises(pools, stage):
-    for message in pools[2].run(clip_optimizer_params_worker, stage):
-        assert "a virtual param of the wrapped optimizer" in message and "max_grad_norm=" in message, message
-
-
-@pytest.mark.parametrize("stage", [1, 2])
-def test_torch_clip_grad_norm_on_model_params_raises_with_the_supported_path(pools, stage):
-    for message in pools[2].run(torch_clip_worker, stage):
-        assert "max_grad_norm=" in message and "opt.clip_grad_norm_" in message, message
-        if stage == 2:
-            assert message.startswith("param_groups[") and "reduce-scattered into the optimizer's grad shard" in message, message
+# -- 9. torch.nn.utils.clip_grad_norm_ and other gradient code: tests/test_torch_grads.py ------------------
 
 
 # -- 16. world size 1 communicates nothing -----------------------------------------------------

@@ -296,26 +296,27 @@ def overlap_worker(stage: int, overlap_comm: bool) -> tuple[list[str], list[int 
         loss_fn(model, x, y).backward()
     finally:
         grad_reducer.collectives.reduce_scatter = original
-    with torch._C.DisableTorchFunctionSubclass():  # a ReducedGrad refuses to show its storage
+    with torch._C.DisableTorchFunctionSubclass():  # a ShardedGrad's own storage, not the gradient it stands for
         grad_bytes = [p.grad.untyped_storage().nbytes() if p.grad is not None else None for p in model.parameters() if p.requires_grad]
+    flat_kept = all(grads.flat is not None for grads in opt._reducer._grads)  # the flat grad buffer: stage 1's full local gradients
     opt.step()
-    return events, grad_bytes
+    return events, grad_bytes, flat_kept
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("overlap_comm", [True, False])
 def test_buckets_reduced_during_backward_and_stage2_frees_grads(pools, stage, overlap_comm):
-    events, grad_bytes = pools[2].run(overlap_worker, stage, overlap_comm)[0]
+    events, grad_bytes, full_kept = pools[2].run(overlap_worker, stage, overlap_comm)[0]
     last = events.index("last hook")
     assert events.count("reduce_scatter") >= 3, events
     if overlap_comm:  # buckets complete before the last gradient must already be on the wire
         assert events[0] == "reduce_scatter", events
     else:
         assert events[: last + 1] == ["last hook"], events
-    if stage == 1:  # full gradients: views of the flat grad buffer
-        assert all(n is not None and n > 4 for n in grad_bytes), grad_bytes
-    else:  # freed: each .grad is a ReducedGrad with one element of storage
-        assert grad_bytes == [4] * len(grad_bytes), grad_bytes
+    # Once reduced, each .grad is a ShardedGrad with one element of storage; stage 1 keeps the full local
+    # gradients in its flat grad buffer, stage 2 frees them.
+    assert grad_bytes == [4] * len(grad_bytes), grad_bytes
+    assert full_kept == (stage == 1)
 
 
 def staging_bound_worker() -> tuple[int, int, int]:

@@ -7,10 +7,10 @@ optimizer's gradients itself, rank by rank; here no rank holds them whole, so ze
 two calls over:
 
 * ``scaler.unscale_(opt)`` (and the check ``scaler.step`` runs when ``unscale_`` was not called)
-  reaches the virtual params' between-step gradients (``ReducedGrad`` s), which hand its
-  ``found_inf`` and ``inv_scale`` to this link instead of refusing them. Nothing is unscaled then:
-  the gradients count as unscaled by ``inv_scale`` from here on (a following
-  ``opt.clip_grad_norm_`` measures them so).
+  reaches the virtual params' between-step gradients (``VirtualGrad`` s, views of the grad shard):
+  they are unscaled in place, as torch does, so a clip after it (``torch.nn.utils.clip_grad_norm_``
+  or ``opt.clip_grad_norm_``) measures unscaled gradients; the ``found_inf`` flags it fills are
+  this rank's, and are handed to this link to get every rank's answer at ``step()``.
 * ``scaler.step(opt)`` calls ``opt.step()`` (``_step_supports_amp_scaling``), which divides by the
   GradScaler's scale, checks for inf/NaN over every rank (the one all-reduce of the step) and
   writes the answer into the ``found_inf`` tensors the GradScaler reads in ``update()``: every rank
@@ -33,25 +33,23 @@ class GradScalerLink:
 
     def __init__(self) -> None:
         self.found_infs: list[Tensor] = []  # 1-element fp32, the GradScaler's per-device flags, read by its update()
-        self.inv_scale: Tensor | None = None  # 1-element fp32, ``1 / scale`` from ``unscale_``
+        self.unscaled = False  # a GradScaler's unscale_ (or its check in step()) ran on the gradients since the last step
 
-    def unscale_(self, found_inf: Tensor, inv_scale: Tensor) -> None:
-        """``torch._amp_foreach_non_finite_check_and_unscale_`` on the virtual params' gradients: remember, do not touch them."""
+    def note_unscale(self, found_inf: Tensor) -> None:
+        """``torch._amp_foreach_non_finite_check_and_unscale_`` ran on the virtual params' gradients: keep its flag for :meth:`finish_step`."""
         self.found_infs.append(found_inf)
-        self.inv_scale = inv_scale
+        self.unscaled = True
 
     def scale(self, optimizer: Any) -> float | None:
         """The GradScaler's scale of the current gradients, or ``None`` when no GradScaler is driving this step.
 
         Inside ``GradScaler.step``, ``optimizer.grad_scale`` is its scale if ``unscale_`` was not
-        called; after ``unscale_`` (or outside ``step``) the scale is ``1 / inv_scale``.
+        called; after ``unscale_`` the gradients are unscaled: 1.0.
         """
         grad_scale = getattr(optimizer, "grad_scale", None)
         if grad_scale is not None:
             return float(grad_scale)
-        if self.inv_scale is not None:
-            return 1.0 / float(self.inv_scale)
-        return None
+        return 1.0 if self.unscaled else None
 
     def check_one_scale(self, optimizer: Any, loss_scale: float | None) -> None:
         """Raise if a GradScaler and ``loss_scale`` both scale ``optimizer``'s gradients; reads no device value.
@@ -59,7 +57,7 @@ class GradScalerLink:
         Raises:
             RuntimeError: both scale them (the hand-over is forgotten, so the next step starts clean).
         """
-        if loss_scale is not None and (getattr(optimizer, "grad_scale", None) is not None or self.inv_scale is not None):
+        if loss_scale is not None and (getattr(optimizer, "grad_scale", None) is not None or self.unscaled):
             self.clear()
             raise RuntimeError(f"a torch.amp.GradScaler and loss_scale={loss_scale} both scale this ShardedOptimizer's gradients: "
                                "use one (loss_scale=None with the GradScaler, or opt.backward(loss) without it)")
@@ -86,4 +84,4 @@ class GradScalerLink:
     def clear(self) -> None:
         """Forget what the GradScaler handed over (a dropped batch)."""
         self.found_infs.clear()
-        self.inv_scale = None
+        self.unscaled = False

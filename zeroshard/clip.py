@@ -65,5 +65,5 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
         dtypes.add(stats.dtype)
         joint = total * opt._gradient_scale()
         # After a GradScaler's unscale_ its own overflow decides the skip (zeroshard/amp.py); the joint norm only clips.
-        opt._stats = replace(stats, clip_norm=joint) if opt._shard_set.amp.inv_scale is not None else replace(stats, norm=joint)
+        opt._stats = replace(stats, clip_norm=joint) if opt._shard_set.amp.unscaled else replace(stats, norm=joint)
     return torch.tensor(total, dtype=torch.float64 if torch.float64 in dtypes else torch.float32)

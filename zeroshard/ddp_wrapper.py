@@ -293,15 +293,15 @@ class DDPWrappers:
 
         HF Trainer, accelerate and Lightning wrap the model in DDP by default. Both reducing would
         send every gradient twice, and DDP's C++ reducer writes its averaged gradients into
-        ``.grad``, where zeroshard keeps its own (stage 1: the local sum; stage 2: a ReducedGrad).
+        ``.grad``, where zeroshard keeps its own (a ShardedGrad once reduced).
         A forward under ``ddp.no_sync()`` makes zeroshard accumulate the backward that follows
         without communication too, as its own ``no_sync`` does. Wrappers are found at
         construction (one pass over the objects the garbage collector tracks) and, when built
-        later, by a module registration hook at the next backward. That backward was prepared by
-        DDP's forward already, so what DDP writes into ``.grad`` until the next step is ignored,
-        and DDP's reducer is released only at the next forward of the wrapper or ``step()``: DDP
-        reduces one backward, zeroshard every one. A wrapper found at construction is released
-        at once and reduces nothing.
+        later, by a module registration hook, adopted before its first forward
+        (:meth:`adopt_at_first_forward`): either way DDP reduces nothing. A wrapper that ran a
+        forward before any hook saw it is adopted at the next backward; that backward was prepared
+        by DDP's forward already, so what DDP writes into ``.grad`` until the next step is ignored,
+        and DDP's reducer is released only at the next forward of the wrapper or ``step()``.
 
         Returns:
             for each wrapper adopted now, whether its last forward prepared DDP's reducer to reduce
@@ -323,8 +323,20 @@ class DDPWrappers:
             self.wrapped.append(WrappedDDP(weakref.ref(ddp)))
         if wrappers and dist.get_rank() == 0:
             logger.info("zeroshard: the model is wrapped in DistributedDataParallel; zeroshard reduces its gradients itself, so DDP's "
-                        "gradient reduction is switched off from the next forward (its first backward was reduced by both)")
+                        "gradient reduction is switched off")
         return [ddp.require_forward_param_sync for ddp in wrappers]
+
+    def adopt_at_first_forward(self, ddp: nn.Module, args: object) -> None:
+        """Adopt ``ddp``, built after the optimizer, before its first forward prepares DDP's reducer: DDP reduces no backward.
+
+        Raises:
+            RuntimeError: from :func:`check_supported`.
+        """
+        if not any(ref() is ddp for ref in self.new):
+            return
+        self.new[:] = [ref for ref in self.new if ref() is not None and ref() is not ddp]
+        self.adopt([ddp])
+        self._pre_forward(ddp, args)
 
     def _pre_forward(self, ddp: Any, args: object) -> None:
         # Under ``ddp.no_sync()`` (gradient accumulation) zeroshard accumulates without
@@ -361,8 +373,9 @@ def watch_new_wrappers(wrappers_of_owners: Callable[[Iterable[nn.Parameter]], li
     A global module registration hook (``torch.nn.modules.module.register_module_module_registration_hook``,
     torch >= 2.0), installed once per process: DDP's constructor sets ``self.module`` first, and
     the wrapper goes into ``new`` of the ``DDPWrappers`` that ``wrappers_of_owners`` returns for
-    the module's params, to be adopted at the next backward (the constructor has finished by
-    then). It costs one string comparison per submodule registered anywhere, where looking for
+    the module's params, to be adopted by a one-shot forward pre-hook before its first forward
+    (the constructor has finished by then), so DDP reduces no backward; or, if it runs no
+    forward first, at the next backward. It costs one string comparison per submodule registered anywhere, where looking for
     wrappers at every backward would cost a pass over every object the garbage collector tracks.
     """
     if _WATCHING:
@@ -370,7 +383,17 @@ def watch_new_wrappers(wrappers_of_owners: Callable[[Iterable[nn.Parameter]], li
 
     def note(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
         if name == "module" and isinstance(module, DistributedDataParallel) and submodule is not None:
-            for wrappers in wrappers_of_owners(submodule.parameters()):
+            owners = wrappers_of_owners(submodule.parameters())
+            for wrappers in owners:
                 wrappers.new.append(weakref.ref(module))
+            if owners:  # adopted at its first forward, before DDP's own forward prepares its reducer
+                handle: list[torch.utils.hooks.RemovableHandle] = []
+
+                def adopt(ddp: nn.Module, args: object) -> None:
+                    handle.pop().remove()
+                    for wrappers in wrappers_of_owners(submodule.parameters()):
+                        wrappers.adopt_at_first_forward(ddp, args)
+
+                handle.append(module.register_forward_pre_hook(adopt))
 
     _WATCHING.append(nn.modules.module.register_module_module_registration_hook(note))

@@ -36,9 +36,10 @@ from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
 from zeroshard.nested_backward import OutermostBackward
 from zeroshard.param_owners import ddp_wrappers_of_owners, register_owner
+from zeroshard.partial_norm import GradComm
 from zeroshard.reduce_records import ArrivedGrad, divides_first, weak_method
-from zeroshard.reduced_grad import ReducedGrad
 from zeroshard.shard_grads import ShardGrads
+from zeroshard.sharded_grad import ShardedGrad
 from zeroshard.staging import StagingBuckets
 
 # Stage 2 keeps at most this many bucket reductions in flight (double buffering, as DeepSpeed's
@@ -90,6 +91,7 @@ class GradReducer:
         self.reduce_dtype = reduce_dtype
         self.overlap_comm = overlap_comm
         self.shards: list[LocalShard] = []
+        self._comm = GradComm(groups.shard, timeout)  # where the pieces of every gradient are (ShardedGrad, VirtualGrad)
         self._grads: list[ShardGrads] = []  # per shard: its gradient bookkeeping
         self._order = BucketOrder()  # rebuilt once, from the first reduced backward
         self._staging = StagingBuckets()  # stage 2
@@ -143,7 +145,8 @@ class GradReducer:
         k = len(self.shards)
         self.shards.append(shard)
         layout = shard.buffer.layout
-        self._grads.append(ShardGrads.for_shard(shard, flat=self.stage == 1))
+        self._grads.append(ShardGrads.for_shard(shard, flat=self.stage == 1, comm=self._comm))
+        shard.bind_grads(self._comm)
         self._order.append(k, len(layout.buckets))
         for i, param in enumerate(shard.buffer.params):
             self._hooks.append(param.register_hook(self._make_pre_hook(k, i, param)))
@@ -182,7 +185,7 @@ class GradReducer:
     # -- what user code did to the gradients --
 
     def _before_accumulate(self, k: int, i: int, param: nn.Parameter) -> None:
-        """Read what was done to the gradients since zeroshard last wrote them; clear a ReducedGrad."""
+        """Read what was done to the gradients since zeroshard last wrote them; swap a reduced ShardedGrad back for accumulation."""
         launch_order.take_deferred(self.group)  # before this accumulation bumps the flat grad's version (stage 1)
         if not self._backward_started:
             # DDP wrappers built since the last backward; adopting one may raise: nothing changed yet.
@@ -198,14 +201,20 @@ class GradReducer:
                     # without communication, as zeroshard does for the later ones.
                     self._ddp_no_sync = self._unreduced = True
             self._check_flat_grads()
+            if self.stage == 1 and self._reductions > 0 and any(g.edited for g in self._grads):
+                raise RuntimeError(
+                    "the params' .grad were edited in place after zeroshard reduced them, and another backward now adds to them: "
+                    "ZeRO stage 1 reduces the running local sum again, which would drop the edit. Edit gradients after the last "
+                    "backward of the step (accumulate micro-steps with opt.no_sync()), or use stage=2")
         grads, held = self._grads[k], param.grad
-        # Holds a gradient reduced in this step (stage 2: one not zeroed since; see refuse_partial_write).
+        # Holds a gradient reduced in this step (one not zeroed since; see refuse_partial_write).
         grads.continued[i] = self._reductions > 0 and held is not None and (
             self.stage == 1 or (grads.reduced_versions.get(i) == held._version and held is grads.reduced.get(i)))
-        if self.stage == 2:
-            self._settle(k, i, param)
-            if isinstance(param.grad, ReducedGrad):
-                param.grad = None  # autograd then stores the new gradient instead of adding to it
+        if i in grads.reduced_versions:
+            self._settle(k, i, param)  # zeroed or set to None since it was reduced
+            if param.grad is held and isinstance(held, ShardedGrad):
+                # autograd then stores the new gradient (stage 2) or adds it to the running local sum (stage 1)
+                param.grad = grads.flat_view(i) if self.stage == 1 else None
                 del grads.reduced_versions[i]
 
     def _on_ddp_forward(self, no_sync: bool) -> None:
@@ -219,7 +228,7 @@ class GradReducer:
         self._ddp_no_sync = False
 
     def _settle(self, k: int, i: int, param: nn.Parameter) -> None:
-        """Stage 2: follow what user code did to param ``i`` of shard ``k``'s ``.grad`` (see :meth:`ShardGrads.settle`)."""
+        """Follow what user code did to param ``i`` of shard ``k``'s reduced ``.grad`` (see :meth:`ShardGrads.settle`)."""
         if not self._ddp_reduced:
             self._grads[k].settle(i, param)
 
@@ -238,7 +247,7 @@ class GradReducer:
         self._check_flat_grads()
         if not self._ddp_reduced:
             for grads in self._grads:
-                grads.settle_all(self.stage)
+                grads.settle_all()
 
     # -- backward --
 
@@ -301,9 +310,9 @@ class GradReducer:
             self._late = True
             self._order.completed((k, slot.bucket))  # it completes now in the next passes
             return
-        if self.stage == 2 and param.grad is not None and not isinstance(param.grad, ReducedGrad):
+        if self.stage == 2 and param.grad is not None and not isinstance(param.grad, ShardedGrad):
             self._staging.add((k, slot.bucket), self.shards[k].buffer.layout, i, param.grad, self._reduce_dtype(k))
-            param.grad = None if self._ddp_reduced else self._grads[k].reduced_grad(i, param)
+            param.grad = None if self._ddp_reduced else self._grads[k].sharded_grad(i, param)
         if self._grads[k].take(i, last):
             self._order.completed((k, slot.bucket))
 
@@ -381,21 +390,51 @@ class GradReducer:
             for i, param in enumerate(shard.buffer.params):
                 if self._grads[k].ready[i]:
                     continue
-                if self.stage == 2:
+                if i in self._grads[k].reduced_versions:
                     self._settle(k, i, param)
-                fresh = param.grad is not None and not isinstance(param.grad, ReducedGrad)
+                fresh = param.grad is not None and not isinstance(param.grad, ShardedGrad)
                 if fresh and not (self.stage == 1 and self._is_flat_grad_view(k, i, param)):
                     self._grads[k].used[i] = True
-                if self.stage == 1:
+                if self.stage == 1 and not isinstance(param.grad, ShardedGrad):  # a ShardedGrad's local sum is in the flat grad already
                     self._keep_in_flat_grad(k, i, param)
                 self._take_grad(k, i, param, last=True)
         self._launch_complete_buckets(in_turn=False)
         self._drain()
         self._order.rebuild(self.groups, self.timeout)
+        self._leave_sharded_grads()
         self._clear_backward_state()
         self._reductions += 1
         self._unreduced = False
         self._note_flat_grad_versions()
+
+    def _leave_sharded_grads(self) -> None:
+        """After a reduction: every param's ``.grad`` is its ``ShardedGrad`` (DDP's averaged gradient; see ``zeroshard/sharded_grad.py``).
+
+        Params that got no gradient on this rank get one too: another rank's may be in the grad
+        shard, and every rank must present the same gradients to a clip (one collective each). Under
+        a DDP wrapper that reduced this backward itself, its ``.grad`` stay (they are ignored).
+        """
+        if self._ddp_reduced:
+            return
+        for k, shard in enumerate(self.shards):
+            grads = self._grads[k]
+            for i, param in enumerate(shard.buffer.params):
+                param.grad = grads.sharded_grad(i, param)
+
+    def drop_unused_grads(self, used: list[list[bool]]) -> None:
+        """At ``step()``: params no rank gave a gradient (``used``, per shard, per param) keep ``.grad = None``, as under DDP.
+
+        :meth:`_leave_sharded_grads` gave them a ``ShardedGrad`` of zeros, which
+        ``zero_grad(set_to_none=False)`` would turn into a zero gradient that a later step applies.
+        """
+        for k, flags in enumerate(used):
+            if all(flags):
+                continue
+            grads = self._grads[k]
+            for i, param in enumerate(self.shards[k].buffer.params):
+                if not flags[i] and isinstance(param.grad, ShardedGrad):
+                    param.grad = None
+                    grads.reduced_versions.pop(i, None)
 
     def _note_flat_grad_versions(self) -> None:
         for grads in self._grads:
@@ -428,7 +467,7 @@ class GradReducer:
     def reduce_again(self) -> None:
         """Have the next :meth:`reduce_for_step` reduce every bucket again (after shards were added mid-step).
 
-        Gradients already reduced are not reduced twice: stage 2's ``ReducedGrad`` s add nothing,
+        Gradients already reduced are not reduced twice: stage 2's ``ShardedGrad`` s add nothing,
         and stage 1 overwrites each slice of the grad shard with the same sum.
         """
         self._unreduced = True

@@ -14,8 +14,9 @@ from torch import Tensor, nn
 from zeroshard.amp import GradScalerLink
 from zeroshard.chunk import Chunk, master_dtype_for
 from zeroshard.flat_buffer import FlatParamBuffer
+from zeroshard.partial_norm import GradComm
 from zeroshard.partition import ShardPiece
-from zeroshard.reduced_grad import VIRTUAL, reduced_grad
+from zeroshard.sharded_grad import VirtualGrad
 
 
 class LocalShard:
@@ -65,10 +66,10 @@ class LocalShard:
             pieces_of[self.bucket_of(piece)].append(piece)
         self.chunks: list[Chunk] = [Chunk(buffer, rank, b.index, self.grad_shard, pieces_of[b.index], on_host=host_master) for b in layout.buckets]
         self.virtual_params: list[nn.Parameter] = [vparam for chunk in self.chunks for vparam in chunk.virtual_params]
-        # Between steps each virtual param's .grad says where its gradient is instead of None,
-        # which a framework clipping the optimizer's param_groups would take for "nothing to clip".
-        self._idle_grads = [reduced_grad(vparam, buffer.names[piece.param], VIRTUAL) for piece, vparam in zip(self.pieces, self.virtual_params)]
-        self.detach_grads()
+        # Between steps each virtual param's .grad is a VirtualGrad (bind_grads): a framework clipping
+        # the optimizer's param_groups would take None for "nothing to clip".
+        self._idle_grads: list[VirtualGrad] = []
+        self._amp_link: GradScalerLink | None = None
         self._seen_versions = [p._version for p in buffer.params]
 
     @property
@@ -147,11 +148,20 @@ class LocalShard:
 
     def link_amp(self, link: GradScalerLink) -> None:
         """Send a ``torch.amp.GradScaler``'s unscale of the virtual params' gradients to ``link`` (zeroshard/amp.py)."""
+        self._amp_link = link
         for idle in self._idle_grads:
             idle.amp_link = link
 
+    def bind_grads(self, comm: GradComm) -> None:
+        """Give each virtual param its between-step ``.grad``: a ``VirtualGrad`` over its piece of the grad shard, norms reduced over ``comm``."""
+        self._idle_grads = [VirtualGrad.of(self.grad_shard[p.shard_offset : p.shard_offset + p.numel].view(v.shape), comm, v, self.buffer.names[p.param])
+                            for p, v in zip(self.pieces, self.virtual_params)]
+        if self._amp_link is not None:
+            self.link_amp(self._amp_link)
+        self.detach_grads()
+
     def detach_grads(self) -> None:
-        """Replace the virtual params' ``.grad`` views by ReducedGrads (the grad shard itself is kept)."""
+        """Give the virtual params their between-step ``VirtualGrad`` s again (after ``attach_grads``)."""
         for vparam, idle in zip(self.virtual_params, self._idle_grads):
             vparam.grad = idle
 

@@ -336,6 +336,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
                 overflow.log_skip(self._skipped_steps, self.loss_scale, self.rank)
             elif any(any(flags) for flags in stats.used):
                 self._update(stats, scale)
+            self._reducer.drop_unused_grads(stats.used)
             self._reducer.reset()
             self._stats = self._clip_norm = self._consolidated = None
         return loss
@@ -388,7 +389,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
 
         ``set_to_none=False`` leaves zero gradients, and the next step updates every param that has
         one (weight decay, moments), as ``torch.optim`` does; ``model.zero_grad()`` is followed the
-        same way (see ``zeroshard/reduced_grad.py``).
+        same way (see ``zeroshard/sharded_grad.py``).
         """
         self._reducer.reset()
         self._shard_set.zero_grad(set_to_none)

@@ -11,8 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.local_shard import LocalShard
+from zeroshard.partial_norm import GradComm
 from zeroshard.partition import ShardPiece
-from zeroshard.reduced_grad import ReducedGrad, reduced_grad
+from zeroshard.sharded_grad import ShardedGrad, make_sharded_grad
 
 
 @dataclass
@@ -35,10 +36,13 @@ class ShardGrads:
         used: per param: it got a gradient on this rank since the last reset.
         continued: per param: an earlier backward of this step reduced the gradient it holds, so a
             hook in this backward sees this rank's gradient, where DDP shows the all-reduced sum.
+        comm: the shard group the grad shard's pieces are spread over (for the ``ShardedGrad`` s' reads).
+        epoch: steps consumed so far (``reset``); a ``ShardedGrad`` from an earlier epoch was consumed.
+        edited: a ``ShardedGrad`` of this shard was edited in place (not zeroed) since the last reset.
         hook_ids: per param, the handle id of zeroshard's post-accumulate-grad hook on it.
         landed: per bucket: a reduction has been launched into its slice of the grad shard since
             the last reset (stage 2's next one adds to it; see ``zeroshard/bucket_reduce.py``).
-        reduced, reduced_versions: stage 2: per param, the ``ReducedGrad`` left in its ``.grad``
+        reduced, reduced_versions: per param, the ``ShardedGrad`` left in its ``.grad`` once reduced
             (made once) and its version when left (absent: none left since).
     """
 
@@ -50,7 +54,10 @@ class ShardGrads:
     ready_count: list[int]
     used: list[bool]
     continued: list[bool]
-    reduced: dict[int, ReducedGrad] = field(default_factory=dict)
+    comm: GradComm
+    epoch: int = 0
+    edited: bool = False
+    reduced: dict[int, ShardedGrad] = field(default_factory=dict)
     reduced_versions: dict[int, int] = field(default_factory=dict)
     hook_ids: dict[int, int] = field(default_factory=dict)
     landed: list[bool] = field(default_factory=list)
@@ -58,8 +65,8 @@ class ShardGrads:
     expected: list[int] = field(default_factory=list)
 
     @classmethod
-    def for_shard(cls, shard: LocalShard, flat: bool) -> ShardGrads:
-        """Fresh bookkeeping for ``shard``; ``flat``: allocate the stage-1 flat grad buffer (zeros)."""
+    def for_shard(cls, shard: LocalShard, flat: bool, comm: GradComm) -> ShardGrads:
+        """Fresh bookkeeping for ``shard``; ``flat``: allocate the stage-1 flat grad buffer (zeros); ``comm``: the shard group."""
         layout = shard.buffer.layout
         flat_grad = torch.zeros_like(shard.buffer.data) if flat else None
         pieces_of: list[list[ShardPiece]] = [[] for _ in layout.slots]
@@ -67,7 +74,7 @@ class ShardGrads:
             pieces_of[piece.param].append(piece)
         n = len(layout.slots)
         version = flat_grad._version if flat_grad is not None else 0
-        return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n,
+        return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n, comm,
                    landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n)
 
     def note_flat_version(self) -> None:
@@ -98,14 +105,23 @@ class ShardGrads:
         self.used = [False] * len(self.used)
         self.continued = [False] * len(self.continued)
         self.landed = [False] * len(self.landed)
+        self.epoch += 1
+        self.edited = False
 
-    def reduced_grad(self, i: int, param: nn.Parameter) -> ReducedGrad:
-        """Stage 2: the ReducedGrad to leave in param ``i``'s ``.grad`` (made once), its version noted as left."""
+    def sharded_grad(self, i: int, param: nn.Parameter) -> ShardedGrad:
+        """The ShardedGrad to leave in param ``i``'s ``.grad`` once reduced (made once, current epoch), its version noted as left."""
         left = self.reduced.get(i)
-        if left is None or left.device != param.device:
-            left = self.reduced[i] = reduced_grad(param, self.shard.buffer.names[i])
+        if left is None or left.device != param.device or left.dtype != param.dtype:
+            left = self.reduced[i] = make_sharded_grad(param, self, i)
+        left.epoch = self.epoch
         self.reduced_versions[i] = left._version
         return left
+
+    def flat_view(self, i: int) -> Tensor:
+        """Stage 1: param ``i``'s view of the flat grad buffer, shaped like the param (its running local gradient)."""
+        if self.flat is None:
+            raise RuntimeError("internal error: stage 2 keeps no flat grad buffer")
+        return self.shard.buffer.param_view(i, of=self.flat).view_as(self.shard.buffer.params[i])
 
     def drop_pieces(self, i: int) -> None:
         """Zero this rank's pieces of param ``i`` in the grad shard (if it holds any)."""
@@ -114,11 +130,12 @@ class ShardGrads:
                 self.shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
 
     def settle(self, i: int, param: nn.Parameter) -> None:
-        """Stage 2: follow a ``model.zero_grad()`` done to param ``i`` since its gradient was reduced.
+        """Follow a ``model.zero_grad()`` done to param ``i`` since its gradient was reduced.
 
         ``.grad`` set to ``None`` drops the gradient (this rank's pieces of it in the grad shard are
         zeroed, and the param counts as unused, as in ``torch.optim``); zeroed in place
-        (``set_to_none=False``) leaves a zero gradient, which ``torch.optim`` still steps.
+        (``set_to_none=False``) leaves a zero gradient, which ``torch.optim`` still steps. Stage 1
+        zeroes the param's running local sum in the flat grad buffer too.
         """
         version = self.reduced_versions.get(i)
         if version is None:
@@ -127,6 +144,8 @@ class ShardGrads:
         if grad is left and grad._version == version:
             return
         self.drop_pieces(i)
+        if self.flat is not None:
+            self.flat_view(i).zero_()
         if grad is left:
             self.used[i] = True
             self.reduced_versions[i] = grad._version
@@ -180,11 +199,11 @@ class ShardGrads:
                 self.used[i] = param.grad is not None
         self.flat_version = self.flat._version
 
-    def settle_all(self, stage: int) -> None:
-        """Before a step: follow what was done to every param's gradient (stage 2: :meth:`settle`; stage 1: set to ``None``)."""
+    def settle_all(self) -> None:
+        """Before a step: follow what was done to every param's gradient (:meth:`settle`; stage 1 also: a flat view set to ``None``)."""
         for i, param in enumerate(self.shard.buffer.params):
-            if stage == 2:
+            if i in self.reduced_versions:
                 self.settle(i, param)
-            elif param.grad is None and self.used[i] and not self.ready[i]:
+            elif self.flat is not None and param.grad is None and self.used[i] and not self.ready[i]:
                 self.drop_pieces(i)  # set to None after its gradient was reduced
                 self.used[i] = False

@@ -1,0 +1,198 @@
+"""torch's own gradient code on the gradients zeroshard reduced: the same numbers as on DDP's.
+
+After a backward, the model's ``.grad`` (``ShardedGrad``) and the wrapped optimizer's virtual
+params' ``.grad`` (``VirtualGrad``) answer norms, in-place edits and value reads as DDP's averaged
+gradient does: ``torch.nn.utils.clip_grad_norm_`` (foreach or not, on the model's params or on the
+optimizer's ``param_groups``), ``clip_grad_value_``, per-param norm logging, ``div_``/``_foreach_mul_``,
+finiteness checks and ``full_tensor()`` all give DDP's values, and the step honours every edit.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import TinyNet, batch, loss_fn, param_groups, tolerance_ratio
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import zeroshard
+
+BUCKET_MB = 100 * 4 / 2**20  # several buckets in TinyNet, params split over both ranks
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts the c10d ops dispatched inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.namespace == "c10d"
+        return func(*args, **(kwargs or {}))
+
+
+def _pair(stage: int):
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    model = copy.deepcopy(ref_model)
+    ref = DDP(ref_model, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB)
+    return ref, ref_opt, model, opt
+
+
+def _optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def _trainable(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _close(a: float, b: float, what: str) -> None:
+    assert abs(a - b) <= 1e-6 * abs(b) + 1e-7, f"{what}: {a} against DDP's {b}"
+
+
+# What user code does between backward and step(), each on DDP's model and optimizer (model, opt) and
+# on zeroshard's; returns the numbers it read, compared with DDP's.
+def _clip(model, opt, foreach):
+    return [float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, foreach=foreach))]
+
+
+def _clip_optimizer_params(model, opt):  # Lightning's gradient_clip_val, Fabric's clip_gradients
+    return [float(torch.nn.utils.clip_grad_norm_(_optimizer_params(opt), 0.05))]
+
+
+def _clip_value(model, opt, foreach):
+    torch.nn.utils.clip_grad_value_(model.parameters(), 2e-3, foreach=foreach)
+    return []
+
+
+def _edits(model, opt):
+    params = _trainable(model)
+    for p in params[::2]:
+        p.grad.div_(4)
+    torch._foreach_mul_([p.grad for p in params[1::2]], 0.5)
+    for p in params:
+        p.grad.nan_to_num_().clamp_(-0.05, 0.05)
+    params[0].grad.add_(torch.ones_like(params[0]), alpha=1e-3)
+    return []
+
+
+def _reads(model, opt):
+    params = _trainable(model)
+    norms = [p.grad.norm().item() for p in params] + [torch.linalg.vector_norm(p.grad, 1).item() for p in params]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=float("inf")).item()
+    finite = [bool(torch.isfinite(p.grad).all()) for p in params] + [bool(torch.isnan(p.grad).any()) for p in params]
+    sums = [p.grad.sum().item() for p in params]
+    return norms + [total] + [float(f) for f in finite] + sums
+
+
+VARIANTS = {
+    "clip_grad_norm_": lambda m, o: _clip(m, o, foreach=False),
+    "clip_grad_norm_(foreach=True)": lambda m, o: _clip(m, o, foreach=True),
+    "clip_grad_norm_(param_groups)": _clip_optimizer_params,
+    "clip_grad_value_": lambda m, o: _clip_value(m, o, foreach=False),
+    "clip_grad_value_(foreach=True)": lambda m, o: _clip_value(m, o, foreach=True),
+    "div_, _foreach_mul_, nan_to_num_, clamp_, add_": _edits,
+    "norms, isfinite, sum": _reads,
+}
+
+
+def torch_code_worker(stage: int, variant: str, accumulate: str) -> None:
+    ref, ref_opt, model, opt = _pair(stage)
+    code = VARIANTS[variant]
+    for step in range(4):
+        use_branch = not (step == 1 and dist.get_rank() == 0)  # step 1: the branch has a gradient from rank 1 only
+        read = []
+        for net, o in ((ref, ref_opt), (model, opt)):
+            micro_steps = 2 if accumulate != "none" else 1
+            for micro in range(micro_steps):
+                no_sync = accumulate == "no_sync" and micro < micro_steps - 1
+                context = (net.no_sync() if isinstance(net, DDP) else o.no_sync()) if no_sync else torch.enable_grad()
+                with context:
+                    loss_fn(net, *batch(dist.get_rank(), step, micro), use_branch=use_branch).backward()
+            read.append(code(net.module if isinstance(net, DDP) else net, o))
+            o.step()
+            o.zero_grad()
+        assert len(read[0]) == len(read[1])
+        for i, (ours, ddps) in enumerate(zip(read[1], read[0])):
+            _close(ours, ddps, f"step {step}, value {i} read by {variant}")
+        ratio = tolerance_ratio(model, ref.module)
+        assert ratio <= 1, f"step {step}: params off DDP's by {ratio}x the tolerance after {variant} (stage {stage}, accumulate={accumulate})"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_torch_gradient_code_gives_ddps_numbers(pools, stage, variant):
+    pools[2].run(torch_code_worker, stage, variant, "none")
+
+
+@pytest.mark.parametrize("accumulate", ["no_sync", "backward twice"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_clip_after_accumulation_gives_ddps_numbers(pools, stage, accumulate):
+    pools[2].run(torch_code_worker, stage, "clip_grad_norm_", accumulate)
+
+
+def collectives_worker(stage: int) -> dict[str, int]:
+    _, _, model, opt = _pair(stage)
+    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    counts = {}
+    for name, clip in [("clip", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)),
+                       ("clip foreach", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)),
+                       ("clip param_groups", lambda: torch.nn.utils.clip_grad_norm_(_optimizer_params(opt), 1.0)),
+                       ("one param's norm", lambda: model.fc1.weight.grad.norm().item()),
+                       ("a virtual param's norm", lambda: opt.param_groups[0]["params"][0].grad.norm().item()),
+                       ("full_tensor", lambda: model.fc1.weight.grad.full_tensor()),
+                       ("div_", lambda: model.fc1.weight.grad.div_(2))]:
+        with CountCollectives() as counter:
+            clip()
+        counts[name] = counter.count
+    opt.step()
+    return counts
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_clip_is_one_collective_and_edits_none(pools, stage):
+    for counts in pools[2].run(collectives_worker, stage):
+        assert counts == {"clip": 1, "clip foreach": 1, "clip param_groups": 1, "one param's norm": 1, "a virtual param's norm": 0,
+                          "full_tensor": 1, "div_": 0}, counts
+
+
+def full_tensor_worker(stage: int) -> None:
+    ref, _, model, opt = _pair(stage)
+    for net in (ref, model):
+        loss_fn(net, *batch(dist.get_rank(), 0)).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+        if p.requires_grad:
+            assert type(p.grad).__name__ == "ShardedGrad", (name, type(p.grad))
+            assert torch.allclose(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-8), name
+            assert torch.allclose(p.grad.clone(), q.grad, rtol=1e-6, atol=1e-8), name  # any other read gathers
+            assert p.grad.data is p.grad and p.grad.detach() is p.grad, name
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[\d+\]: its gradient was consumed by ShardedOptimizer.step\(\)"):
+        model.fc1.weight.grad.norm()
+    model.fc1.weight.grad.zero_()  # zeroing stays allowed (zero_grad(set_to_none=False))
+    with pytest.raises(RuntimeError, match="__setitem__ cannot edit a gradient held as pieces"):
+        model.fc1.weight.grad[0] = 1.0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_full_tensor_and_reads_gather_ddps_gradient(pools, stage):
+    pools[2].run(full_tensor_worker, stage)
+
+
+def test_a_norm_read_on_one_rank_only_raises_with_collective_timeout(tmp_path):
+    child = Path(__file__).parent / "collective_timeout_child.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(child), str(tmp_path), "norm"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "timeout raised: reading a gradient norm (its reduction over the ranks) did not complete within 2 s on rank 0" in result.stdout, output[-3000:]
