@@ -412,14 +412,18 @@ class GradReducer:
 
         Params that got no gradient on this rank get one too: another rank's may be in the grad
         shard, and every rank must present the same gradients to a clip (one collective each). Under
-        a DDP wrapper that reduced this backward itself, its ``.grad`` stay (they are ignored).
+        a DDP wrapper that reduced this backward itself, its ``.grad`` stay (they are ignored), and
+        so does a gradient that arrived after its bucket was reduced (``_take_grad``: stage 2 keeps
+        it local until ``step()`` reduces it).
         """
         if self._ddp_reduced:
             return
         for k, shard in enumerate(self.shards):
             grads = self._grads[k]
             for i, param in enumerate(shard.buffer.params):
-                param.grad = grads.sharded_grad(i, param)
+                grad = param.grad
+                if grad is None or isinstance(grad, ShardedGrad) or self.stage == 1:
+                    param.grad = grads.sharded_grad(i, param)
 
     def drop_unused_grads(self, used: list[list[bool]]) -> None:
         """At ``step()``: params no rank gave a gradient (``used``, per shard, per param) keep ``.grad = None``, as under DDP.
