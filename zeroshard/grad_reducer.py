@@ -36,7 +36,7 @@ from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
 from zeroshard.nested_backward import OutermostBackward
 from zeroshard.param_owners import ddp_wrappers_of_owners, register_owner
-from zeroshard.partial_norm import GradComm
+from zeroshard.partial_norm import GradComm, ParamSpace
 from zeroshard.reduce_records import ArrivedGrad, divides_first, weak_method
 from zeroshard.shard_grads import ShardGrads
 from zeroshard.sharded_grad import ShardedGrad
@@ -92,6 +92,7 @@ class GradReducer:
         self.overlap_comm = overlap_comm
         self.shards: list[LocalShard] = []
         self._comm = GradComm(groups.shard, timeout)  # where the pieces of every gradient are (ShardedGrad, VirtualGrad)
+        self._space = ParamSpace()  # the optimizer's params, numbered as torch.optim does (VirtualGrad norms)
         self._grads: list[ShardGrads] = []  # per shard: its gradient bookkeeping
         self._order = BucketOrder()  # rebuilt once, from the first reduced backward
         self._staging = StagingBuckets()  # stage 2
@@ -146,7 +147,7 @@ class GradReducer:
         self.shards.append(shard)
         layout = shard.buffer.layout
         self._grads.append(ShardGrads.for_shard(shard, flat=self.stage == 1, comm=self._comm))
-        shard.bind_grads(self._comm)
+        shard.bind_grads(self._comm, self._space)
         self._order.append(k, len(layout.buckets))
         for i, param in enumerate(shard.buffer.params):
             self._hooks.append(param.register_hook(self._make_pre_hook(k, i, param)))

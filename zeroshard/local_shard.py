@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from zeroshard.amp import GradScalerLink
 from zeroshard.chunk import Chunk, master_dtype_for
 from zeroshard.flat_buffer import FlatParamBuffer
-from zeroshard.partial_norm import GradComm
+from zeroshard.partial_norm import GradComm, ParamSpace
 from zeroshard.partition import ShardPiece
 from zeroshard.sharded_grad import VirtualGrad
 
@@ -152,9 +152,14 @@ class LocalShard:
         for idle in self._idle_grads:
             idle.amp_link = link
 
-    def bind_grads(self, comm: GradComm) -> None:
-        """Give each virtual param its between-step ``.grad``: a ``VirtualGrad`` over its piece of the grad shard, norms reduced over ``comm``."""
-        self._idle_grads = [VirtualGrad.of(self.grad_shard[p.shard_offset : p.shard_offset + p.numel].view(v.shape), comm, v, self.buffer.names[p.param])
+    def bind_grads(self, comm: GradComm, space: ParamSpace) -> None:
+        """Give each virtual param its between-step ``.grad``: a ``VirtualGrad`` over its piece of the grad shard, norms reduced over ``comm``.
+
+        ``space`` numbers the optimizer's params (this shard's ``param_indices``); it grows to hold them.
+        """
+        space.size = max([space.size, *(i + 1 for i in self.param_indices)])
+        self._idle_grads = [VirtualGrad.of(self.grad_shard[p.shard_offset : p.shard_offset + p.numel].view(v.shape), comm, space,
+                                           self.param_indices[p.param], v, self.buffer.names[p.param])
                             for p, v in zip(self.pieces, self.virtual_params)]
         if self._amp_link is not None:
             self.link_amp(self._amp_link)

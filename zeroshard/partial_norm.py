@@ -99,35 +99,66 @@ def local_power_sum(pieces: Sequence[Tensor], ord: float) -> Tensor:
     return norms.amax() if math.isinf(ord) else norms.pow(ord).sum()
 
 
+SHARDED, VIRTUAL, PLAIN = "sharded", "virtual", "plain"  # what one element of a PartialNorm is the norm of
+
+
+class ParamSpace:
+    """The params of one ``ShardedOptimizer`` as its ``torch.optim`` indices number them: ``size`` of them (grows with ``add_param_group``)."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+
 class PartialNorm(Tensor):
     """A norm (0-dim, or 1-D after ``torch.stack``) whose cross-rank reduction is pending.
 
     Made by the norms of ``ShardedGrad`` and ``VirtualGrad`` (``zeroshard/sharded_grad.py``), never
-    directly. ``torch.stack`` of norms (others may be plain tensors: norms of unsharded gradients,
-    counted once), ``.to(device)`` and a norm of the stack with the same ``ord`` stay pending; any
-    other use resolves the value (one collective, then cached) and runs on plain tensors.
+    directly. Each element is the norm of one gradient: a ``ShardedGrad``'s (:data:`SHARDED`: its
+    power sum is summed over the ranks when read), a ``VirtualGrad``'s (:data:`VIRTUAL`: local when
+    read alone) or a plain tensor stacked in (:data:`PLAIN`: counted once). ``torch.stack`` of 0-dim
+    norms, ``.to(device)`` and a norm of a stack with the same ``ord`` (an *aggregate*) stay
+    pending; any other use resolves the value (one collective, then cached) and runs on plain tensors.
+
+    An aggregate is resolved as torch computes it over DDP's gradients: each element's norm, exact,
+    rounded to the norm's dtype, then ``torch.linalg.vector_norm`` of those in stack order; the
+    ``VirtualGrad`` s' power sums, which no rank can split by param, are added in fp64 after it.
 
     Attributes:
-        local: fp64, this tensor's shape: per element, this rank's ``sum |x| ** ord`` (``max |x|`` for inf).
-        plain: fp64, same shape: per element, a norm that needs no reduction (a plain tensor stacked in), else 0.
-        reduce: per element: whether ``local`` is summed over ranks when read alone (a ``VirtualGrad``'s is not).
+        local: fp64, one per element: this rank's ``sum |x| ** ord`` (``max |x|`` for inf); 0 for plain ones.
+        plain: fp64, one per element: a plain element's norm; 0 for the others.
+        kinds: per element, :data:`SHARDED`, :data:`VIRTUAL` or :data:`PLAIN`.
+        slots, spaces: per virtual element, its param's index in its optimizer and that optimizer's :class:`ParamSpace` (else -1, ``None``).
+        aggregate: whether this 0-dim tensor is the norm of its elements (else it is the elements themselves).
         ord: the order of every pending element.
         comm: the group the pending elements reduce over.
     """
 
     local: Tensor
     plain: Tensor
-    reduce: tuple[bool, ...]
+    kinds: tuple[str, ...]
+    slots: tuple[int, ...]
+    spaces: tuple[ParamSpace | None, ...]
+    aggregate: bool
     ord: float
     comm: GradComm
     _value: Tensor | None
 
     @staticmethod
-    def make(local: Tensor, plain: Tensor, reduce: Sequence[bool], ord: float, comm: GradComm, dtype: torch.dtype, device: torch.device) -> PartialNorm:
-        """A pending norm of ``dtype`` on ``device``, shaped like ``local``."""
-        out = Tensor._make_subclass(PartialNorm, torch.full(local.shape, math.nan, dtype=dtype, device=device))
-        out.local, out.plain, out.reduce, out.ord, out.comm, out._value = local, plain, tuple(reduce), ord, comm, None
+    def make(local: Tensor, plain: Tensor, kinds: Sequence[str], ord: float, comm: GradComm, dtype: torch.dtype, device: torch.device,
+             *, shape: Sequence[int] = (), aggregate: bool = False, slots: Sequence[int] = (-1,),
+             spaces: Sequence[ParamSpace | None] = (None,)) -> PartialNorm:
+        """A pending norm of ``dtype`` on ``device``, of ``shape`` (elements: ``local`` and ``plain``, 1-D fp64)."""
+        out = Tensor._make_subclass(PartialNorm, torch.full(tuple(shape), math.nan, dtype=dtype, device=device))
+        out.local, out.plain, out.kinds, out.aggregate, out.ord, out.comm, out._value = local, plain, tuple(kinds), aggregate, ord, comm, None
+        out.slots, out.spaces = tuple(slots), tuple(spaces)
         return out
+
+    def _like(self, **changes: Any) -> PartialNorm:
+        """This pending norm with some of :meth:`make`'s arguments changed."""
+        args: dict[str, Any] = dict(shape=self.shape, aggregate=self.aggregate, slots=self.slots, spaces=self.spaces, dtype=self.dtype,
+                                    device=self.device)
+        args.update(changes)
+        return PartialNorm.make(self.local, self.plain, self.kinds, self.ord, self.comm, **args)
 
     def resolve(self) -> Tensor:
         """The norm's value as a plain tensor (reduced over the ranks once; cached).
@@ -136,20 +167,59 @@ class PartialNorm(Tensor):
             RuntimeError: with ``collective_timeout_s``, a rank did not join the reduction in time.
         """
         if self._value is None:
-            local = self.local
-            mask = torch.tensor(self.reduce, dtype=torch.bool, device=local.device).reshape(local.shape)
-            if any(self.reduce):
-                what = "reading a gradient norm (its reduction over the ranks)"
-                reduced = self.comm.max(local.clone(), what) if math.isinf(self.ord) else self.comm.sum_(local.clone(), what)
-                local = torch.where(mask, reduced, local)
-            if math.isinf(self.ord):
-                value = torch.maximum(local, self.plain)
-            else:
-                value = (local + self.plain.pow(self.ord)).pow(1.0 / self.ord)
+            value = self._aggregate_value() if self.aggregate else self._element_values()
             with torch._C.DisableTorchFunctionSubclass():
-                self._value = value.to(device=self.device, dtype=self.dtype)
+                self._value = value.to(device=self.device, dtype=self.dtype).reshape(self.shape)
                 self.copy_(self._value)  # reads that bypass torch functions see the value too
         return self._value
+
+    def _root(self, power_sums: Tensor) -> Tensor:
+        return power_sums if math.isinf(self.ord) else power_sums.pow(1.0 / self.ord)
+
+    def _reduce(self, vector: Tensor) -> Tensor:
+        what = "reading a gradient norm (its reduction over the ranks)"
+        return self.comm.max(vector, what) if math.isinf(self.ord) else self.comm.sum_(vector, what)
+
+    def _element_values(self) -> Tensor:
+        """Per element its norm (fp64): sharded ones reduced over the ranks (one collective), virtual ones local, plain ones as given."""
+        sharded = [i for i, kind in enumerate(self.kinds) if kind == SHARDED]
+        local = self.local.clone()
+        if sharded:
+            local[sharded] = self._reduce(local[sharded])
+        plain = [i for i, kind in enumerate(self.kinds) if kind == PLAIN]
+        norms = self._root(local)
+        norms[plain] = self.plain[plain]
+        return norms
+
+    def _aggregate_value(self) -> Tensor:
+        """The norm of the elements, as ``torch.linalg.vector_norm`` of DDP's per-param norms computes it (one collective).
+
+        Virtual elements are this rank's pieces of params; their power sums are added per param
+        (``VirtualGrad.slot``, the param's index in its optimizer) when all come from one
+        optimizer, so that each param's norm is rounded to the norm's dtype as DDP's is, and
+        summed into one otherwise.
+        """
+        inf = math.isinf(self.ord)
+        sharded = [i for i, kind in enumerate(self.kinds) if kind == SHARDED]
+        virtual = [i for i, kind in enumerate(self.kinds) if kind == VIRTUAL]
+        spaces = {id(space): space for i, space in enumerate(self.spaces) if i in virtual and space is not None}
+        size = next(iter(spaces.values())).size if len(spaces) == 1 else 1
+        slots = torch.tensor([self.slots[i] if len(spaces) == 1 else 0 for i in virtual], dtype=torch.long, device=self.local.device)
+        zeros = torch.zeros(size, dtype=torch.float64, device=self.local.device)
+        per_slot = zeros.scatter_reduce(0, slots, self.local[virtual], "amax" if inf else "sum")
+        present = zeros.index_add(0, slots, torch.ones(len(virtual), dtype=torch.float64, device=self.local.device))
+        vector = torch.cat([self.local[sharded], per_slot, present])
+        if sharded or virtual:
+            vector = self._reduce(vector)
+        norms = self._root(self.local.clone())
+        norms[sharded] = self._root(vector[: len(sharded)])
+        plain = [i for i, kind in enumerate(self.kinds) if kind == PLAIN]
+        norms[plain] = self.plain[plain]
+        kept = norms[[i for i in range(len(self.kinds)) if i not in virtual]]
+        per_slot, present = vector[len(sharded) : len(sharded) + size], vector[len(sharded) + size :]
+        values = torch.cat([kept, self._root(per_slot[present > 0])])
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.linalg.vector_norm(values.to(self.dtype), self.ord)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"PartialNorm({self.resolve()!r})"
@@ -188,23 +258,28 @@ def _run_resolved(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def _stackable(args: Any, kwargs: dict[str, Any]) -> bool:
+    """``torch.stack`` of 0-dim norms along dim 0, the pending ones single norms of one ord and group."""
     tensors = args[0] if args else None
     dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
     if not isinstance(tensors, (list, tuple)) or dim != 0 or "out" in kwargs:
         return False
     partial = [t for t in tensors if isinstance(t, PartialNorm)]
-    return all(t.dim() == 0 for t in tensors) and len({t.ord for t in partial}) == 1 and len({id(t.comm.group) for t in partial}) == 1
+    return (all(t.dim() == 0 for t in tensors) and not any(t.aggregate for t in partial) and len({t.ord for t in partial}) == 1
+            and len({id(t.comm.group) for t in partial}) == 1)
 
 
 def _stack(tensors: Sequence[Tensor]) -> PartialNorm:
     first = next(t for t in tensors if isinstance(t, PartialNorm))
+    device = first.local.device
     with torch._C.DisableTorchFunctionSubclass():
-        zero = torch.zeros((), dtype=torch.float64, device=first.local.device)
-        local = torch.stack([t.local if isinstance(t, PartialNorm) else zero for t in tensors])
-        plain = torch.stack([t.plain if isinstance(t, PartialNorm) else t.detach().to(first.local.device, torch.float64) for t in tensors])
+        zero = torch.zeros(1, dtype=torch.float64, device=device)
+        local = torch.cat([t.local if isinstance(t, PartialNorm) else zero for t in tensors])
+        plain = torch.cat([t.plain if isinstance(t, PartialNorm) else t.detach().to(device, torch.float64).reshape(1) for t in tensors])
         dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
-    reduce = [t.reduce[0] if isinstance(t, PartialNorm) else False for t in tensors]
-    return PartialNorm.make(local, plain, reduce, first.ord, first.comm, dtype, first.device)
+    kinds = [t.kinds[0] if isinstance(t, PartialNorm) else PLAIN for t in tensors]
+    slots = [t.slots[0] if isinstance(t, PartialNorm) else -1 for t in tensors]
+    spaces = [t.spaces[0] if isinstance(t, PartialNorm) else None for t in tensors]
+    return PartialNorm.make(local, plain, kinds, first.ord, first.comm, dtype, first.device, shape=(len(tensors),), slots=slots, spaces=spaces)
 
 
 def _moved(norm: PartialNorm, func: Any, args: Any, kwargs: dict[str, Any]) -> PartialNorm | None:
@@ -215,24 +290,26 @@ def _moved(norm: PartialNorm, func: Any, args: Any, kwargs: dict[str, Any]) -> P
         return None
     if probe.device == norm.device:
         return norm
-    return PartialNorm.make(norm.local, norm.plain, norm.reduce, norm.ord, norm.comm, norm.dtype, probe.device)
+    return norm._like(device=probe.device)
 
 
 def _aggregate(norms: PartialNorm, args: Any, kwargs: dict[str, Any]) -> PartialNorm | None:
-    """The norm of a stack of norms, still pending: its parts summed (maxed), reduced when read; ``None`` if not that."""
+    """The norm of a stack of norms (same ``ord``), still pending; ``None`` if the call is not that.
+
+    Raises:
+        ValueError: another ``ord`` over norms of ``VirtualGrad`` s, which cannot be combined across ranks.
+    """
     ord = kwargs.get("ord", kwargs.get("p", args[0] if args else 2.0))
-    if kwargs.get("dim", args[1] if len(args) > 1 else None) is not None or kwargs.get("dtype") is not None or kwargs.get("out") is not None:
+    if norms.aggregate or kwargs.get("dim", args[1] if len(args) > 1 else None) is not None or kwargs.get("dtype") is not None \
+            or kwargs.get("out") is not None:
         return None
     try:
-        if norm_order(ord) != norms.ord:
-            raise ValueError
+        same = norm_order(ord) == norms.ord
     except ValueError:
-        if not all(norms.reduce):
+        same = False
+    if not same:
+        if VIRTUAL in norms.kinds:
             raise ValueError(f"the norm (ord={ord!r}) of norms of a ShardedOptimizer's param_groups gradients (ord={norms.ord}) cannot be "
-                             "reduced over the ranks: take both norms with the same ord") from None
+                             "reduced over the ranks: take both norms with the same ord")
         return None
-    if math.isinf(norms.ord):
-        local, plain = norms.local.amax(), norms.plain.amax()
-    else:
-        local, plain = norms.local.sum(), norms.plain.pow(norms.ord).sum().pow(1.0 / norms.ord)
-    return PartialNorm.make(local.reshape(()), plain.reshape(()), [True], norms.ord, norms.comm, norms.dtype, norms.device)
+    return norms._like(shape=(), aggregate=True)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from zeroshard.partial_norm import GradComm, PartialNorm, local_power_sum, norm_order
+from zeroshard.partial_norm import SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_order
 
 if TYPE_CHECKING:
     from zeroshard.amp import GradScalerLink
@@ -132,9 +132,8 @@ class ShardedGrad(Tensor):
 
     def _norm(self, ord: float, dtype: torch.dtype | None) -> PartialNorm:
         self._check_live("norm")
-        local = local_power_sum([piece for _, piece in self.local_pieces()] or [self.home.shard.grad_shard[:0]], ord)
-        plain = torch.zeros((), dtype=torch.float64, device=local.device)
-        return PartialNorm.make(local, plain, [True], ord, self.home.comm, dtype or self.dtype, self.device)
+        local = local_power_sum([piece for _, piece in self.local_pieces()] or [self.home.shard.grad_shard[:0]], ord).reshape(1)
+        return PartialNorm.make(local, torch.zeros_like(local), [SHARDED], ord, self.home.comm, dtype or self.dtype, self.device)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -200,12 +199,14 @@ class VirtualGrad(Tensor):
     """
 
     comm: GradComm
+    space: ParamSpace
+    slot: int  # its param's torch.optim index in ``space``
     amp_link: GradScalerLink | None = None
     elsewhere: str = ""  # the param's name when the piece is on another device than the virtual param (offload on CUDA)
 
     @staticmethod
-    def of(piece: Tensor, comm: GradComm, vparam: Tensor, name: str) -> VirtualGrad:
-        """A ``VirtualGrad`` sharing ``piece`` 's storage, for ``vparam`` (param ``name``).
+    def of(piece: Tensor, comm: GradComm, space: ParamSpace, slot: int, vparam: Tensor, name: str) -> VirtualGrad:
+        """A ``VirtualGrad`` sharing ``piece`` 's storage, for ``vparam`` (param ``name``, index ``slot`` of the optimizer's ``space``).
 
         A virtual param in host memory (offload) with its piece on the GPU gets a placeholder of its
         device that refuses every torch function but metadata instead: ``.grad`` must be on the param's device.
@@ -215,7 +216,7 @@ class VirtualGrad(Tensor):
         else:
             grad = Tensor._make_subclass(VirtualGrad, torch.zeros((), dtype=piece.dtype, device=vparam.device).expand(piece.shape))
             grad.elsewhere = name
-        grad.comm = comm
+        grad.comm, grad.space, grad.slot = comm, space, slot
         return grad
 
     @classmethod
@@ -240,9 +241,9 @@ class VirtualGrad(Tensor):
 
 
 def _virtual_norm(grad: VirtualGrad, ord: float, dtype: torch.dtype | None) -> PartialNorm:
-    local = _disabled(local_power_sum, [grad], ord)
-    plain = torch.zeros((), dtype=torch.float64, device=local.device)
-    return PartialNorm.make(local, plain, [False], ord, grad.comm, dtype or grad.dtype, grad.device)
+    local = _disabled(local_power_sum, [grad], ord).reshape(1)
+    return PartialNorm.make(local, torch.zeros_like(local), [VIRTUAL], ord, grad.comm, dtype or grad.dtype, grad.device, slots=[grad.slot],
+                            spaces=[grad.space])
 
 
 def _foreach_norm(tensors: Sequence[Tensor], ord: Any = 2, dtype: torch.dtype | None = None) -> list[Tensor]:
