@@ -2,7 +2,8 @@
 
 The wheel holds only ``zeroshard/`` (with ``zeroshard/kernels/``) and its dist-info; ``zeroshard``
 and ``zeroshard.kernels`` import from site-packages; no top-level ``kernels`` (which would shadow
-the distribution transformers imports), ``bench``, ``tests`` or ``examples`` package is installed.
+the distribution transformers imports), ``bench``, ``tests`` or ``examples`` package is installed;
+the frameworks are not, and the adapters say how to get them.
 """
 
 from __future__ import annotations
@@ -26,9 +27,19 @@ if "site-packages" not in Path(zeroshard.__file__).parts:
 stray = [name for name in ("kernels", "bench", "tests", "examples") if importlib.util.find_spec(name) is not None]
 if stray:
     sys.exit(f"the wheel installed top-level packages {stray}")
-# The framework adapters' frameworks are dependencies of the wheel: each adapter imports.
+# The frameworks and safetensors are the "integrations" extra, not dependencies: the wheel alone
+# does not install them, and each adapter, imported without its framework, names the extra.
+installed = [name for name in ("transformers", "accelerate", "lightning", "safetensors") if importlib.util.find_spec(name) is not None]
+if installed:
+    sys.exit(f"installing the wheel installed {installed}: they belong to the integrations extra")
 for adapter in ("hf", "accelerate", "lightning"):
-    importlib.import_module(f"zeroshard.integrations.{adapter}")
-importlib.import_module("safetensors.torch")
+    try:
+        importlib.import_module(f"zeroshard.integrations.{adapter}")
+    except ModuleNotFoundError as error:
+        if "zeroshard[integrations]" not in str(error):
+            sys.exit(f"zeroshard.integrations.{adapter} without its framework does not name the extra: {error}")
+    else:
+        sys.exit(f"zeroshard.integrations.{adapter} imported without its framework")
+importlib.import_module("zeroshard.convert")  # its torch.save output needs no extra
 
 print(f"{wheel.name}: {sorted(top_level)}; zeroshard {zeroshard.__version__} imports from {Path(zeroshard.__file__).parent}")

@@ -2,12 +2,62 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# What ``import zeroshard`` leaves for first use: DCP (checkpoint_dir and checkpoint import it, and
+# DTensor, inside the functions that use it), sympy (torch.distributed.tensor imports it; plain
+# ``import torch`` does not), and the ``integrations`` extra.
+IMPORTED_ON_USE = ("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy", "transformers", "accelerate", "lightning", "safetensors")
+EXTRA = ("transformers", "accelerate", "lightning", "safetensors")
+
+
+def _blocked_env(tmp_path: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """The environment with each of ``names`` made unimportable (a package that raises on import, first on the path)."""
+    blocker = tmp_path / "blocker"
+    for name in names:
+        (blocker / name).mkdir(parents=True)
+        (blocker / name / "__init__.py").write_text(f"raise ModuleNotFoundError('{name} is blocked for this test', name='{name}')\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_import_leaves_checkpoint_and_frameworks_for_first_use():
+    code = f"import json, sys, zeroshard; print(json.dumps([name for name in {IMPORTED_ON_USE!r} if name in sys.modules]))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == [], "import zeroshard imported these at once; import them where they are used"
+
+
+def test_without_the_extra_adapters_and_safetensors_output_name_it(tmp_path):
+    code = """
+import sys
+import torch, torch.distributed.checkpoint as dcp
+for adapter in ("accelerate", "hf", "lightning"):
+    try:
+        __import__(f"zeroshard.integrations.{adapter}")
+    except ModuleNotFoundError as error:
+        print(adapter, error)
+    else:
+        sys.exit(f"zeroshard.integrations.{adapter} imported without its framework")
+from zeroshard.convert import convert
+dcp.save({"model": {"weight": torch.ones(3)}}, checkpoint_id=sys.argv[1])
+try:
+    convert(sys.argv[1], sys.argv[1] + ".safetensors")
+except ModuleNotFoundError as error:
+    print("convert", error)
+"""
+    env = _blocked_env(tmp_path, EXTRA)
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["accelerate", "hf", "lightning", "convert"], result.stdout
+    for line in lines:
+        assert "pip install 'zeroshard[integrations]'" in line, line
 
 
 def test_construct_step_save_and_load_without_numpy(tmp_path):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,10 +42,8 @@ from zeroshard.local_shard import LocalShard
 from zeroshard.loss_scaler import DynamicLossScaler
 from zeroshard.validation import param_name, throwaway_state
 
-try:  # torch >= 2.5
+if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch 2.4
-    from torch.distributed._tensor import DTensor, Replicate, Shard
 
 SHARDED_FORMAT = "zeroshard.sharded"
 FULL_FORMAT = "zeroshard.full"
@@ -230,9 +228,25 @@ def local_state(view: CheckpointView, k: int, b: int, key: str, numel: int) -> T
     return local
 
 
+def _dtensor_api() -> tuple[type[DTensor], type[Replicate], type[Shard]]:
+    """``DTensor`` and its placements, imported on first use: ``torch.distributed.tensor`` imports
+    sympy (a third of a second), which ``import zeroshard`` must not pay for."""
+    try:  # torch >= 2.5
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor import DTensor, Replicate, Shard
+    return DTensor, Replicate, Shard
+
+
 def _dtensor(view: CheckpointView, local: Tensor, numel: int) -> DTensor:
-    placements = [Shard(0)] if view.mesh.ndim == 1 else [Replicate(), Shard(0)]
-    return DTensor.from_local(local, view.mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
+    dtensor, replicate, shard = _dtensor_api()
+    placements = [shard(0)] if view.mesh.ndim == 1 else [replicate(), shard(0)]
+    return dtensor.from_local(local, view.mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
+
+
+def _to_local(value: Any) -> Any:
+    """A ``DTensor``'s local shard (what ``dcp.load`` filled in for this rank); any other value as is."""
+    return value.to_local() if isinstance(value, _dtensor_api()[0]) else value
 
 
 def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
@@ -323,7 +337,7 @@ def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys:
                 raise ValueError(f"state_dict bucket {k}.{bucket.index} holds {found}, expected {sorted(wanted)}")
             lo, hi = _local_range(view, k, bucket.index)
             for key, value in entry.items():
-                local = value.to_local() if isinstance(value, DTensor) else value
+                local = _to_local(value)
                 if tuple(value.shape) != (bucket.numel,) or local.numel() != hi - lo:
                     raise ValueError(
                         f"state_dict bucket {k}.{bucket.index} {key!r} has shape {tuple(value.shape)} with {local.numel()} local elements; "
@@ -361,7 +375,7 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
     for k, shard in enumerate(view.shards):
         keys, has_step = group_keys[view.shards[k].group]
         for bucket in shard.buffer.layout.buckets:
-            entry = {key: (v.to_local() if isinstance(v, DTensor) else v) for key, v in state_dict["buckets"][f"{k}.{bucket.index}"].items()}
+            entry = {key: _to_local(v) for key, v in state_dict["buckets"][f"{k}.{bucket.index}"].items()}
             for piece, vparam, offset in bucket_pieces(view, k, bucket.index):
                 step = steps[view.shards[k].param_indices[piece.param]]
                 if step:

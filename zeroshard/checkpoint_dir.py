@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 from zeroshard.checkpoint import check_layout
 
@@ -45,6 +44,8 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
             an entry that cannot be deserialized (corrupted); or, with ``optimizer``, the first
             param saved with another shape, or no zeroshard optimizer state under ``key``.
     """
+    from torch.distributed.checkpoint import FileSystemReader  # on use: `import zeroshard` stays free of DCP (and sympy)
+
     path = Path(checkpoint_id)
     metadata_file = path / METADATA
     if not metadata_file.is_file():

@@ -144,7 +144,8 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key:
     Raises:
         ValueError: a bad checkpoint file (named); no ``optim_key`` entry (``torch.save``
             output) or no ``model_key`` entry (safetensors output) in it, naming the keys found.
-        ImportError: safetensors output without the ``safetensors`` package.
+        ModuleNotFoundError: safetensors output without the ``safetensors`` package (the
+            ``integrations`` extra).
     """
     state = load_checkpoint(checkpoint)
     if str(out).endswith(".safetensors"):
@@ -152,8 +153,8 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key:
             raise ValueError(f"{checkpoint} has no {model_key!r} entry to write to {out} (it has {sorted(state)}); pass --model-key")
         try:
             from safetensors.torch import save_file  # optional: only this output needs it
-        except ImportError as error:
-            raise ImportError(f"writing {out} needs safetensors: a zeroshard dependency, reinstall zeroshard ({error})") from error
+        except ModuleNotFoundError as error:
+            raise ModuleNotFoundError(f"writing {out} needs safetensors: pip install 'zeroshard[integrations]' ({error})") from error
 
         tensors = {k: v.contiguous() for k, v in state[model_key].items() if torch.is_tensor(v)}
         save_file(tensors, str(out), metadata={"format": "pt"})

@@ -21,7 +21,7 @@ from typing import Any
 try:
     import accelerate
 except ModuleNotFoundError as error:  # an optional adapter: say how to get what it needs
-    raise ModuleNotFoundError(f"{__name__} needs accelerate: a zeroshard dependency, reinstall zeroshard ({error})") from error
+    raise ModuleNotFoundError(f"{__name__} needs accelerate: pip install 'zeroshard[integrations]' ({error})") from error
 import torch
 from torch import nn
 

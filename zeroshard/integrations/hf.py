@@ -22,7 +22,7 @@ try:
     import accelerate
     import transformers
 except ModuleNotFoundError as error:  # an optional adapter: say how to get what it needs
-    raise ModuleNotFoundError(f"{__name__} needs accelerate and transformers: zeroshard dependencies, reinstall zeroshard ({error})") from error
+    raise ModuleNotFoundError(f"{__name__} needs accelerate and transformers: pip install 'zeroshard[integrations]' ({error})") from error
 
 from zeroshard.integrations.accelerate import ShardedAccelerator, check_one_writer, sharded_optimizers
 

@@ -31,7 +31,7 @@ try:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import Precision
 except ModuleNotFoundError as error:  # an optional adapter: say how to get what it needs
-    raise ModuleNotFoundError(f"{__name__} needs lightning: a zeroshard dependency, reinstall zeroshard ({error})") from error
+    raise ModuleNotFoundError(f"{__name__} needs lightning: pip install 'zeroshard[integrations]' ({error})") from error
 import torch
 from torch import nn
 
