@@ -32,7 +32,7 @@ if stray:
 installed = [name for name in ("transformers", "accelerate", "lightning", "safetensors") if importlib.util.find_spec(name) is not None]
 if installed:
     sys.exit(f"installing the wheel installed {installed}: they belong to the integrations extra")
-for adapter in ("hf", "accelerate", "lightning"):
+for adapter in ("hf", "accelerate"):
     try:
         importlib.import_module(f"zeroshard.integrations.{adapter}")
     except ModuleNotFoundError as error:

@@ -1,7 +1,9 @@
-"""Run with 2 ranks under torch.distributed.run (CPU, gloo): HF Trainer with a ShardedOptimizer against
-the DDP Trainer with plain AdamW on a tiny Llama and real text, with max_grad_norm (clipping every
-step), gradient_accumulation_steps=2, a linear LR schedule, save_steps and resume_from_checkpoint
-(with ``--resume-on-one-rank``: stage 2's checkpoint resumed on 1 rank). Rank 0 prints one JSON line ``hf-result {...}`` for the parent test to check."""
+"""Run with 2 ranks under torch.distributed.run (CPU, gloo): the plain HF Trainer with a ShardedOptimizer
+against the same Trainer with plain AdamW (DDP) on a tiny Llama and real text, with max_grad_norm
+(clipping every step, through accelerate's ``clip_grad_norm_``), gradient_accumulation_steps=2, a
+linear LR schedule, save_steps and resume_from_checkpoint (with ``--resume-on-one-rank``: stage 2's
+checkpoint resumed on 1 rank). The one zeroshard class is the checkpoint callback
+``GatherOptimizerOnSave``. Rank 0 prints one JSON line ``hf-result {...}`` for the parent test to check."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from llama_text import TextDataset, tiny_llama, tolerance_ratio
 
 import zeroshard
 from zeroshard import collectives
-from zeroshard.integrations.hf import ShardedTrainer
+from zeroshard.integrations.hf import GatherOptimizerOnSave
 
 STEPS, SAVE_STEPS = 8, 4
 
@@ -55,10 +57,11 @@ def train(out: Path, stage: int | None, resume: str | None = None, callbacks=(),
     )
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
-    trainer_class = Trainer
+    callbacks = list(callbacks)
     if stage is not None:
-        opt, trainer_class = zeroshard.ShardedOptimizer(opt, stage=stage), ShardedTrainer
-    trainer = trainer_class(model=model, args=args, train_dataset=TextDataset(), optimizers=(opt, None), callbacks=list(callbacks))
+        opt = zeroshard.ShardedOptimizer(opt, stage=stage)
+        callbacks.append(GatherOptimizerOnSave())
+    trainer = Trainer(model=model, args=args, train_dataset=TextDataset(), optimizers=(opt, None), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
     return [p.detach().clone() for p in model.parameters()], norms

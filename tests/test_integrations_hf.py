@@ -1,4 +1,5 @@
-"""HF Trainer with a ShardedOptimizer (``zeroshard.integrations.hf.ShardedTrainer``) against the DDP Trainer.
+"""The plain HF Trainer with a ShardedOptimizer against the same Trainer with AdamW (DDP); checkpoints
+through ``zeroshard.integrations.hf.GatherOptimizerOnSave``.
 
 The run itself is ``hf_trainer_child.py`` under torchrun (2 gloo ranks): TrainingArguments sets up
 the process group and the Trainer its DDP wrapper, as in a user's script.
@@ -21,7 +22,7 @@ def test_trainer_matches_ddp_trainer_with_clipping_accumulation_and_resume(tmp_p
         r = result[stage]
         assert r["vs_ddp"] <= 1.0, (stage, r)  # params within rtol 1e-6 (atol 1e-7) of the DDP Trainer's after 8 steps
         assert r["resumed_vs_uninterrupted"] == 0.0, (stage, r)  # save_steps=4 + resume_from_checkpoint: bitwise equal
-        assert r["norms"] == pytest.approx(ddp_norms, rel=1e-5)  # the logged grad_norm is the global pre-clip norm
+        assert r["norms"] == pytest.approx(ddp_norms, rel=1e-6)  # the logged grad_norm is the global pre-clip norm
         assert r["reduce_scatters"] > 0 and r["during_micro_steps"] == 0, (stage, r)  # accumulation reduces once per step
     # The same checkpoint resumed on 1 rank with batch 4 (the same samples per micro-step as 2 x 2):
     # the optimizer.pt written at 2 ranks loads at 1 and the run ends where the 2-rank one did.

@@ -1,5 +1,8 @@
-"""Adapters for training frameworks, one module per framework, each imported only when used.
+"""The two checkpoint routes frameworks give no other way into, one module per framework, each imported only when used.
 
-The core of zeroshard never imports a framework; ``zeroshard.integrations.accelerate``,
-``zeroshard.integrations.hf`` and ``zeroshard.integrations.lightning`` import theirs (``pip install 'zeroshard[integrations]'``).
+Training needs no adapter: HF Trainer, accelerate, Lightning (``strategy="ddp"``) and Fabric run a
+``ShardedOptimizer`` with their own code. ``zeroshard.integrations.hf`` (a ``TrainerCallback``) and
+``zeroshard.integrations.accelerate`` (a ``save_state`` pre-hook) make their checkpoints whole;
+Lightning gathers through ``consolidate_state_dict()`` itself. Each imports its framework
+(``pip install 'zeroshard[integrations]'``); the core of zeroshard never does.
 """
