@@ -3,6 +3,7 @@ and stall after the data files, before .metadata (where the parent test SIGKILLs
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,8 +27,13 @@ class StallBeforeMetadata(FileSystemWriter):
         self.marker = marker
 
     def finish(self, metadata, results) -> None:
+        # Stall until torchrun (this worker's parent) is killed, then go too: torchrun starts its
+        # workers in sessions of their own, which the parent's kill of its process group misses.
+        agent, deadline = os.getppid(), time.monotonic() + 600
         self.marker.touch()
-        time.sleep(600)
+        while os.getppid() == agent and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os._exit(1)
 
 
 def main() -> None:
