@@ -119,9 +119,9 @@ class PartialNorm(Tensor):
     norms, ``.to(device)`` and a norm of a stack with the same ``ord`` (an *aggregate*) stay
     pending; any other use resolves the value (one collective, then cached) and runs on plain tensors.
 
-    An aggregate is resolved as torch computes it over DDP's gradients: each element's norm, exact,
-    rounded to the norm's dtype, then ``torch.linalg.vector_norm`` of those in stack order; the
-    ``VirtualGrad`` s' power sums, which no rank can split by param, are added in fp64 after it.
+    An aggregate is resolved as torch computes it over DDP's gradients: each gradient's norm, exact
+    (fp64 power sums), rounded to the norm's dtype, then ``torch.linalg.vector_norm`` of those in
+    stack order (the ``VirtualGrad`` s' gathered per param first, after the others).
 
     Attributes:
         local: fp64, one per element: this rank's ``sum |x| ** ord`` (``max |x|`` for inf); 0 for plain ones.
@@ -180,44 +180,44 @@ class PartialNorm(Tensor):
         what = "reading a gradient norm (its reduction over the ranks)"
         return self.comm.max(vector, what) if math.isinf(self.ord) else self.comm.sum_(vector, what)
 
-    def _element_values(self) -> Tensor:
-        """Per element its norm (fp64): sharded ones reduced over the ranks (one collective), virtual ones local, plain ones as given."""
-        sharded = [i for i, kind in enumerate(self.kinds) if kind == SHARDED]
-        local = self.local.clone()
-        if sharded:
-            local[sharded] = self._reduce(local[sharded])
+    def _norms(self, sharded: list[int], reduced: Tensor) -> Tensor:
+        """Per element its norm (fp64): the ``sharded`` ones from their ``reduced`` power sums, plain ones as given, virtual ones local."""
+        norms = self._root(self.local.clone())
+        norms[sharded] = self._root(reduced)
         plain = [i for i, kind in enumerate(self.kinds) if kind == PLAIN]
-        norms = self._root(local)
         norms[plain] = self.plain[plain]
         return norms
+
+    def _element_values(self) -> Tensor:
+        """Per element its norm: sharded ones reduced over the ranks (one collective), virtual ones local (a virtual param's own)."""
+        sharded = [i for i, kind in enumerate(self.kinds) if kind == SHARDED]
+        return self._norms(sharded, self._reduce(self.local[sharded]) if sharded else self.local[:0])
 
     def _aggregate_value(self) -> Tensor:
         """The norm of the elements, as ``torch.linalg.vector_norm`` of DDP's per-param norms computes it (one collective).
 
-        Virtual elements are this rank's pieces of params; their power sums are added per param
-        (``VirtualGrad.slot``, the param's index in its optimizer) when all come from one
-        optimizer, so that each param's norm is rounded to the norm's dtype as DDP's is, and
-        summed into one otherwise.
+        Virtual elements are this rank's pieces of params: their power sums go into one vector
+        indexed by param (``VirtualGrad.slot``, the param's ``torch.optim`` index), the same length
+        on every rank, reduced with the sharded elements' and a count of pieces per param; each
+        param's norm is then rounded to the norm's dtype as DDP's is. Virtual elements of several
+        optimizers are summed into one entry instead.
         """
-        inf = math.isinf(self.ord)
         sharded = [i for i, kind in enumerate(self.kinds) if kind == SHARDED]
         virtual = [i for i, kind in enumerate(self.kinds) if kind == VIRTUAL]
         spaces = {id(space): space for i, space in enumerate(self.spaces) if i in virtual and space is not None}
-        size = next(iter(spaces.values())).size if len(spaces) == 1 else 1
-        slots = torch.tensor([self.slots[i] if len(spaces) == 1 else 0 for i in virtual], dtype=torch.long, device=self.local.device)
-        zeros = torch.zeros(size, dtype=torch.float64, device=self.local.device)
-        per_slot = zeros.scatter_reduce(0, slots, self.local[virtual], "amax" if inf else "sum")
-        present = zeros.index_add(0, slots, torch.ones(len(virtual), dtype=torch.float64, device=self.local.device))
-        vector = torch.cat([self.local[sharded], per_slot, present])
+        one = len(spaces) == 1
+        size = next(iter(spaces.values())).size if one else 1
+        device = self.local.device
+        slots = torch.tensor([self.slots[i] if one else 0 for i in virtual], dtype=torch.long, device=device)
+        zeros = torch.zeros(size, dtype=torch.float64, device=device)
+        per_param = zeros.scatter_reduce(0, slots, self.local[virtual], "amax" if math.isinf(self.ord) else "sum")
+        pieces = zeros.index_add(0, slots, torch.ones(len(virtual), dtype=torch.float64, device=device))
+        vector = torch.cat([self.local[sharded], per_param, pieces])
         if sharded or virtual:
             vector = self._reduce(vector)
-        norms = self._root(self.local.clone())
-        norms[sharded] = self._root(vector[: len(sharded)])
-        plain = [i for i, kind in enumerate(self.kinds) if kind == PLAIN]
-        norms[plain] = self.plain[plain]
-        kept = norms[[i for i in range(len(self.kinds)) if i not in virtual]]
-        per_slot, present = vector[len(sharded) : len(sharded) + size], vector[len(sharded) + size :]
-        values = torch.cat([kept, self._root(per_slot[present > 0])])
+        per_param, pieces = vector[len(sharded) : len(sharded) + size], vector[len(sharded) + size :]
+        kept = self._norms(sharded, vector[: len(sharded)])[[i for i in range(len(self.kinds)) if i not in virtual]]
+        values = torch.cat([kept, self._root(per_param[pieces > 0])])
         with torch._C.DisableTorchFunctionSubclass():
             return torch.linalg.vector_norm(values.to(self.dtype), self.ord)
 

@@ -177,6 +177,7 @@ class ShardedGrad(Tensor):
             _disabled(Tensor.zero_, self)
             return self
         self._check_live(name)
+        args, kwargs = _gathered(args, self), {k: _gathered(v, self) for k, v in kwargs.items()}  # once, on every rank, whatever its pieces
         for offset, piece in self.local_pieces():
             n = piece.numel()
             _disabled(func, piece, *[_sliced(a, self, offset, n) for a in args], **{k: _sliced(v, self, offset, n) for k, v in kwargs.items()})
@@ -263,6 +264,7 @@ def _foreach_norm(tensors: Sequence[Tensor], ord: Any = 2, dtype: torch.dtype | 
 def _foreach_edit(func: Any, tensors: Sequence[Tensor], args: Any, kwargs: dict[str, Any]) -> None:
     """A ``torch._foreach_*_`` edit: each ``ShardedGrad`` replaced by its pieces, per-tensor arguments repeated or sliced alike."""
     targets: list[Tensor] = []
+    args = _gathered(args)  # another gradient as an argument: gathered once, on every rank
     lists = [a for a in args if isinstance(a, (list, tuple))]
     per_tensor: list[list[Any]] = [[] for _ in lists]
     for j, t in enumerate(tensors):
@@ -286,11 +288,6 @@ def _foreach_edit(func: Any, tensors: Sequence[Tensor], args: Any, kwargs: dict[
 
 def _sliced(value: Any, grad: ShardedGrad, offset: int, numel: int) -> Any:
     """An argument of an edit of ``grad``'s piece at ``offset``: a tensor of the param's shape sliced alike; anything else as is."""
-    if isinstance(value, ShardedGrad):
-        if value is grad:
-            raise RuntimeError(f"{grad.param_name}: an in-place edit reading the gradient itself is not supported on sharded gradients; "
-                               "gather it with p.grad.full_tensor()")
-        value = value.full_tensor()
     if isinstance(value, Tensor) and value.dim() > 0 and value.numel() > 1:
         if tuple(value.shape) != tuple(grad.shape):
             raise RuntimeError(f"{grad.param_name}: an in-place edit of its sharded gradient {tuple(grad.shape)} takes scalars or tensors of "
@@ -299,12 +296,19 @@ def _sliced(value: Any, grad: ShardedGrad, offset: int, numel: int) -> Any:
     return value
 
 
-def _gathered(value: Any) -> Any:
-    """``value`` with every ``ShardedGrad`` (also inside lists) replaced by its gathered full tensor."""
+def _gathered(value: Any, edited: ShardedGrad | None = None) -> Any:
+    """``value`` with every ``ShardedGrad`` (also inside lists) replaced by its gathered full tensor (a collective each).
+
+    Raises:
+        RuntimeError: ``value`` holds ``edited`` itself: an in-place edit reading the gradient it edits.
+    """
+    if edited is not None and value is edited:
+        raise RuntimeError(f"{edited.param_name}: an in-place edit reading the gradient itself is not supported on sharded gradients; "
+                           "gather it with p.grad.full_tensor()")
     if isinstance(value, ShardedGrad):
         return value.full_tensor()
     if isinstance(value, (list, tuple)):
-        return type(value)(_gathered(v) for v in value)
+        return type(value)(_gathered(v, edited) for v in value)
     return value
 
 
