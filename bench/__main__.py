@@ -7,11 +7,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench import kernel, memory, muon, offload, step
-from bench.harness import RESULTS_DIR, NotEnoughGPUs, format_table, write_csv
+from bench import kernel, memory, muon, offload, overhead, step
+from bench.harness import RESULTS_DIR, NotEnoughGPUs, format_table, measured_on, write_csv
 
 # name -> module with SUMMARY (one line for --help), TABLES (what to print) and run(quick) -> rows.
-SUITES = {"step": step, "memory": memory, "kernel": kernel, "offload": offload, "muon": muon}
+SUITES = {"step": step, "memory": memory, "kernel": kernel, "offload": offload, "muon": muon, "overhead": overhead}
 
 
 def suite_name(value: str) -> str:
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         for table in SUITES[name].TABLES:
             print(f"\n{format_table(table.select(rows))}\n{table.legend}")
+        print(measured_on())
         path = write_csv(name, rows, args.out)
         print(f"\n{name}: {time.perf_counter() - start:.0f} s, wrote {path}\n")
     if skipped:  # what was asked for and did not run fails the command, after the rest ran

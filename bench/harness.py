@@ -90,6 +90,12 @@ def stamp() -> dict[str, str]:
     }
 
 
+def measured_on() -> str:
+    """The line under a suite's tables that says where and when it ran: the stamp of its CSV rows."""
+    head = stamp()
+    return f"measured on {head['device']}, torch {head['torch']}, {head['date']} (UTC)"
+
+
 def write_csv(suite: str, rows: list[dict[str, Any]], out_dir: Path = RESULTS_DIR) -> Path:
     """Write ``rows`` (stamped) to ``out_dir/<suite>-<date>-<device>.csv``; return the path.
 

@@ -109,18 +109,26 @@ def time_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     return [b - a for a, b in zip(marks, marks[1:])]
 
 
-def rank_main(config: gpt.GPTConfig, dtype: torch.dtype, rounds: int, steps: int, warmup: int) -> dict[str, list[float]]:
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    x, y = gpt.batch(config, dist.get_rank(), device)
-    built: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {m: build_method(m, config, device, dtype) for m in METHODS}
+def time_rounds(built: dict[str, tuple[nn.Module, torch.optim.Optimizer]], x: torch.Tensor, y: torch.Tensor, rounds: int, steps: int,
+                warmup: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds per step of each method in ``built``: ``warmup`` untimed steps each, then ``rounds`` rounds of
+    ``steps`` timed steps per method (:func:`time_steps`), the methods in reverse order every other round."""
     for model, opt in built.values():
         time_steps(model, opt, x, y, warmup, device)
-    samples: dict[str, list[float]] = {m: [] for m in METHODS}
+    methods = tuple(built)
+    samples: dict[str, list[float]] = {m: [] for m in methods}
     for round_ in range(rounds):
-        for method in METHODS if round_ % 2 == 0 else METHODS[::-1]:  # each method follows each neighbour equally often
+        for method in methods if round_ % 2 == 0 else methods[::-1]:  # each method follows each neighbour equally often
             model, opt = built[method]
             samples[method] += time_steps(model, opt, x, y, steps, device)
     return samples
+
+
+def rank_main(config: gpt.GPTConfig, dtype: torch.dtype, rounds: int, steps: int, warmup: int) -> dict[str, list[float]]:
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    x, y = gpt.batch(config, dist.get_rank(), device)
+    built = {m: build_method(m, config, device, dtype) for m in METHODS}
+    return time_rounds(built, x, y, rounds, steps, warmup, device)
 
 
 def settings(quick: bool) -> list[tuple[gpt.GPTConfig, torch.dtype, int, int, int]]:

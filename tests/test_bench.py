@@ -1,5 +1,5 @@
 """The benchmark harness pieces that compute, the command line, and end-to-end runs of the step,
-kernel, offload and muon suites (their output included). No timing is asserted."""
+kernel, offload, muon and overhead suites (their output included). No timing is asserted."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import bench.__main__ as bench_main  # noqa: E402
-from bench import harness, muon  # noqa: E402
+from bench import harness, muon, overhead  # noqa: E402
 from bench.formulas import zero_bytes  # noqa: E402
 from bench.harness import RATIO_LEGEND, Table, Timing, format_table, percentile, ratio, write_csv  # noqa: E402
 from bench.offload import without_profiler_noise  # noqa: E402
@@ -85,7 +85,7 @@ def test_help_lists_the_suites_and_what_each_measures(capsys):
         bench_main.main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "{step,memory,kernel,offload,muon}" in out
+    assert "{step,memory,kernel,offload,muon,overhead}" in out
     assert "{," not in out and "[]" not in out  # no empty choice
     for name, suite in bench_main.SUITES.items():
         assert f"  {name}  " in out and suite.SUMMARY in out
@@ -111,7 +111,7 @@ def test_an_unknown_suite_is_refused_before_any_runs(capsys):
         bench_main.main(["kernel", "stpe"])
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
-    assert "invalid choice: 'stpe' (choose from 'step', 'memory', 'kernel', 'offload', 'muon')" in captured.err
+    assert "invalid choice: 'stpe' (choose from 'step', 'memory', 'kernel', 'offload', 'muon', 'overhead')" in captured.err
     assert captured.out == ""
 
 
@@ -129,6 +129,7 @@ def test_no_suite_runs_every_suite_and_prints_each_table_under_its_legend(monkey
         assert lines[times - 3].split() == ["kind", "method", "median_ms"] and name in lines[times - 1]
         assert lines[ratios - 3].split() == ["kind", "method", "ratio"] and name in lines[ratios - 1]
         assert len(list(tmp_path.glob(f"{name}-*.csv"))) == 1
+    assert lines.count(harness.measured_on()) == 2  # under each suite's tables: where and when it ran
 
 
 def test_every_table_has_a_one_line_legend():
@@ -235,3 +236,37 @@ def test_muon_suite_runs_end_to_end(tmp_path):
     assert sum(float(r["state_MiB"]) for r in state[1:]) == pytest.approx(unsharded, rel=1e-6)
     for r in state:
         assert float(r["vs_ideal"]) == pytest.approx(float(r["state_MiB"]) / float(r["ideal_MiB"]), rel=1e-6)
+
+
+def test_host_syncs_are_scalar_reads_and_blocking_copies_to_the_host():
+    accelerator = torch.empty(3, device="meta")  # stands for a GPU tensor: the rule reads devices only
+    host = torch.zeros(3)
+    assert overhead.is_host_sync("aten::_local_scalar_dense", (host,), {})
+    assert overhead.is_host_sync("aten::_to_copy", (accelerator,), {"device": torch.device("cpu")})
+    assert overhead.is_host_sync("aten::copy_", (host, accelerator), {})
+    assert not overhead.is_host_sync("aten::_to_copy", (accelerator,), {"device": "cpu", "non_blocking": True})
+    assert not overhead.is_host_sync("aten::copy_", (host, accelerator, True), {})
+    assert not overhead.is_host_sync("aten::_to_copy", (host,), {"dtype": torch.float16})
+    assert not overhead.is_host_sync("aten::copy_", (accelerator, host), {})  # host to device: no wait
+    with overhead.OpCounter() as counter:
+        host.sum().item()
+    counts = counter.counts()
+    assert (counts.aten, counts.c10d, dict(counts.host_syncs)) == (2, 0, {"aten::_local_scalar_dense": 1})
+    with overhead.OpCounter() as counter:
+        host.tolist()  # a CPU tensor's list reads memory, dispatching nothing
+    assert counter.counts().aten == 0
+
+
+def test_overhead_suite_runs_end_to_end(tmp_path):
+    rows = _run_suite("overhead", tmp_path, phases=1, ranks=2)
+    assert [(r["size"], r["method"]) for r in rows] == [("small-compute", m) for m in overhead.METHODS]  # --quick: the small size only
+    for r in rows:
+        counts = {column: r[column] for column in ("aten_ops", "host_syncs", "c10d_ops")}
+        assert all(value.isdigit() for value in counts.values()), counts
+        assert int(r["aten_ops"]) > 0 and int(r["c10d_ops"]) > 0, counts
+        named = [entry.rsplit("=", 1) for entry in r["sync_ops"].split()]  # "op=calls" for each sync op
+        assert sum(int(n) for _, n in named) == int(r["host_syncs"]) and all(op.startswith("aten::") for op, _ in named), r
+        assert int(r["param_tensors"]) > 0 and float(r["median_ms"]) > 0
+    times = {(r["size"], r["method"]): float(r["median_ms"]) for r in rows}
+    for r in rows:  # each ratio is the two medians of this same run and size
+        assert float(r["ratio"]) == pytest.approx(times[r["size"], r["method"]] / times[r["size"], overhead.BASELINE], rel=1e-6)
