@@ -77,7 +77,10 @@ def build_method(method: str, config: gpt.GPTConfig, device: torch.device,
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
         return model, torch.optim.AdamW(gpt.decay_groups(model), **ADAMW)
     stage = {"zeroshard_stage1": 1, "zeroshard_stage2": 2}[method]
-    return model, zeroshard.ShardedOptimizer(torch.optim.AdamW(gpt.decay_groups(model), **ADAMW), stage=stage)
+    # A process group of its own: ShardedOptimizers that share one take turns, and each backward
+    # also reduces the others' buckets with zeros (zeroshard/launch_order.py), which would time
+    # both methods' reductions in every step of either.
+    return model, zeroshard.ShardedOptimizer(torch.optim.AdamW(gpt.decay_groups(model), **ADAMW), stage=stage, process_group=dist.new_group())
 
 
 def _sync(device: torch.device) -> None:
