@@ -95,6 +95,16 @@ def _reads(model, opt):
     return norms + [total] + [float(f) for f in finite] + sums
 
 
+def _replacements(model, opt):
+    params = _trainable(model)
+    params[0].grad = params[0].grad * 0.5  # a new tensor (gathered), taken as the gradient at step()
+    params[1].grad.data = params[1].grad.data.clamp(-0.01, 0.01)
+    torch.mul(params[2].grad, 0.25, out=params[2].grad)
+    torch._foreach_maximum_([p.grad for p in params[3:5]], 0.0)
+    torch._foreach_addcmul_([params[5].grad], [torch.ones_like(params[5])], [torch.ones_like(params[5])], value=1e-3)
+    return [torch.linalg.vector_norm(p.grad, keepdim=True).reshape(-1).tolist()[0] for p in params]
+
+
 VARIANTS = {
     "clip_grad_norm_": lambda m, o: _clip(m, o, foreach=False),
     "clip_grad_norm_(foreach=True)": lambda m, o: _clip(m, o, foreach=True),
@@ -103,6 +113,7 @@ VARIANTS = {
     "clip_grad_value_(foreach=True)": lambda m, o: _clip_value(m, o, foreach=True),
     "div_, _foreach_mul_, nan_to_num_, clamp_, add_": _edits,
     "norms, isfinite, sum": _reads,
+    "p.grad = t, .data = t, out=, _foreach_maximum_, _foreach_addcmul_": _replacements,
 }
 
 

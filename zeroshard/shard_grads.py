@@ -129,19 +129,40 @@ class ShardGrads:
             for piece in self.pieces_of[i]:
                 self.shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
 
-    def settle(self, i: int, param: nn.Parameter) -> None:
-        """Follow a ``model.zero_grad()`` done to param ``i`` since its gradient was reduced.
+    @torch.no_grad()
+    def settle(self, i: int, param: nn.Parameter, take: bool = False) -> None:
+        """Follow what user code did to param ``i``'s ``.grad`` since its gradient was reduced.
 
         ``.grad`` set to ``None`` drops the gradient (this rank's pieces of it in the grad shard are
         zeroed, and the param counts as unused, as in ``torch.optim``); zeroed in place
         (``set_to_none=False``) leaves a zero gradient, which ``torch.optim`` still steps. Stage 1
-        zeroes the param's running local sum in the flat grad buffer too.
+        zeroes the param's running local sum in the flat grad buffer too. Replaced by a tensor
+        (``p.grad = p.grad * 0.5``, a full tensor: the ``ShardedGrad`` gathers for it): with
+        ``take`` (at ``step()``) its elements become this rank's pieces and ``.grad`` the
+        ``ShardedGrad`` again; otherwise (another reduction follows, which reduces the new tensor
+        with whatever backward adds to it, as DDP would) the old pieces are dropped.
         """
         version = self.reduced_versions.get(i)
         if version is None:
             return
         grad, left = param.grad, self.reduced[i]
         if grad is left and grad._version == version:
+            return
+        if grad is left:
+            with torch._C.DisableTorchFunctionSubclass():
+                if left.data_ptr() != left.placeholder:
+                    raise RuntimeError(f"{self.shard.buffer.names[i]}: Tensor.set_() replaced the storage of its sharded gradient, which "
+                                       "zeroshard cannot follow; assign a new gradient instead (p.grad = t)")
+        if take and grad is not None and grad is not left and not isinstance(grad, ShardedGrad):
+            values = grad.detach().reshape(-1).to(self.shard.grad_shard.dtype)
+            for piece in self.pieces_of[i]:
+                start, end = piece.param_offset, piece.param_offset + piece.numel
+                self.shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(values[start:end])
+            if self.flat is not None:
+                self.flat_view(i).copy_(grad)
+            self.used[i] = True
+            param.grad = left
+            self.reduced_versions[i] = left._version
             return
         self.drop_pieces(i)
         if self.flat is not None:
@@ -203,7 +224,7 @@ class ShardGrads:
         """Before a step: follow what was done to every param's gradient (:meth:`settle`; stage 1 also: a flat view set to ``None``)."""
         for i, param in enumerate(self.shard.buffer.params):
             if i in self.reduced_versions:
-                self.settle(i, param)
+                self.settle(i, param, take=True)
             elif self.flat is not None and param.grad is None and self.used[i] and not self.ready[i]:
                 self.drop_pieces(i)  # set to None after its gradient was reduced
                 self.used[i] = False

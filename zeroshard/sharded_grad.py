@@ -32,6 +32,7 @@ of several are combined: clipping ``opt.param_groups``, as Lightning and Fabric 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 
 # Torch functions that read only metadata, or that nn.Module.zero_grad and printing call.
 _METADATA = frozenset({
-    "__set__", "size", "dim", "numel", "nelement", "stride", "element_size", "is_contiguous", "is_floating_point", "is_complex",
+    "__set__", "size", "dim", "numel", "nelement", "stride", "element_size", "is_floating_point", "is_complex",
     "requires_grad_", "detach_", "_is_view", "_has_compatible_shallow_copy_type", "data_ptr", "storage_offset", "__len__",
     "get_device", "is_sparse", "is_pinned",
 })
@@ -61,7 +62,8 @@ _INPLACE = frozenset({
 })
 _FOREACH_INPLACE = frozenset({
     "_foreach_mul_", "_foreach_div_", "_foreach_clamp_min_", "_foreach_clamp_max_", "_foreach_zero_", "_foreach_add_",
-    "_foreach_sub_", "_foreach_neg_", "_foreach_abs_", "_foreach_sqrt_", "_foreach_pow_", "_foreach_lerp_",
+    "_foreach_sub_", "_foreach_neg_", "_foreach_abs_", "_foreach_sqrt_", "_foreach_pow_", "_foreach_lerp_", "_foreach_copy_",
+    "_foreach_maximum_", "_foreach_minimum_", "_foreach_addcmul_", "_foreach_addcdiv_", "_foreach_sign_",
 })
 
 
@@ -73,7 +75,7 @@ def _disabled(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 class ShardedGrad(Tensor):
     """A model param's ``.grad`` after zeroshard reduced it: DDP's averaged gradient, held as pieces across the ranks.
 
-    Shape and dtype of the param, one element of storage (stride 0). Made once per param by
+    Shape and dtype of the param, one element of storage (stride 0, NaN). Made once per param by
     :meth:`zeroshard.shard_grads.ShardGrads.sharded_grad` and reused; see the module docstring for
     what it answers and which calls are collectives.
 
@@ -86,6 +88,7 @@ class ShardedGrad(Tensor):
     home: ShardGrads
     param_index: int
     epoch: int
+    placeholder: int  # the data pointer of its one element: ``Tensor.set_`` (which no torch function sees) changes it
 
     @property
     def param_name(self) -> str:
@@ -139,21 +142,29 @@ class ShardedGrad(Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name == "__get__":
+        if name in ("__get__", "__set__"):
             prop = getattr(getattr(func, "__self__", None), "__name__", "")
-            if prop == "data":
-                return args[0]
+            if prop == "data" and isinstance(args[0], ShardedGrad):  # .data is the gradient itself; .data = t writes t's values
+                if name == "__get__" or args[1] is args[0]:  # nn.Module._apply sets grad.data to what .to() returned: itself
+                    return args[0] if name == "__get__" else None
+                return args[0]._edit(Tensor.copy_, "copy_", (args[1],), {})
             if prop not in _VALUE_PROPERTIES:
                 return _disabled(func, *args, **kwargs)
+        elif name == "is_contiguous":
+            return True  # the gradient it stands for is (its one-element placeholder is not)
         elif name in _METADATA or (name == "type" and len(args) == 1 and not kwargs):  # type(): the type's name
             return _disabled(func, *args, **kwargs)
+        out = kwargs.get("out")
+        if isinstance(out, ShardedGrad):  # torch.mul(g, 0.5, out=g): computed on the gathered values, written into the pieces
+            result = _disabled(func, *_gathered(args), **{k: _gathered(v) for k, v in kwargs.items() if k != "out"})
+            return out._edit(Tensor.copy_, "copy_", (result,), {})
         self = args[0] if args and isinstance(args[0], ShardedGrad) else None
         if self is not None:
             if name == "detach" or (name in _CONVERSIONS and _converts_to_itself(self, func, args[1:], kwargs)):
                 return self
             if name in _NORMS:
                 ord, dim, dtype = _norm_arguments(args[1:], kwargs)
-                if dim is None and _vector_norm(name, ord, self):
+                if dim is None and not kwargs.get("keepdim", args[3] if len(args) > 3 else False) and _vector_norm(name, ord, self):
                     return self._norm(norm_order(ord), dtype)
             elif name in _INPLACE:
                 return self._edit(func, name, args[1:], kwargs)
@@ -162,6 +173,8 @@ class ShardedGrad(Tensor):
         if name in _FOREACH_INPLACE and args:
             _foreach_edit(func, args[0], args[1:], kwargs)
             return None
+        if name.startswith("_foreach_") and name.endswith("_") and args and isinstance(args[0], (list, tuple)):
+            self = next((t for t in args[0] if isinstance(t, ShardedGrad)), None)
         if self is not None and (name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))):
             raise RuntimeError(f"{self.param_name}: torch.{name} cannot edit a gradient held as pieces on several ranks (ZeRO); "
                                "elementwise edits (mul_, div_, clamp_, add_, copy_, zero_, nan_to_num_, their _foreach forms) work, "
@@ -174,7 +187,7 @@ class ShardedGrad(Tensor):
             if not self.consumed:
                 for _, piece in self.local_pieces():
                     piece.zero_()
-            _disabled(Tensor.zero_, self)
+            _disabled(Tensor.fill_, self, math.nan)  # moves the version, which the reducer reads (settle)
             return self
         self._check_live(name)
         args, kwargs = _gathered(args, self), {k: _gathered(v, self) for k, v in kwargs.items()}  # once, on every rank, whatever its pieces
@@ -332,7 +345,9 @@ def _converts_to_itself(grad: Tensor, func: Any, args: Any, kwargs: dict[str, An
 
 def make_sharded_grad(param: nn.Parameter, home: ShardGrads, index: int) -> ShardedGrad:
     """A new ``ShardedGrad`` for ``param`` (its shape, dtype and device; one element of storage)."""
-    grad = Tensor._make_subclass(ShardedGrad, torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape))
+    # NaN: a read that bypasses torch functions (torch.tensor(p.grad), a C++ extension) shows it is not the gradient
+    grad = Tensor._make_subclass(ShardedGrad, torch.full((), math.nan, dtype=param.dtype, device=param.device).expand(param.shape))
     grad.home, grad.param_index, grad.epoch = home, index, home.epoch
+    grad.placeholder = _disabled(grad.data_ptr)
     return grad
 
