@@ -209,8 +209,9 @@ class GradReducer:
                     "backward of the step (accumulate micro-steps with opt.no_sync()), or use stage=2")
         grads, held = self._grads[k], param.grad
         # Holds a gradient reduced in this step (one not zeroed since; see refuse_partial_write).
-        grads.continued[i] = self._reductions > 0 and held is not None and (
-            self.stage == 1 or (grads.reduced_versions.get(i) == held._version and held is grads.reduced.get(i)))
+        with torch._C.DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call
+            grads.continued[i] = self._reductions > 0 and held is not None and (
+                self.stage == 1 or (held is grads.reduced.get(i) and grads.reduced_versions.get(i) == held._version))  # type: ignore[union-attr]
         if i in grads.reduced_versions:
             self._settle(k, i, param)  # zeroed or set to None since it was reduced
             if param.grad is held and isinstance(held, ShardedGrad):
@@ -294,13 +295,13 @@ class GradReducer:
 
     def _keep_in_flat_grad(self, k: int, i: int, param: nn.Parameter) -> None:
         """Stage 1: make ``param.grad`` a view of the flat grad buffer, copying if autograd made a new one."""
-        view = self.shards[k].buffer.param_view(i, of=self._grads[k].flat)
+        view = self._grads[k].flat_view(i)
         grad = param.grad
         if grad is None:
             view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad.reshape(-1))
-            param.grad = view.view_as(param)
+        elif grad is not view and grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            param.grad = view
 
     def _take_grad(self, k: int, i: int, param: nn.Parameter, last: bool = False) -> None:
         """Count a gradient of param ``i`` of shard ``k`` (``last``: at the end of the pass); stage 2 moves it into the staging bucket."""
@@ -421,9 +422,10 @@ class GradReducer:
             return
         for k, shard in enumerate(self.shards):
             grads = self._grads[k]
+            grads.live = True
             for i, param in enumerate(shard.buffer.params):
                 grad = param.grad
-                if grad is None or isinstance(grad, ShardedGrad) or self.stage == 1:
+                if grad is None or (self.stage == 1 and not isinstance(grad, ShardedGrad)):  # stage 2: left by _take_grad already
                     param.grad = grads.sharded_grad(i, param)
 
     def drop_unused_grads(self, used: list[list[bool]]) -> None:
@@ -456,7 +458,7 @@ class GradReducer:
             grads.clear_backward()
 
     def _is_flat_grad_view(self, k: int, i: int, param: nn.Parameter) -> bool:
-        return param.grad is not None and param.grad.data_ptr() == self.shards[k].buffer.param_view(i, of=self._grads[k].flat).data_ptr()
+        return param.grad is not None and param.grad.data_ptr() == self._grads[k].flat_view(i).data_ptr()
 
     def reduce_for_step(self) -> None:
         """Reduce whatever is still local: gradients from ``no_sync``, a late one (``_take_grad``), or a step with no reduced backward.

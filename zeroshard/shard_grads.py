@@ -37,7 +37,7 @@ class ShardGrads:
         continued: per param: an earlier backward of this step reduced the gradient it holds, so a
             hook in this backward sees this rank's gradient, where DDP shows the all-reduced sum.
         comm: the shard group the grad shard's pieces are spread over (for the ``ShardedGrad`` s' reads).
-        epoch: steps consumed so far (``reset``); a ``ShardedGrad`` from an earlier epoch was consumed.
+        live: a reduction left gradients in the grad shard that no ``step()`` has consumed yet (``reset``).
         edited: a ``ShardedGrad`` of this shard was edited in place (not zeroed) since the last reset.
         hook_ids: per param, the handle id of zeroshard's post-accumulate-grad hook on it.
         landed: per bucket: a reduction has been launched into its slice of the grad shard since
@@ -55,9 +55,10 @@ class ShardGrads:
     used: list[bool]
     continued: list[bool]
     comm: GradComm
-    epoch: int = 0
+    live: bool = False
     edited: bool = False
     reduced: dict[int, ShardedGrad] = field(default_factory=dict)
+    flat_views: list[Tensor] = field(default_factory=list)  # stage 1, per param: its view of ``flat`` (flat_view)
     reduced_versions: dict[int, int] = field(default_factory=dict)
     hook_ids: dict[int, int] = field(default_factory=dict)
     landed: list[bool] = field(default_factory=list)
@@ -105,23 +106,26 @@ class ShardGrads:
         self.used = [False] * len(self.used)
         self.continued = [False] * len(self.continued)
         self.landed = [False] * len(self.landed)
-        self.epoch += 1
+        self.live = False
         self.edited = False
 
     def sharded_grad(self, i: int, param: nn.Parameter) -> ShardedGrad:
-        """The ShardedGrad to leave in param ``i``'s ``.grad`` once reduced (made once, current epoch), its version noted as left."""
-        left = self.reduced.get(i)
-        if left is None or left.device != param.device or left.dtype != param.dtype:
-            left = self.reduced[i] = make_sharded_grad(param, self, i)
-        left.epoch = self.epoch
-        self.reduced_versions[i] = left._version
+        """The ShardedGrad to leave in param ``i``'s ``.grad`` once reduced (made once), its version noted as left."""
+        with torch._C.DisableTorchFunctionSubclass():  # its attributes without a Python call each (once per param and backward)
+            left = self.reduced.get(i)
+            if left is None or left.device != param.device or left.dtype != param.dtype:
+                left = self.reduced[i] = make_sharded_grad(param, self, i)
+            self.reduced_versions[i] = left._version
         return left
 
     def flat_view(self, i: int) -> Tensor:
-        """Stage 1: param ``i``'s view of the flat grad buffer, shaped like the param (its running local gradient)."""
+        """Stage 1: param ``i``'s view of the flat grad buffer, shaped like the param (its running local gradient; made once)."""
         if self.flat is None:
             raise RuntimeError("internal error: stage 2 keeps no flat grad buffer")
-        return self.shard.buffer.param_view(i, of=self.flat).view_as(self.shard.buffer.params[i])
+        if not self.flat_views:
+            params = self.shard.buffer.params
+            self.flat_views = [self.shard.buffer.param_view(j, of=self.flat).view_as(params[j]) for j in range(len(params))]
+        return self.flat_views[i]
 
     def drop_pieces(self, i: int) -> None:
         """Zero this rank's pieces of param ``i`` in the grad shard (if it holds any)."""
@@ -146,7 +150,9 @@ class ShardGrads:
         if version is None:
             return
         grad, left = param.grad, self.reduced[i]
-        if grad is left and grad._version == version:
+        with torch._C.DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call
+            unchanged = grad is left and grad._version == version
+        if unchanged:
             return
         if grad is left:
             with torch._C.DisableTorchFunctionSubclass():

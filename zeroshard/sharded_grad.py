@@ -80,14 +80,12 @@ class ShardedGrad(Tensor):
     what it answers and which calls are collectives.
 
     Attributes:
-        home: the reducer's record of the shard (its grad shard, this param's pieces, the step epoch).
+        home: the reducer's record of the shard (its grad shard, this param's pieces, whether they are live).
         param_index: the param's index in its flat buffer (layout order).
-        epoch: ``home.epoch`` when this gradient was last reduced; another means ``step()`` consumed it.
     """
 
     home: ShardGrads
     param_index: int
-    epoch: int
     placeholder: int  # the data pointer of its one element: ``Tensor.set_`` (which no torch function sees) changes it
 
     @property
@@ -102,7 +100,7 @@ class ShardedGrad(Tensor):
     @property
     def consumed(self) -> bool:
         """Whether ``step()`` used this gradient since it was reduced (its values are gone)."""
-        return self.epoch != self.home.epoch
+        return not self.home.live
 
     def local_pieces(self) -> list[tuple[int, Tensor]]:
         """This rank's pieces: ``(offset in the flattened param, 1-D view of the grad shard)`` each (master dtype)."""
@@ -347,7 +345,7 @@ def make_sharded_grad(param: nn.Parameter, home: ShardGrads, index: int) -> Shar
     """A new ``ShardedGrad`` for ``param`` (its shape, dtype and device; one element of storage)."""
     # NaN: a read that bypasses torch functions (torch.tensor(p.grad), a C++ extension) shows it is not the gradient
     grad = Tensor._make_subclass(ShardedGrad, torch.full((), math.nan, dtype=param.dtype, device=param.device).expand(param.shape))
-    grad.home, grad.param_index, grad.epoch = home, index, home.epoch
+    grad.home, grad.param_index = home, index
     grad.placeholder = _disabled(grad.data_ptr)
     return grad
 
