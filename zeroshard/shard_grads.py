@@ -133,7 +133,6 @@ class ShardGrads:
             for piece in self.pieces_of[i]:
                 self.shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
 
-    @torch.no_grad()
     def settle(self, i: int, param: nn.Parameter, take: bool = False) -> None:
         """Follow what user code did to param ``i``'s ``.grad`` since its gradient was reduced.
 
