@@ -38,13 +38,14 @@ class CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _pair(stage: int):
+def _pair(stage: int, process_group=None):
     torch.manual_seed(0)
     ref_model = TinyNet()
     model = copy.deepcopy(ref_model)
     ref = DDP(ref_model, find_unused_parameters=True)
     ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
-    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB,
+                                     process_group=process_group)
     return ref, ref_opt, model, opt
 
 
@@ -91,7 +92,7 @@ def _reads(model, opt):
     norms = [p.grad.norm().item() for p in params] + [torch.linalg.vector_norm(p.grad, 1).item() for p in params]
     total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=float("inf")).item()
     finite = [bool(torch.isfinite(p.grad).all()) for p in params] + [bool(torch.isnan(p.grad).any()) for p in params]
-    sums = [p.grad.sum().item() for p in params]
+    sums = [p.grad.abs().sum().item() for p in params]  # abs: a sum that cancels to ~0 differs by rounding (summed in another order)
     return norms + [total] + [float(f) for f in finite] + sums
 
 
@@ -117,8 +118,8 @@ VARIANTS = {
 }
 
 
-def torch_code_worker(stage: int, variant: str, accumulate: str) -> None:
-    ref, ref_opt, model, opt = _pair(stage)
+def torch_code_worker(stage: int, variant: str, accumulate: str, shard_size: int | None = None) -> None:
+    ref, ref_opt, model, opt = _pair(stage, zeroshard.hybrid_mesh(shard_size) if shard_size else None)
     code = VARIANTS[variant]
     for step in range(4):
         use_branch = not (step == 1 and dist.get_rank() == 0)  # step 1: the branch has a gradient from rank 1 only
@@ -150,6 +151,11 @@ def test_torch_gradient_code_gives_ddps_numbers(pools, stage, variant):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_clip_after_accumulation_gives_ddps_numbers(pools, stage, accumulate):
     pools[2].run(torch_code_worker, stage, "clip_grad_norm_", accumulate)
+
+
+@pytest.mark.parametrize("variant", ["clip_grad_norm_", "clip_grad_norm_(param_groups)", "norms, isfinite, sum"])
+def test_hybrid_sharding_gives_ddps_numbers(pools, variant):
+    pools[4].run(torch_code_worker, 2, variant, "none", 2)  # 2 replicas of 2 shards: the pieces of a gradient span one shard group
 
 
 def collectives_worker(stage: int) -> dict[str, int]:
