@@ -202,22 +202,10 @@ class GradReducer:
                     # without communication, as zeroshard does for the later ones.
                     self._ddp_no_sync = self._unreduced = True
             self._check_flat_grads()
-            if self.stage == 1 and self._reductions > 0 and any(g.edited for g in self._grads):
-                raise RuntimeError(
-                    "the params' .grad were edited in place after zeroshard reduced them, and another backward now adds to them: "
-                    "ZeRO stage 1 reduces the running local sum again, which would drop the edit. Edit gradients after the last "
-                    "backward of the step (accumulate micro-steps with opt.no_sync()), or use stage=2")
-        grads, held = self._grads[k], param.grad
-        # Holds a gradient reduced in this step (one not zeroed since; see refuse_partial_write).
-        with torch._C.DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call
-            grads.continued[i] = self._reductions > 0 and held is not None and (
-                self.stage == 1 or (held is grads.reduced.get(i) and grads.reduced_versions.get(i) == held._version))  # type: ignore[union-attr]
-        if i in grads.reduced_versions:
-            self._settle(k, i, param)  # zeroed or set to None since it was reduced
-            if param.grad is held and isinstance(held, ShardedGrad):
-                # autograd then stores the new gradient (stage 2) or adds it to the running local sum (stage 1)
-                param.grad = grads.flat_view(i) if self.stage == 1 else None
-                del grads.reduced_versions[i]
+            if self._reductions > 0:
+                for grads in self._grads:
+                    grads.refuse_edits_before_rereduction()
+        self._grads[k].before_accumulate(i, param, reduced=self._reductions > 0, follow=not self._ddp_reduced)
 
     def _on_ddp_forward(self, no_sync: bool) -> None:
         """Before a forward of an adopted DDP wrapper: under ``ddp.no_sync()`` its backward accumulates without communication."""
@@ -230,7 +218,7 @@ class GradReducer:
         self._ddp_no_sync = False
 
     def _settle(self, k: int, i: int, param: nn.Parameter) -> None:
-        """Follow what user code did to param ``i`` of shard ``k``'s reduced ``.grad`` (see :meth:`ShardGrads.settle`)."""
+        """Follow what user code did to param ``i`` of shard ``k``'s reduced ``.grad`` (:meth:`ShardGrads.settle`)."""
         if not self._ddp_reduced:
             self._grads[k].settle(i, param)
 
@@ -392,8 +380,7 @@ class GradReducer:
             for i, param in enumerate(shard.buffer.params):
                 if self._grads[k].ready[i]:
                     continue
-                if i in self._grads[k].reduced_versions:
-                    self._settle(k, i, param)
+                self._settle(k, i, param)
                 fresh = param.grad is not None and not isinstance(param.grad, ShardedGrad)
                 if fresh and not (self.stage == 1 and self._is_flat_grad_view(k, i, param)):
                     self._grads[k].used[i] = True
@@ -410,38 +397,18 @@ class GradReducer:
         self._note_flat_grad_versions()
 
     def _leave_sharded_grads(self) -> None:
-        """After a reduction: every param's ``.grad`` is its ``ShardedGrad`` (DDP's averaged gradient; see ``zeroshard/sharded_grad.py``).
+        """After a reduction: every param's ``.grad`` is its ``ShardedGrad`` (:meth:`ShardGrads.leave_sharded_grads`).
 
-        Params that got no gradient on this rank get one too: another rank's may be in the grad
-        shard, and every rank must present the same gradients to a clip (one collective each). Under
-        a DDP wrapper that reduced this backward itself, its ``.grad`` stay (they are ignored), and
-        so does a gradient that arrived after its bucket was reduced (``_take_grad``: stage 2 keeps
-        it local until ``step()`` reduces it).
+        Under a DDP wrapper that reduced this backward itself, its ``.grad`` stay (they are ignored).
         """
-        if self._ddp_reduced:
-            return
-        for k, shard in enumerate(self.shards):
-            grads = self._grads[k]
-            grads.live = True
-            for i, param in enumerate(shard.buffer.params):
-                grad = param.grad
-                if grad is None or (self.stage == 1 and not isinstance(grad, ShardedGrad)):  # stage 2: left by _take_grad already
-                    param.grad = grads.sharded_grad(i, param)
+        if not self._ddp_reduced:
+            for grads in self._grads:
+                grads.leave_sharded_grads()
 
     def drop_unused_grads(self, used: list[list[bool]]) -> None:
-        """At ``step()``: params no rank gave a gradient (``used``, per shard, per param) keep ``.grad = None``, as under DDP.
-
-        :meth:`_leave_sharded_grads` gave them a ``ShardedGrad`` of zeros, which
-        ``zero_grad(set_to_none=False)`` would turn into a zero gradient that a later step applies.
-        """
-        for k, flags in enumerate(used):
-            if all(flags):
-                continue
-            grads = self._grads[k]
-            for i, param in enumerate(self.shards[k].buffer.params):
-                if not flags[i] and isinstance(param.grad, ShardedGrad):
-                    param.grad = None
-                    grads.reduced_versions.pop(i, None)
+        """At ``step()``: params no rank gave a gradient (``used``, per shard, per param) keep ``.grad = None`` (:meth:`ShardGrads.drop_unused`)."""
+        for grads, flags in zip(self._grads, used):
+            grads.drop_unused(flags)
 
     def _note_flat_grad_versions(self) -> None:
         for grads in self._grads:

@@ -127,6 +127,33 @@ class ShardGrads:
             self.flat_views = [self.shard.buffer.param_view(j, of=self.flat).view_as(params[j]) for j in range(len(params))]
         return self.flat_views[i]
 
+    def leave_sharded_grads(self) -> None:
+        """After a reduction: every param's ``.grad`` is its ``ShardedGrad`` (DDP's averaged gradient; ``zeroshard/sharded_grad.py``).
+
+        Params that got no gradient on this rank get one too: another rank's may be in the grad
+        shard, and every rank must present the same gradients to a clip. Stage 2 left the others'
+        in ``take`` already; a gradient that arrived after its bucket was reduced stays local until
+        ``step()`` reduces it (``GradReducer._take_grad``).
+        """
+        self.live = True
+        for i, param in enumerate(self.shard.buffer.params):
+            grad = param.grad
+            if grad is None or (self.flat is not None and not isinstance(grad, ShardedGrad)):
+                param.grad = self.sharded_grad(i, param)
+
+    def drop_unused(self, used: list[bool]) -> None:
+        """At ``step()``: params no rank gave a gradient (``used``, per param) keep ``.grad = None``, as under DDP.
+
+        :meth:`leave_sharded_grads` gave them a ``ShardedGrad`` of zeros, which
+        ``zero_grad(set_to_none=False)`` would turn into a zero gradient that a later step applies.
+        """
+        if all(used):
+            return
+        for i, param in enumerate(self.shard.buffer.params):
+            if not used[i] and isinstance(param.grad, ShardedGrad):
+                param.grad = None
+                self.reduced_versions.pop(i, None)
+
     def drop_pieces(self, i: int) -> None:
         """Zero this rank's pieces of param ``i`` in the grad shard (if it holds any)."""
         if self.used[i]:
@@ -178,6 +205,37 @@ class ShardGrads:
         else:
             self.used[i] = False
             del self.reduced_versions[i]
+
+    def before_accumulate(self, i: int, param: nn.Parameter, reduced: bool, follow: bool) -> None:
+        """Before autograd accumulates a new gradient into param ``i``: note whether it holds one ``reduced`` in this step, swap its ``ShardedGrad`` out.
+
+        ``continued[i]``: it holds a gradient reduced in this step (one not zeroed since; see
+        :meth:`refuse_partial_write`). With ``follow``, what user code did to it is followed
+        (:meth:`settle`). Then autograd stores the new gradient (stage 2: ``.grad`` is ``None``) or
+        adds it to the running local sum (stage 1: ``.grad`` is its flat grad view).
+        """
+        held, left = param.grad, self.reduced.get(i)
+        with torch._C.DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call
+            self.continued[i] = reduced and held is not None and (
+                self.flat is not None or (left is not None and held is left and self.reduced_versions.get(i) == left._version))
+        if i in self.reduced_versions:
+            if follow:
+                self.settle(i, param)
+            if param.grad is held and isinstance(held, ShardedGrad):
+                param.grad = self.flat_view(i) if self.flat is not None else None
+                del self.reduced_versions[i]
+
+    def refuse_edits_before_rereduction(self) -> None:
+        """Stage 1, at a backward after one that reduced this step: raise if a ``ShardedGrad`` was edited in place since.
+
+        Raises:
+            RuntimeError: stage 1 reduces the running local sums again, which would drop the edit.
+        """
+        if self.flat is not None and self.edited:
+            raise RuntimeError(
+                "the params' .grad were edited in place after zeroshard reduced them, and another backward now adds to them: "
+                "ZeRO stage 1 reduces the running local sum again, which would drop the edit. Edit gradients after the last "
+                "backward of the step (accumulate micro-steps with opt.no_sync()), or use stage=2")
 
     def refuse_partial_write(self, i: int, changed: bool) -> None:
         """Raise if a hook ``changed`` param ``i``'s gradient in a backward after one that reduced it in this step.
