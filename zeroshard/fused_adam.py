@@ -180,8 +180,10 @@ class FusedAdam:
                     if not state:
                         continue
                     for key in ("exp_avg", "exp_avg_sq"):
-                        view = chunk.shaped(piece, getattr(chunk, key))
-                        if state[key].data_ptr() != view.data_ptr():
+                        moments = getattr(chunk, key)
+                        # Where the view would start, without making it (two aten ops per piece and step otherwise).
+                        if state[key].data_ptr() != moments.data_ptr() + chunk.offset_of(piece) * moments.element_size():
+                            view = chunk.shaped(piece, moments)
                             view.copy_(state[key].reshape(view.shape))
                             state[key] = view
 
