@@ -91,8 +91,8 @@ class GradReducer:
         self.reduce_dtype = reduce_dtype
         self.overlap_comm = overlap_comm
         self.shards: list[LocalShard] = []
-        self._comm = GradComm(groups.shard, timeout)  # where the pieces of every gradient are (ShardedGrad, VirtualGrad)
-        self._space = ParamSpace()  # the optimizer's params, numbered as torch.optim does (VirtualGrad norms)
+        self._comm = GradComm(groups.shard, timeout)  # where every gradient's pieces are
+        self._space = ParamSpace()  # the optimizer's params as torch.optim numbers them (VirtualGrad norms)
         self._grads: list[ShardGrads] = []  # per shard: its gradient bookkeeping
         self._order = BucketOrder()  # rebuilt once, from the first reduced backward
         self._staging = StagingBuckets()  # stage 2
@@ -390,23 +390,16 @@ class GradReducer:
         self._launch_complete_buckets(in_turn=False)
         self._drain()
         self._order.rebuild(self.groups, self.timeout)
-        self._leave_sharded_grads()
+        if not self._ddp_reduced:  # else a DDP reduced this backward itself: its .grad stay (ignored)
+            for grads in self._grads:
+                grads.leave_sharded_grads()
         self._clear_backward_state()
         self._reductions += 1
         self._unreduced = False
         self._note_flat_grad_versions()
 
-    def _leave_sharded_grads(self) -> None:
-        """After a reduction: every param's ``.grad`` is its ``ShardedGrad`` (:meth:`ShardGrads.leave_sharded_grads`).
-
-        Under a DDP wrapper that reduced this backward itself, its ``.grad`` stay (they are ignored).
-        """
-        if not self._ddp_reduced:
-            for grads in self._grads:
-                grads.leave_sharded_grads()
-
     def drop_unused_grads(self, used: list[list[bool]]) -> None:
-        """At ``step()``: params no rank gave a gradient (``used``, per shard, per param) keep ``.grad = None`` (:meth:`ShardGrads.drop_unused`)."""
+        """At ``step()``: params no rank gave a gradient (``used``) keep ``.grad = None`` (:meth:`ShardGrads.drop_unused`)."""
         for grads, flags in zip(self._grads, used):
             grads.drop_unused(flags)
 

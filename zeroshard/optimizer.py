@@ -389,7 +389,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
 
         ``set_to_none=False`` leaves zero gradients, and the next step updates every param that has
         one (weight decay, moments), as ``torch.optim`` does; ``model.zero_grad()`` is followed the
-        same way (``zeroshard/sharded_grad.py``).
+        same way.
         """
         self._reducer.reset()
         self._shard_set.zero_grad(set_to_none)
