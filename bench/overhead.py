@@ -19,10 +19,15 @@ baseline's, DDP + ``AdamW(fused=True)``, from the same run. Two sizes of the exa
 "small-compute" (12 blocks x 64 wide: 148 param tensors, 0.61M params; 2 x 16 tokens per rank),
 where the host dominates, and "example" (4 x 256: 52 tensors, 3.24M params; 8 x 64 tokens per
 rank). Each zeroshard method gets a process group of its own, as a run training one model has.
+
+Last, for each zeroshard method, the forward that follows ``step()`` is timed alone, with the
+step's param all-gathers in flight (waited for per module call, ``zeroshard/param_gather.py``)
+and, alternating with it, after ``wait_params()`` with nothing in flight (#27 item 3).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +61,9 @@ TABLES = (
                          "nothing), sync_ops naming them; c10d_ops: collectives, sends and receives; median_ms: one step timed "
                          "without the mode, over all rounds; baseline: ddp_adamw_fused, DDP + AdamW(fused=True) of the same size and "
                          f"run; {RATIO_LEGEND}"),
+    Table(("forward",), "pending_ms: the forward (loss included, no backward) right after step() returned with its param all-gathers "
+                        "in flight, waiting for them per module call; none_ms: the same forward after opt.wait_params(), nothing in "
+                        "flight; pending_over_none: pending_ms / none_ms (medians, the two alternating, rank 0's)"),
 )
 
 
@@ -144,13 +152,36 @@ def count_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     return counter.counts()
 
 
-def rank_main(config: gpt.GPTConfig, rounds: int, steps: int, warmup: int) -> tuple[dict[str, OpCounts], dict[str, list[float]]]:
-    """Each method's counted step, then its step times (seconds) from interleaved rounds."""
+def time_forwards(model: nn.Module, opt: zeroshard.ShardedOptimizer, x: torch.Tensor, y: torch.Tensor, rounds: int) -> dict[bool, list[float]]:
+    """Seconds of the forward that follows ``step()``, with its gathers in flight (``False``) and after ``wait_params()`` (``True``),
+    alternating, each followed by the backward, step and zero_grad that leave the next one's gathers in flight."""
+    samples: dict[bool, list[float]] = {False: [], True: []}
+    for round_ in range(rounds):
+        for waited in (False, True) if round_ % 2 == 0 else (True, False):
+            if waited:
+                opt.wait_params()
+            start = time.perf_counter()
+            loss = model(x, y)
+            if loss.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            samples[waited].append(time.perf_counter() - start)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    opt.wait_params()
+    return samples
+
+
+def rank_main(config: gpt.GPTConfig, rounds: int, steps: int,
+              warmup: int) -> tuple[dict[str, OpCounts], dict[str, list[float]], dict[str, dict[bool, list[float]]]]:
+    """Each method's counted step, its step times (seconds) from interleaved rounds, and zeroshard's forward times."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     x, y = gpt.batch(config, dist.get_rank(), device)
     built = {m: build_method(m, config, device) for m in METHODS}
     counts = {method: count_step(model, opt, x, y) for method, (model, opt) in built.items()}
-    return counts, time_rounds(built, x, y, rounds, steps, warmup, device)
+    times = time_rounds(built, x, y, rounds, steps, warmup, device)
+    forwards = {m: time_forwards(model, opt, x, y, rounds * steps) for m, (model, opt) in built.items() if isinstance(opt, zeroshard.ShardedOptimizer)}
+    return counts, times, forwards
 
 
 def settings(quick: bool) -> list[tuple[str, int, int, int]]:
@@ -171,7 +202,7 @@ def run(quick: bool) -> list[dict]:
         timings = {m: Timing(m, tuple(s)) for m, s in per_rank[0][1].items()}
         params = list(gpt.build(config, torch.device("cpu")).parameters())
         for method in METHODS:
-            counts = OpCounts.busiest([counts[method] for counts, _ in per_rank])
+            counts = OpCounts.busiest([counts[method] for counts, _, _ in per_rank])
             rows.append({
                 "kind": "overhead", "size": size, "model": f"{config.n_layer}x{config.n_embd}", "param_tensors": len(params),
                 "params_M": sum(p.numel() for p in params) / 1e6, "batch": f"{config.batch_size}x{config.seq_len}", "method": method,
@@ -179,4 +210,8 @@ def run(quick: bool) -> list[dict]:
                 "sync_ops": " ".join(f"{name}={n}" for name, n in sorted(counts.host_syncs.items())),
                 "median_ms": timings[method].median * 1e3, "ratio": ratio(timings[method], timings[BASELINE]),
             })
+        for method, samples in per_rank[0][2].items():
+            pending, waited = Timing(method, tuple(samples[False])), Timing(method, tuple(samples[True]))
+            rows.append({"kind": "forward", "size": size, "method": method, "pending_ms": pending.median * 1e3,
+                         "none_ms": waited.median * 1e3, "pending_over_none": pending.median / waited.median})
     return rows

@@ -4,7 +4,10 @@ zeroshard stages 1 and 2 against DDP + AdamW, ``ZeroRedundancyOptimizer(AdamW)``
 ``fully_shard(reshard_after_forward=False)`` + AdamW: same model, batch and dtype, same AdamW
 settings, at two model sizes (the example GPT and one 8 layers x 512 wide on CPU) in fp32 and in
 bf16 (params and gradients in bf16 for every method; zeroshard keeps fp32 masters, the others
-none). Methods take turns in short rounds (2-3 timed steps after an untimed one, see
+none). When DeepSpeed is installed (the ``bench`` extra), its ZeRO stages 1 and 2 join as baselines:
+``deepspeed.initialize`` over the same model with the same ``torch.optim.AdamW`` as client
+optimizer, no clipping, on the default process group (on CPU with ``DS_ACCELERATOR=cpu``, over
+gloo). Methods take turns in short rounds (2-3 timed steps after an untimed one, see
 :func:`time_steps`), in reverse order every other round, so drift in the machine's speed and the
 state one method leaves the next (caches, the allocator) hit all alike; each figure is the
 median step time over all rounds, and each ratio is against a baseline measured in the same run.
@@ -18,6 +21,11 @@ bytes without write calls).
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
+import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -31,13 +39,15 @@ import zeroshard
 from bench import gpt
 from bench.harness import RATIO_LEGEND, Table, Timing, progress, ratio, run_ranks
 
-METHODS = ("ddp", "torch_zero", "fsdp2", "zeroshard_stage1", "zeroshard_stage2")
+DEEPSPEED = ("deepspeed_stage1", "deepspeed_stage2")  # timed when deepspeed is importable
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+METHODS = ("ddp", "torch_zero", "fsdp2", "zeroshard_stage1", "zeroshard_stage2") + (DEEPSPEED if HAS_DEEPSPEED else ())
 RATIOS = (
     ("zeroshard_stage2", "ddp"),
     ("zeroshard_stage2", "torch_zero"),
     ("zeroshard_stage2", "fsdp2"),
     ("zeroshard_stage1", "ddp"),
-)
+) + ((("zeroshard_stage1", "deepspeed_stage1"), ("zeroshard_stage2", "deepspeed_stage2"), ("deepspeed_stage2", "ddp")) if HAS_DEEPSPEED else ())
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95)}
 SUMMARY = "training step of the example GPT at 2 ranks vs DDP, torch ZeRO, FSDP2; bytes sent"
 TABLES = (
@@ -76,11 +86,53 @@ def build_method(method: str, config: gpt.GPTConfig, device: torch.device,
             fully_shard(block, mesh=mesh, reshard_after_forward=False)
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
         return model, torch.optim.AdamW(gpt.decay_groups(model), **ADAMW)
+    if method in DEEPSPEED:
+        return deepspeed_method(model, int(method[-1]), dtype)
     stage = {"zeroshard_stage1": 1, "zeroshard_stage2": 2}[method]
     # A process group of its own: ShardedOptimizers that share one take turns, and each backward
     # also reduces the others' buckets with zeros (zeroshard/launch_order.py), which would time
     # both methods' reductions in every step of either.
     return model, zeroshard.ShardedOptimizer(torch.optim.AdamW(gpt.decay_groups(model), **ADAMW), stage=stage, process_group=dist.new_group())
+
+
+class DeepSpeedStep:
+    """A DeepSpeed engine behind the calls the suite makes of a method, ``model(x, y).backward(); opt.step(); opt.zero_grad()``:
+    model and optimizer both, the loss's ``backward()`` going through ``engine.backward`` (which reduces the gradients)."""
+
+    def __init__(self, engine: nn.Module) -> None:
+        self.engine = engine
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> DeepSpeedStep._Loss:
+        return DeepSpeedStep._Loss(self.engine, self.engine(x, y))
+
+    def step(self) -> None:
+        self.engine.step()  # zeroes the gradients too
+
+    def zero_grad(self) -> None:
+        pass
+
+    class _Loss:
+        def __init__(self, engine: nn.Module, loss: torch.Tensor) -> None:
+            self.engine, self.loss = engine, loss
+
+        def backward(self) -> None:
+            self.engine.backward(self.loss)
+
+
+def deepspeed_method(model: nn.Module, stage: int, dtype: torch.dtype) -> tuple[DeepSpeedStep, DeepSpeedStep]:
+    """DeepSpeed ZeRO ``stage`` (1 or 2) over ``model`` with ``torch.optim.AdamW`` as its client optimizer, as (model, optimizer)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines would break the suite's output into pieces
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == torch.bfloat16},
+              "gradient_clipping": 0.0, "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    with contextlib.redirect_stdout(io.StringIO()):  # and so would its op builder's prints (the CPU shared-memory comm op)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(gpt.decay_groups(model), **ADAMW), config=config,
+                                          dist_init_required=False)
+    wrapped = DeepSpeedStep(engine)
+    return wrapped, wrapped
 
 
 def _sync(device: torch.device) -> None:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import bench.__main__ as bench_main  # noqa: E402
-from bench import harness, muon, overhead  # noqa: E402
+from bench import harness, muon, overhead, step  # noqa: E402
 from bench.formulas import zero_bytes  # noqa: E402
 from bench.harness import RATIO_LEGEND, Table, Timing, format_table, percentile, ratio, write_csv  # noqa: E402
 from bench.offload import without_profiler_noise  # noqa: E402
@@ -180,10 +180,11 @@ def _run_suite(name: str, out, phases: int, ranks: int = 1) -> list[dict]:
 def test_step_suite_runs_end_to_end(tmp_path):
     rows = _run_suite("step", tmp_path, phases=2, ranks=4)
     times = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "time"}
-    assert set(times) == {"ddp", "torch_zero", "fsdp2", "zeroshard_stage1", "zeroshard_stage2"}
+    # DeepSpeed's stages join when it is installed (the bench extra)
+    assert set(times) == {"ddp", "torch_zero", "fsdp2", "zeroshard_stage1", "zeroshard_stage2"} | (set(step.DEEPSPEED) if step.HAS_DEEPSPEED else set())
     assert all(t > 0 for t in times.values())
     ratios = [r for r in rows if r["kind"] == "ratio"]
-    assert len(ratios) == 4
+    assert len(ratios) == len(step.RATIOS) == (7 if step.HAS_DEEPSPEED else 4)
     for r in ratios:  # each ratio is the two medians of this same run
         assert float(r["ratio"]) == pytest.approx(times[r["method"]] / times[r["baseline"]], rel=1e-6)
     sent = {r["method"]: float(r["bytes_per_param"]) for r in rows if r["kind"] == "bytes"}
@@ -259,7 +260,12 @@ def test_host_syncs_are_scalar_reads_and_blocking_copies_to_the_host():
 
 def test_overhead_suite_runs_end_to_end(tmp_path):
     rows = _run_suite("overhead", tmp_path, phases=1, ranks=2)
+    forwards = [r for r in rows if r["kind"] == "forward"]
+    rows = [r for r in rows if r["kind"] == "overhead"]
     assert [(r["size"], r["method"]) for r in rows] == [("small-compute", m) for m in overhead.METHODS]  # --quick: the small size only
+    assert [r["method"] for r in forwards] == [m for m in overhead.METHODS if m.startswith("zeroshard")]
+    for r in forwards:  # the forward with gathers in flight against the same forward with none
+        assert float(r["pending_over_none"]) == pytest.approx(float(r["pending_ms"]) / float(r["none_ms"]), rel=1e-6)
     for r in rows:
         counts = {column: r[column] for column in ("aten_ops", "host_syncs", "c10d_ops")}
         assert all(value.isdigit() for value in counts.values()), counts

@@ -250,3 +250,87 @@ def test_a_gather_waited_for_on_a_side_stream_is_waited_for_again_on_the_launch_
         gathers._unsettled.clear()
         param_gather._GUARD._waiting.clear()
         param_gather.pop_guard_if_done()
+
+
+class ForeignRead(torch.nn.Module):
+    """A forward that reads a child's weight functionally, outside the child (a tied head written as ``F.linear``), after
+    the other children ran: the weight's bucket is the last one gathered (the layout follows backward order), and the
+    module that reads it does not hold it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(13, 29)
+        self.body = torch.nn.Linear(29, 29)
+        self.head = torch.nn.Linear(29, 13, bias=False)
+        self.unused = torch.nn.Linear(3, 3)  # read by no forward: its gather is still pending when the forward returns
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.body(torch.tanh(self.embed(x)))), self.head.weight)
+
+
+@contextlib.contextmanager
+def _delayed_gather_of(bucket_params: torch.Tensor, delay_s: float):
+    """Sleep ``delay_s`` before launching each gather into ``bucket_params`` (one bucket of the flat param buffer)."""
+
+    def delayed(real):
+        def launch(output, *args):
+            if output.data_ptr() == bucket_params.data_ptr():
+                time.sleep(delay_s)
+            return real(output, *args)
+
+        return launch
+
+    with mock.patch.object(collectives, "all_gather", delayed(collectives.all_gather)), \
+            mock.patch.object(collectives, "all_gather_piece", delayed(collectives.all_gather_piece)):
+        yield
+
+
+def per_module_worker(learned: bool) -> tuple[bool, int, bool, bool]:
+    """Train one step and run a forward (which learns, under the torch-function mode, what each module reads), then step
+    again with rank 1's gather of the head's bucket delayed and run the forward once more: it waits per module, the mode off.
+
+    Returns whether that forward's output was current, how many torch functions the mode saw during it, whether the mode
+    was back on once it returned (the unused param's gather still pending), and whether a read of that param was current.
+    ``learned=False`` forgets what the first forward taught (the negative control)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = ForeignRead()
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), bucket_size_mb=SMALL_BUCKETS_MB)
+    x = torch.randn(4, 13, generator=torch.Generator().manual_seed(rank))
+    for step in range(2):
+        model(x).square().mean().backward()
+        if step == 1 and not learned:
+            param_gather._GUARD._foreign.clear()
+        buffer = opt._shards[0].buffer
+        head = buffer.layout.slots[next(i for i, p in enumerate(buffer.params) if p is model.head.weight)].bucket
+        with _delayed_gather_of(buffer.bucket_view(head), DELAY_S if rank == 1 and step == 1 else 0.0):
+            opt.step()
+        opt.zero_grad()
+    seen = []
+    with mock.patch.object(param_gather._ParamGuard, "__torch_function__",
+                           lambda self, func, types, args=(), kwargs=None: seen.append(func) or func(*args, **(kwargs or {}))):
+        with torch.no_grad():
+            before = len(seen)
+            out = model(x)
+            inside = len(seen) - before
+        guarded_after = param_gather._GUARD in _get_current_function_mode_stack()
+        unused = model.unused.weight.detach().clone()
+    opt.wait_params()
+    with torch.no_grad():
+        current = torch.equal(out, model(x))
+    unused_current = torch.equal(unused, model.unused.weight)
+    opt.close()
+    return current, inside, guarded_after, unused_current
+
+
+def test_a_forward_after_the_first_waits_per_module_for_what_it_reads(pools):
+    results = pools[2].run(per_module_worker, True)
+    for current, torch_functions_seen, guarded_after, unused_current in results:
+        assert current and unused_current
+        assert torch_functions_seen == 0
+        assert guarded_after, "the mode went back on for the gather the forward did not wait for"
+
+
+def test_a_forward_that_reads_a_param_outside_its_module_is_stale_without_what_the_first_forward_learned(pools):
+    current = pools[2].run(per_module_worker, False)
+    assert current[0][0] is False  # rank 0's F.linear read head.weight before rank 1's slice arrived

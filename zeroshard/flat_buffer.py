@@ -127,8 +127,9 @@ class FlatParamBuffer:
         """
         param, slot, data = self.params[index], self.layout.slots[index], self.data
         # Still a view of its slot (the common case, checked every step without making a view).
-        if param.data_ptr() == data.data_ptr() + slot.offset * data.element_size() and param.dtype == data.dtype and \
-                param.device == data.device and param.numel() == slot.numel:
+        # (An address inside this buffer is on its device.)
+        if param.data_ptr() == data.data_ptr() + slot.offset * data.element_size() and param.dtype is data.dtype and \
+                param.numel() == slot.numel:
             return False
         view = self.param_view(index)
         if param.device != view.device or param.dtype != view.dtype or param.numel() != view.numel():

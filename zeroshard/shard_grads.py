@@ -196,9 +196,9 @@ class ShardGrads:
             param.grad = left
             self.reduced_versions[i] = left._version
             return
-        self.drop_pieces(i)
-        if self.flat is not None:
+        if self.flat is not None and self.used[i]:  # else untouched since the reset zeroed it
             self.flat_view(i).zero_()
+        self.drop_pieces(i)
         if grad is left:
             self.used[i] = True
             self.reduced_versions[i] = grad._version

@@ -57,6 +57,11 @@ class ShardSet:
         self.param_steps: list[int] = []
         self.device: torch.device | None = None
         self.amp = GradScalerLink()  # what a torch.amp.GradScaler hands the virtual params' gradients
+        # add_unfrozen's view of the groups: the sharded params' ids and, per group, its params outside every flat buffer
+        # (frozen or empty when sharded), for (shards, groups) of these counts
+        self._outside_for = (-1, -1)
+        self._sharded_ids: frozenset[int] = frozenset()
+        self._outside: list[list[nn.Parameter]] = []
 
     def add_groups(self, indices: range) -> list[LocalShard]:
         """Shard the optimizer's param groups ``indices`` (a collective); returns the new shards.
@@ -104,12 +109,17 @@ class ShardSet:
 
     def zero_grad(self, set_to_none: bool) -> None:
         """``torch.optim.Optimizer.zero_grad`` over the groups' original params (frozen ones included)."""
+        if set_to_none:
+            # ``.grad`` is metadata: no torch-function mode needs to see it (the param guard would take a Python call per get and set)
+            with torch._C.DisableTorchFunction():
+                for params in self.group_params:
+                    for p in params:
+                        p.grad = None
+            return
         for params in self.group_params:
             for p in params:
                 if p.grad is None:
                     continue
-                if set_to_none:
-                    p.grad = None
                 else:
                     if p.grad.grad_fn is not None:
                         p.grad.detach_()
@@ -125,11 +135,15 @@ class ShardSet:
         unfreezes the same params, which the cross-rank check verifies). Returns the new shards
         (none: no collective ran); their gradients are still local, for the caller to reduce.
         """
-        sharded = frozenset(id(p) for shard in self.shards for p in shard.buffer.params)
+        if self._outside_for != (len(self.shards), len(self.group_params)):  # recomputed only when shards were added
+            self._sharded_ids = frozenset(id(p) for shard in self.shards for p in shard.buffer.params)
+            self._outside = [[p for p in params if id(p) not in self._sharded_ids] for params in self.group_params]
+            self._outside_for = (len(self.shards), len(self.group_params))
+        sharded = self._sharded_ids
         added: list[LocalShard] = []
         first_param_index = 0
         for g, params in enumerate(self.group_params):
-            if any(is_sharded(p) and id(p) not in sharded for p in params):
+            if any(is_sharded(p) for p in self._outside[g]):
                 new = shard_param_groups(
                     self.optimizer, range(g, g + 1), self.groups, bucket_size_mb=self.bucket_size_mb, device=self.device,
                     first_shard=len(self.shards), first_param_index=first_param_index, host_master=self.host_master,
