@@ -275,6 +275,7 @@ class FusedAdam:
         unit = 64 // chunk.master_dtype.itemsize if chunk.device.type == "cpu" else 1  # elements per cache line
         start: int | None = None  # the current run's first piece
         run_step = 0  # the current run's step
+        counts: dict[int, list[Tensor]] = defaultdict(list)  # step -> the state["step"] tensors to set to it
         for i, (piece, vparam) in enumerate(zip(chunk.pieces, chunk.virtual_params)):
             step = steps[piece.param]
             if not step:
@@ -287,7 +288,7 @@ class FusedAdam:
                 state["step"] = torch.tensor(0.0)
                 state["exp_avg"] = chunk.shaped(piece, chunk.exp_avg)
                 state["exp_avg_sq"] = chunk.shaped(piece, chunk.exp_avg_sq)
-            state["step"].fill_(float(step))
+            counts[step].append(state["step"])
             joins = (start is not None and chunk.pieces[i - 1].shard_offset + chunk.pieces[i - 1].numel == piece.shard_offset
                      and (piece.shard_offset - chunk.pieces[start].shard_offset) % unit == 0)
             if start is not None and (step != run_step or not joins):
@@ -295,6 +296,8 @@ class FusedAdam:
                 start = None
             if start is None:
                 start, run_step = i, step
+        for step, tensors in counts.items():  # one operator per step count, not one per piece
+            torch._foreach_copy_(tensors, [torch.scalar_tensor(float(step))] * len(tensors))
         if start is not None:
             yield self._run(chunk, start, len(chunk.pieces), run_step)
 

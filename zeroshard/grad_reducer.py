@@ -106,6 +106,7 @@ class GradReducer:
         self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
         self._late = False  # a gradient arrived after its bucket was reduced, in a backward of this step (see _take_grad)
         self._reductions = 0  # backward passes reduced since reset
+        self._reset_marks: list[tuple[int, int]] | None = None  # _marks() at the last reset; None: something happened since
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
         self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
@@ -143,6 +144,7 @@ class GradReducer:
 
     def add_shard(self, shard: LocalShard) -> None:
         """Register ``shard``'s params: hooks, launch order, and (stage 1) a flat grad buffer."""
+        self._reset_marks = None
         k = len(self.shards)
         self.shards.append(shard)
         layout = shard.buffer.layout
@@ -178,6 +180,7 @@ class GradReducer:
         previous = self._no_sync
         self._no_sync = True
         self._unreduced = True
+        self._reset_marks = None
         try:
             yield
         finally:
@@ -187,6 +190,7 @@ class GradReducer:
 
     def _before_accumulate(self, k: int, i: int, param: nn.Parameter) -> None:
         """Read what was done to the gradients since zeroshard last wrote them; swap a reduced ShardedGrad back for accumulation."""
+        self._reset_marks = None
         launch_order.take_deferred(self.group)  # before this accumulation bumps the flat grad's version (stage 1)
         if not self._backward_started:
             # DDP wrappers built since the last backward; adopting one may raise: nothing changed yet.
@@ -242,6 +246,7 @@ class GradReducer:
     # -- backward --
 
     def _on_grad_ready(self, k: int, i: int, param: nn.Parameter) -> None:
+        self._reset_marks = None
         self.shards[k].follow(i)  # the model may have moved since the optimizer was built
         grad = param.grad
         if grad is None:
@@ -375,6 +380,7 @@ class GradReducer:
 
     def _reduce_everything(self) -> None:
         """Complete every bucket not yet launched, launch it, and add all results into the grad shards."""
+        self._reset_marks = None
         self._take_deferred()
         for k, shard in enumerate(self.shards):
             for i, param in enumerate(shard.buffer.params):
@@ -437,6 +443,7 @@ class GradReducer:
         Gradients already reduced are not reduced twice: stage 2's ``ShardedGrad`` s add nothing,
         and stage 1 overwrites each slice of the grad shard with the same sum.
         """
+        self._reset_marks = None
         self._unreduced = True
 
     def local_used(self) -> list[list[bool]]:
@@ -448,8 +455,11 @@ class GradReducer:
         """Zero the grad shards (and stage 1's flat grad buffers) and forget which params were used.
 
         Also clears what a backward pass that raised midway left behind, so the next one starts clean,
-        and what a DDP wrapper wrote into ``.grad`` in the backward it still reduced.
+        and what a DDP wrapper wrote into ``.grad`` in the backward it still reduced. Returns at once
+        when nothing happened since the last reset (``zero_grad()`` right after ``step()``, which resets).
         """
+        if self._reset_marks is not None and self._reset_marks == self._marks():
+            return
         if self._ddp_reduced:
             self._ddp_reduced = False
             for shard in self.shards:
@@ -467,6 +477,12 @@ class GradReducer:
         self._reductions = 0
         self._unreduced = self._flushed = self._late = False
         self._note_flat_grad_versions()
+        self._reset_marks = self._marks()
+
+    def _marks(self) -> list[tuple[int, int]]:
+        """What a reset leaves to compare with: each grad shard's and flat grad buffer's identity and version."""
+        tensors = [shard.grad_shard for shard in self.shards] + [g.flat for g in self._grads if g.flat is not None]
+        return [(id(t), t._version) for t in tensors]
 
     def grad_buffers(self) -> list[Tensor]:
         """The gradient buffers this reducer owns right now: stage 1 flat grads, stage 2 staging buckets (pooled too)."""

@@ -13,6 +13,7 @@ bucket; :meth:`StagingBuckets.clear` drops them all (no gradient memory is held 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,16 @@ from zeroshard.partition import FlatLayout
 class _Staged:
     data: Tensor  # 1D reduce dtype, the bucket's padded_numel elements
     written: set[int] = field(default_factory=set)  # indices of the params whose gradient is in ``data``
+
+
+@functools.lru_cache(maxsize=1024)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (in elements)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class StagingBuckets:
@@ -50,11 +61,12 @@ class StagingBuckets:
         if staged is None:
             staged = self._open[key] = _Staged(self._take(bucket.padded_numel, dtype, grad.device))
         start = slot.offset - bucket.offset
-        target = staged.data[start : start + slot.numel]
+        # The slot shaped like the gradient, in one operator (a slice and a view would be two per param and backward).
+        target = staged.data.as_strided(grad.shape, contiguous_strides(grad.shape), staged.data.storage_offset() + start)
         if index in staged.written:
-            target.add_(grad.reshape(-1))
+            target.add_(grad)
         else:
-            target.copy_(grad.reshape(-1))
+            target.copy_(grad)
             staged.written.add(index)
 
     def pop(self, key: tuple[int, int], layout: FlatLayout) -> Tensor | None:
@@ -68,9 +80,11 @@ class StagingBuckets:
             index = slot.index
             start = slot.offset - bucket.offset
             if index in staged.written:
-                staged.data[end:start].zero_()  # padding before the slot
+                if start > end:
+                    staged.data[end:start].zero_()  # padding, or the slots of params without a gradient, before this one
                 end = start + slot.numel
-        staged.data[end:].zero_()
+        if end < staged.data.numel():
+            staged.data[end:].zero_()
         return staged.data
 
     def recycle(self, data: Tensor) -> None:
