@@ -158,8 +158,14 @@ class GradReducer:
             register_owner(param, self)
 
     def _make_hook(self, k: int, i: int):
-        on_ready = weak_method(self._on_grad_ready)
-        return lambda param: on_ready(k, i, param)
+        reducer = weakref.ref(self)
+
+        def hook(param: nn.Parameter) -> None:  # after autograd accumulated the gradient into ``param.grad``
+            live = reducer()
+            if live is not None:
+                live._on_grad_ready(k, i, param)
+
+        return hook
 
     def _make_pre_hook(self, k: int, i: int, param: nn.Parameter):
         reducer, param_ref = weakref.ref(self), weakref.ref(param)
@@ -191,7 +197,7 @@ class GradReducer:
     def _before_accumulate(self, k: int, i: int, param: nn.Parameter) -> None:
         """Read what was done to the gradients since zeroshard last wrote them; swap a reduced ShardedGrad back for accumulation."""
         self._reset_marks = None
-        launch_order.take_deferred(self.group)  # before this accumulation bumps the flat grad's version (stage 1)
+        launch_order.take_deferred(self, self.group)  # before this accumulation bumps the flat grad's version (stage 1)
         if not self._backward_started:
             # DDP wrappers built since the last backward; adopting one may raise: nothing changed yet.
             syncs = self._ddps.adopt([ddp for ref in self._ddps.new if (ddp := ref()) is not None]) if self._ddps.new else []

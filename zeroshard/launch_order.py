@@ -45,6 +45,15 @@ def register(reducer: Any, group: Any) -> None:
     reducers.append(weakref.ref(reducer))
 
 
+def _alone(group: Any) -> bool:
+    """Whether ``group`` has a single reducer registered: then it is the caller (open, or its hooks would not have run).
+
+    The common case, one optimizer per process group, takes this one length check per gradient
+    instead of a pass over weak references.
+    """
+    return len(_REDUCERS.get(id(group), ())) == 1
+
+
 def _live(group: Any) -> list[Any]:
     found = [ref() for ref in _REDUCERS.get(id(group), [])]
     return [r for r in found if r is not None and not r.closed]
@@ -69,23 +78,30 @@ def _launched_all(r: Any) -> bool:
 
 def turn_has_come(reducer: Any, group: Any) -> bool:
     """Whether every earlier reducer of ``group`` has launched all it launches in this backward pass."""
-    return all(_launched_all(r) for r in earlier(reducer, group))
+    return _alone(group) or all(_launched_all(r) for r in earlier(reducer, group))
 
 
 def drain_earlier(reducer: Any, group: Any) -> None:
     """Complete the earlier reducers' reductions in flight, before ``reducer`` launches (one order across replicas too)."""
+    if _alone(group):
+        return
     for r in earlier(reducer, group):
         r._drain()
 
 
-def take_deferred(group: Any) -> None:
-    """A gradient is about to be accumulated: every reducer of ``group`` takes the one it deferred (see ``ArrivedGrad``)."""
+def take_deferred(reducer: Any, group: Any) -> None:
+    """A gradient is about to be accumulated into a param of ``reducer``: every reducer of ``group`` takes the one it deferred (see ``ArrivedGrad``)."""
+    if _alone(group):
+        reducer._take_deferred()
+        return
     for r in _live(group):
         r._take_deferred()
 
 
 def let_later_launch(reducer: Any, group: Any) -> None:
     """``reducer`` launched everything: the later reducers taking part in this pass launch their complete buckets."""
+    if _alone(group):
+        return
     for r in later(reducer, group):
         if r._callback_queued:
             r._launch_complete_buckets()
