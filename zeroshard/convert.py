@@ -23,6 +23,7 @@ Outputs:
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import re
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from zeroshard.checkpoint import FULL_FORMAT, FULL_FORMAT_VERSION, SHARDED_FORMAT, _check_version
 from zeroshard.checkpoint_dir import METADATA, verify_checkpoint
+from zeroshard.param_state import rebuild
 
 _PARAM_NAME = re.compile(r"param_groups\[(\d+)\]\['params'\]\[(\d+)\]")
 
@@ -57,6 +59,27 @@ def load_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
     except (Exception, CheckpointException) as error:
         verify_checkpoint(checkpoint)  # names the bad file; reads the checkpoint only when the load failed
         raise ValueError(f"{checkpoint} cannot be read by torch.distributed.checkpoint: {error}") from error
+    return state
+
+
+def _with_subclasses(entry: dict[str, torch.Tensor], subclasses: dict[str, dict[str, Any]], source: str) -> dict[str, Any]:
+    """A ``partition="param"`` entry's state (``master`` aside), each tensor-subclass state (torchao's 8-bit and 4-bit
+    moments) rebuilt from its ``"<key>.<inner>"`` tensors with the class, context and size the checkpoint records.
+
+    Raises:
+        ValueError: the recorded class cannot be imported (its package is not installed; named).
+    """
+    state = {key: value.clone() for key, value in entry.items() if key != "master" and key.split(".", 1)[0] not in subclasses}
+    for key, sub in subclasses.items():
+        module, qualname = sub["cls"].split(":")
+        try:
+            cls: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"{source}: its state {key!r} is a {sub['cls']}, which cannot be imported here ({error}); install its package") from error
+        inner = {name.split(".", 1)[1]: value.clone() for name, value in entry.items() if name.split(".", 1)[0] == key}
+        state[key] = rebuild(cls, inner, sub["context"], sub["size"], sub["stride"])
     return state
 
 
@@ -99,7 +122,7 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
                 masters[index] = entry["master"].clone()
             if steps[index]:
                 state[index] = {**({"step": torch.tensor(float(steps[index]))} if keeps_step[index] else {}),
-                                **{key: value.clone() for key, value in entry.items() if key != "master"}}
+                                **_with_subclasses(entry, (meta.get("subclasses") or {}).get(name, {}), source)}
     for k, (_, params, per_bucket) in enumerate(meta["layout"] if meta.get("partition") != "param" else []):
         first = 0
         for b, count in enumerate(per_bucket):

@@ -11,6 +11,7 @@ from zeroshard.chunk import chunks_of
 from zeroshard.local_shard import LocalShard
 from zeroshard.partition import build_layout
 from zeroshard.sharding import bucket_numel
+from zeroshard.validation import is_subclass_state
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,18 @@ def owned_memory(shards: list[LocalShard], grad_buffers: list[Tensor], optimizer
         for kind, tensors in chunk.owned_tensors().items():
             owned[kind] += tensors
             chunk_storages.update(t.untyped_storage().data_ptr() for t in tensors)
-    owned["optimizer_state"] += [v for s in optimizer.state.values() for v in s.values()
-                                 if isinstance(v, Tensor) and v.untyped_storage().data_ptr() not in chunk_storages]
+    owned["optimizer_state"] += [t for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) for t in _plain_tensors(v)
+                                 if t.untyped_storage().data_ptr() not in chunk_storages]
     return measure(owned, device)
+
+
+def _plain_tensors(value: Tensor) -> list[Tensor]:
+    """The plain tensors that hold ``value``'s data: itself, or a tensor subclass's inner tensors (torchao's 8-bit codes,
+    block scales and quantization map), which is what low-bit state costs."""
+    if not is_subclass_state(value):
+        return [value]
+    names, _ = value.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [t for name in names for t in _plain_tensors(getattr(value, name))]
 
 
 def estimate_memory(

@@ -47,15 +47,93 @@ from zeroshard.checkpoint import (
 )
 from zeroshard.full_state import check_full, full_envelope
 from zeroshard.local_shard import LocalShard
-from zeroshard.validation import constructor_kwargs, throwaway_state
+from zeroshard.validation import constructor_kwargs, is_subclass_state, throwaway_state
+
+
+class Subclass(NamedTuple):
+    """A state tensor kept as a tensor subclass (torchao's ``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``): how to rebuild it.
+
+    Such a tensor is made of plain inner tensors (8-bit ``codes``, fp32 block ``scale``, a ``qmap``)
+    and a context of plain values, as PyTorch's traceable-subclass protocol gives them
+    (``__tensor_flatten__`` / ``__tensor_unflatten__``). Checkpoints carry the inner tensors, bit
+    for bit, as ``"<key>.<inner>"`` entries of the sharded format; the class and context come
+    from the spec (the same optimizer class and hyperparameters on the same shape make the same).
+    """
+
+    cls: type
+    context: Any
+    inner: dict[str, tuple[tuple[int, ...], torch.dtype]]  # inner tensor name -> (shape, dtype)
+    size: torch.Size
+    stride: tuple[int, ...]
 
 
 class StateSpec(NamedTuple):
-    """What an optimizer keeps for one param: each state tensor's shape and dtype (``step`` aside), and whether it keeps ``step``."""
+    """What an optimizer keeps for one param: each state tensor's shape and dtype (``step`` aside), and whether it keeps ``step``.
+
+    ``subclasses``: the state tensors that are tensor subclasses (see :class:`Subclass`), by key.
+    """
 
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype]
     has_step: bool
+    subclasses: dict[str, Subclass] = {}
+
+    def entries(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The plain tensors a sharded checkpoint holds for the param: each state tensor, a subclass as its inner tensors."""
+        found: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for key, shape in self.shapes.items():
+            sub = self.subclasses.get(key)
+            if sub is None:
+                found[key] = (shape, self.dtypes[key])
+            else:
+                found.update({f"{key}.{name}": inner for name, inner in sub.inner.items()})
+        return found
+
+    def flatten(self, state: dict[str, Any], device: torch.device) -> dict[str, Tensor]:
+        """``state``'s tensors as :meth:`entries` names them, copied to ``device`` (zeros for a key ``state`` lacks)."""
+        out: dict[str, Tensor] = {}
+        for key in self.shapes:
+            sub, held = self.subclasses.get(key), state.get(key)
+            if sub is None:
+                out[key] = held.detach().to(device, copy=True) if held is not None else torch.zeros(self.shapes[key], dtype=self.dtypes[key], device=device)
+                continue
+            if held is not None and type(held) is not sub.cls:
+                raise ValueError(f"state[{key!r}] is a {type(held).__name__}; this optimizer keeps a {sub.cls.__name__} for such a param")
+            for name, (shape, dtype) in sub.inner.items():
+                out[f"{key}.{name}"] = (getattr(held, name).detach().to(device, copy=True) if held is not None
+                                        else torch.zeros(shape, dtype=dtype, device=device))
+        return out
+
+    def unflatten(self, entry: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The state tensors from a checkpoint entry as :meth:`entries` names them: copies, subclasses rebuilt."""
+        state: dict[str, Tensor] = {}
+        for key in self.shapes:
+            sub = self.subclasses.get(key)
+            if sub is None:
+                state[key] = entry[key].clone()
+            else:
+                inner = {name: entry[f"{key}.{name}"].clone() for name in sub.inner}
+                state[key] = rebuild(sub.cls, inner, sub.context, sub.size, sub.stride)
+        return state
+
+
+def copy_state_value(value: Any) -> Any:
+    """A copy of one state value: ``clone()`` for a plain tensor, the inner tensors cloned for a subclass (which may not implement ``clone``)."""
+    if not is_subclass_state(value):
+        return value.clone() if isinstance(value, Tensor) else value
+    names, context = value.__tensor_flatten__()
+    return rebuild(type(value), {name: getattr(value, name).clone() for name in names}, context, value.size(), value.stride())
+
+
+def rebuild(cls: type, inner: dict[str, Tensor], context: Any, size: Any, stride: Any) -> Tensor:
+    """A tensor subclass ``cls`` made from its ``inner`` tensors and ``context`` (``__tensor_unflatten__``)."""
+    return cls.__tensor_unflatten__(inner, context, torch.Size(size), tuple(stride))  # type: ignore[attr-defined]
+
+
+def _subclass(value: Tensor) -> Subclass:
+    names, context = value.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {name: (tuple(getattr(value, name).shape), getattr(value, name).dtype) for name in names}
+    return Subclass(type(value), context, inner, value.size(), tuple(value.stride()))
 
 
 _SPECS: dict[tuple[Any, ...], StateSpec] = {}
@@ -93,7 +171,9 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
     others = sorted(k for k in sample if k not in tensors and k != "step")
     if others:
         raise ValueError(f"{cls.__name__} keeps state {others} that is not a tensor; zeroshard checkpoints carry tensors and 'step' only")
-    spec = StateSpec({k: tuple(v.shape) for k, v in sorted(tensors.items())}, {k: v.dtype for k, v in tensors.items()}, "step" in sample)
+    subclasses = {k: _subclass(v) for k, v in tensors.items() if is_subclass_state(v)}
+    spec = StateSpec({k: tuple(v.shape) for k, v in sorted(tensors.items())}, {k: v.dtype for k, v in tensors.items()}, "step" in sample,
+                     subclasses)
     _SPECS[key] = spec
     return spec
 
@@ -114,6 +194,23 @@ def _master(shard: LocalShard, piece: Any, shape: torch.Size) -> Tensor:
     return shard.master_view(piece.shard_offset, piece.numel).to(shard.buffer.device, copy=True).view(shape)
 
 
+def _subclass_table(view: CheckpointView) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per ``torch.optim`` index (a ``str``) of every param whose state holds a tensor subclass: per such key, its
+    class (``"module:qualname"``), context, size and stride, for ``zeroshard.convert`` to rebuild it from the
+    inner tensors. The same on every rank (specs depend on the param shapes only), so any rank's copy serves."""
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for shard in view.shards:
+        for i, param in enumerate(shard.buffer.params):
+            spec = _spec(view, view.optimizer.param_groups, shard, param.shape)
+            if spec.subclasses:
+                table[str(shard.param_indices[i])] = {
+                    key: {"cls": f"{sub.cls.__module__}:{sub.cls.__qualname__}", "context": sub.context, "size": list(sub.size),
+                          "stride": list(sub.stride)}
+                    for key, sub in spec.subclasses.items()
+                }
+    return table
+
+
 def _keeps_step(view: CheckpointView) -> list[bool]:
     """Per param group, whether the optimizer keeps ``step`` for its params (for ``zeroshard.convert``)."""
     keeps = [False] * len(view.group_params)
@@ -131,19 +228,14 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
     params: dict[str, dict[str, Tensor]] = {}
     for _, shard, piece, vparam, index in _owned(view):
         spec = _spec(view, groups, shard, vparam.shape)
-        state = view.optimizer.state.get(vparam, {})
-        device = shard.buffer.device
-        entry = {
-            key: state[key].detach().to(device, copy=True) if key in state else torch.zeros(shape, dtype=spec.dtypes[key], device=device)
-            for key, shape in spec.shapes.items()
-        }
+        entry = spec.flatten(view.optimizer.state.get(vparam, {}), shard.buffer.device)
         if saves_master(shard):
             entry["master"] = _master(shard, piece, vparam.shape)
         params[str(index)] = entry
     return {
         "zeroshard": {
             "format": SHARDED_FORMAT, "version": SHARDED_FORMAT_VERSION, "partition": "param", "layout": layout_signature(view),
-            "rank": view.rank, "world_size": view.world_size, "keeps_step": _keeps_step(view),
+            "rank": view.rank, "world_size": view.world_size, "keeps_step": _keeps_step(view), "subclasses": _subclass_table(view),
             "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
         },
         "param_groups": groups_without_params(view.optimizer, view.group_params),
@@ -179,7 +271,7 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
     masters = []
     for k, shard, piece, vparam, index in _owned(view):
         spec = _spec(view, saved_groups, shard, vparam.shape)
-        wanted = {**spec.shapes, **({"master": tuple(vparam.shape)} if saves_master(shard) else {})}
+        wanted = {**{key: shape for key, (shape, _) in spec.entries().items()}, **({"master": tuple(vparam.shape)} if saves_master(shard) else {})}
         entry = entries.get(str(index))
         found = None if entry is None else {key: tuple(value.shape) for key, value in entry.items()}
         if entry is None or found != wanted:
@@ -188,7 +280,7 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
             raise ValueError(f"state_dict holds {found} (key: shape) for {names[index]}; {type(view.optimizer).__name__} with the "
                              f"state_dict's hyperparameters keeps {wanted}.{hint}")
         if steps[index]:
-            state[vparam] = {key: entry[key].clone() for key in spec.shapes}
+            state[vparam] = spec.unflatten(entry)
             if spec.has_step:
                 state[vparam]["step"] = torch.tensor(float(steps[index]))
         if "master" in entry:
@@ -223,26 +315,30 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
             if owner != view.rank and not here:
                 continue
             spec = _spec(view, groups, shard, param.shape)
-            wanted = {**(spec.shapes if view.param_steps[index] else {}), **({"master": tuple(param.shape)} if saves_master(shard) else {})}
+            # A subclass state tensor travels as its inner tensors (plain: send and recv take no subclass), rebuilt on ``to``.
+            wanted = {**(spec.entries() if view.param_steps[index] else {}),
+                      **({"master": (tuple(param.shape), shard.master_dtype)} if saves_master(shard) else {})}
+            held = {}
+            if owner == view.rank:
+                piece, vparam = mine[i]
+                held = spec.flatten(view.optimizer.state.get(vparam, {}), shard.buffer.device) if view.param_steps[index] else {}
+                if saves_master(shard):
+                    held["master"] = _master(shard, piece, param.shape)
             values: dict[str, Tensor] = {}
-            for key, shape in wanted.items():
+            for key, (shape, dtype) in wanted.items():
                 if owner == view.rank:
-                    piece, vparam = mine[i]
-                    held = view.optimizer.state.get(vparam, {}).get(key)
-                    value = (_master(shard, piece, param.shape) if key == "master" else
-                             held.detach().to(shard.buffer.device, copy=True).contiguous() if held is not None else
-                             torch.zeros(shape, dtype=spec.dtypes[key], device=shard.buffer.device))
+                    value = held[key].contiguous()
                     if not here:
                         collectives.send(value, dst, view.shard_group)
                 else:
-                    value = torch.empty(shape, dtype=shard.master_dtype if key == "master" else spec.dtypes[key], device=shard.buffer.device)
+                    value = torch.empty(shape, dtype=dtype, device=shard.buffer.device)
                     collectives.recv(value, owner, view.shard_group)
                 values[key] = value
             if here:
                 if "master" in values:
                     masters[index] = values.pop("master")
                 if view.param_steps[index]:
-                    state[index] = {**({"step": torch.tensor(float(view.param_steps[index]))} if spec.has_step else {}), **values}
+                    state[index] = {**({"step": torch.tensor(float(view.param_steps[index]))} if spec.has_step else {}), **spec.unflatten(values)}
     return full_envelope(view, dict(sorted(state.items())), masters) if here else None
 
 
@@ -270,6 +366,10 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[st
                 continue
             spec = specs[ours] = _spec(view, saved_groups, shard, param.shape)
             found = {key: tuple(value.shape) for key, value in entry.items() if key != "step"}
+            kinds = {key: type(value) for key, value in entry.items() if key in spec.subclasses and type(value) is not spec.subclasses[key].cls}
+            if kinds:
+                raise ValueError(f"state_dict state of {names[ours]} holds {sorted((k, t.__name__) for k, t in kinds.items())} (key, type) where "
+                                 f"{type(view.optimizer).__name__} keeps {sorted((k, sub.cls.__name__) for k, sub in spec.subclasses.items())}")
             if found != spec.shapes:
                 raise ValueError(f"state_dict state of {names[ours]} has {found} (key: shape), {type(view.optimizer).__name__} keeps "
                                  f"{spec.shapes} for it with the state_dict's hyperparameters of param_groups[{shard.group}]")
@@ -280,7 +380,7 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[st
     for k, shard, piece, vparam, ours in _owned(view):
         if steps[ours]:
             entry = state_dict["state"][order[ours]]
-            state[vparam] = {key: entry[key].clone() for key in specs[ours].shapes}
+            state[vparam] = {key: copy_state_value(entry[key]) for key in specs[ours].shapes}
             if specs[ours].has_step:
                 state[vparam]["step"] = torch.tensor(float(steps[ours]))
         if saves_master(shard):

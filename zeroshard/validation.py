@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from zeroshard import overflow
 from zeroshard.chunk import is_virtual_param
@@ -84,9 +84,39 @@ def choose_partition(optimizer: torch.optim.Optimizer, partition: Any, assume_el
                          "leave partition=None (or pass partition='param') to give each param whole to one rank")
     if assume_elementwise and partition == "param":
         raise ValueError("assume_elementwise=True asks for partition='flat', but partition='param' was given: pass one of them")
-    if partition is not None:
-        return partition
-    return "flat" if cls in ELEMENTWISE or assume_elementwise else "param"
+    chosen = partition if partition is not None else "flat" if cls in ELEMENTWISE or assume_elementwise else "param"
+    if chosen == "flat" and cls not in ELEMENTWISE:
+        _refuse_subclass_state(optimizer)
+    return chosen
+
+
+def is_subclass_state(value: Any) -> bool:
+    """Whether ``value`` is a tensor subclass that follows PyTorch's flatten/unflatten protocol (torchao's ``OptimState8bit``)."""
+    return isinstance(value, Tensor) and type(value) not in (Tensor, nn.Parameter) and hasattr(type(value), "__tensor_flatten__")
+
+
+def _refuse_subclass_state(optimizer: torch.optim.Optimizer) -> None:
+    """Raise if ``optimizer``'s class keeps tensor-subclass state for a large 1-D param (one throwaway step on the host).
+
+    Low-bit states (torchao's ``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``) quantize in blocks of a
+    param's elements: on the 1-D slices of ``partition="flat"`` the blocks would follow the world
+    size, and the flat checkpoint formats hold plain per-element tensors. A class that cannot be
+    stepped this way is not refused here.
+
+    Raises:
+        ValueError: it keeps such state; names the class and the way out (``partition="param"``).
+    """
+    cls = type(optimizer)
+    try:
+        state = throwaway_state(cls, optimizer.param_groups[0], (1 << 16,), torch.float32, "cpu")
+    except Exception:
+        return
+    kinds = sorted({type(v).__name__ for v in state.values() if is_subclass_state(v)})
+    if kinds:
+        raise ValueError(f"{cls.__name__} keeps its state as {', '.join(kinds)} (quantized in blocks of a param's elements): on the 1-D "
+                         "slices of partition='flat' (or assume_elementwise=True) the blocks would depend on the world size, and the flat "
+                         "checkpoint formats cannot carry it. Leave partition=None (or pass partition='param') to give each param whole "
+                         "to one rank, which trains and checkpoints it as the unsharded optimizer does")
 
 
 def _unstepped(state: Any) -> bool:
