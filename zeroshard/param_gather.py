@@ -22,7 +22,7 @@ outermost module runs with gathers pending, the mode comes off for its forward a
 call waits for its own params and for those it was seen reading the first time (a weight used
 functionally by a module that does not hold it), as Megatron-LM's forward pre-hooks do; the mode
 goes back on after the forward if params it did not read are still pending. A compiled module
-(``torch.compile``) waits for all its gathers when called.
+(``torch.compile``), the model or a submodule, waits for all pending gathers when called.
 
 A ``torch.jit`` scripted or traced module reads its params in C++, past the mode, so the module
 forward pre-hook waits for a ``ScriptModule``'s params before it runs. Not covered: a C++
@@ -330,8 +330,8 @@ class _ParamGuard(TorchFunctionMode):
             self._per_module = module in self._learned and bool(stack) and stack[-1] is self
             if self._per_module:
                 _pop_mode()
-            if hasattr(module, "_orig_mod"):  # torch.compile's wrapper: Dynamo would trace the per-module waits
-                self._wait_all()
+        if hasattr(module, "_orig_mod"):
+            self._wait_all()  # torch.compile's wrapper, at any depth: its compiled code runs no module hooks inside
         self._depth += 1
         if isinstance(module, torch.jit.ScriptModule):
             # A scripted or traced module reads its params in C++, past the mode: wait for them now.
@@ -368,7 +368,8 @@ class _ParamGuard(TorchFunctionMode):
                 for item in value if isinstance(value, (list, tuple)) else (value,):
                     entry = self._waiting.get(id(item))
                     if entry is not None:
-                        if self._calls and all(p is not item for p in self._calls[-1]._parameters.values()):
+                        if self._calls and not torch.compiler.is_compiling() and \
+                                all(p is not item for p in self._calls[-1]._parameters.values()):
                             self._foreign.setdefault(self._calls[-1], []).append(item)
                         entry[0].wait(upto=entry[1])
         return func(*args, **(kwargs or {}))
