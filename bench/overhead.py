@@ -21,7 +21,7 @@ where the host dominates, and "example" (4 x 256: 52 tensors, 3.24M params; 8 x 
 rank). Each zeroshard method gets a process group of its own, as a run training one model has.
 
 Last, for each zeroshard method, the forward that follows ``step()`` is timed alone, with the
-step's param all-gathers in flight (waited for per module call, ``zeroshard/param_gather.py``)
+step's param all-gathers in flight (waited for by the guard, ``zeroshard/param_gather.py``)
 and, alternating with it, after ``wait_params()`` with nothing in flight (#27 item 3).
 """
 
@@ -62,7 +62,7 @@ TABLES = (
                          "without the mode, over all rounds; baseline: ddp_adamw_fused, DDP + AdamW(fused=True) of the same size and "
                          f"run; {RATIO_LEGEND}"),
     Table(("forward",), "pending_ms: the forward (loss included, no backward) right after step() returned with its param all-gathers "
-                        "in flight, waiting for them per module call; none_ms: the same forward after opt.wait_params(), nothing in "
+                        "in flight, waited for by the guard (a Python call per torch function); none_ms: the same forward after opt.wait_params(), nothing in "
                         "flight; pending_over_none: pending_ms / none_ms (medians, the two alternating, rank 0's)"),
 )
 

@@ -48,6 +48,25 @@ def _delayed_all_gathers(delay_s: float):
         yield
 
 
+EACH_DELAY_S = 0.03
+
+
+@contextlib.contextmanager
+def _delayed_gathers(delay_s: float):
+    """Sleep ``delay_s`` before every all-gather launched in the block (a bucket, or a piece of one on gloo)."""
+
+    def delayed(real):
+        def launch(*args):
+            time.sleep(delay_s)
+            return real(*args)
+
+        return launch
+
+    with mock.patch.object(collectives, "all_gather", delayed(collectives.all_gather)), \
+            mock.patch.object(collectives, "all_gather_piece", delayed(collectives.all_gather_piece)):
+        yield
+
+
 def _read(how: str, model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     """Read the params right after ``step()`` the way user code does."""
     params = list(model.parameters())
@@ -252,91 +271,67 @@ def test_a_gather_waited_for_on_a_side_stream_is_waited_for_again_on_the_launch_
         param_gather.pop_guard_if_done()
 
 
-class ForeignRead(torch.nn.Module):
-    """A forward that reads a child's weight functionally, outside the child (a tied head written as ``F.linear``), after
-    the other children ran: the weight's bucket is the last one gathered (the layout follows backward order), and the
-    module that reads it does not hold it."""
+class IndexesChildren(torch.nn.Module):
+    """A parent whose forward reads its children's weights itself (``F.linear(h, layer.weight)``), not through their forward."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = torch.nn.Linear(13, 29)
-        self.body = torch.nn.Linear(29, 29)
-        self.head = torch.nn.Linear(29, 13, bias=False)
-        self.unused = torch.nn.Linear(3, 3)  # read by no forward: its gather is still pending when the forward returns
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(29, 29) for _ in range(3)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(torch.tanh(self.body(torch.tanh(self.embed(x)))), self.head.weight)
+        h = torch.tanh(self.embed(x))
+        for layer in self.layers:
+            h = torch.tanh(F.linear(h, layer.weight, layer.bias))
+        return h
 
 
-@contextlib.contextmanager
-def _delayed_gather_of(bucket_params: torch.Tensor, delay_s: float):
-    """Sleep ``delay_s`` before launching each gather into ``bucket_params`` (one bucket of the flat param buffer)."""
+def step_then_read_worker(kind: str) -> list[float]:
+    """Train 4 steps, each followed, with rank 1's gathers delayed, by what user code does between steps; per step, the
+    largest difference between what a forward read right after ``step()`` and what it reads after ``wait_params()``.
 
-    def delayed(real):
-        def launch(output, *args):
-            if output.data_ptr() == bucket_params.data_ptr():
-                time.sleep(delay_s)
-            return real(output, *args)
-
-        return launch
-
-    with mock.patch.object(collectives, "all_gather", delayed(collectives.all_gather)), \
-            mock.patch.object(collectives, "all_gather_piece", delayed(collectives.all_gather_piece)):
-        yield
-
-
-def per_module_worker(learned: bool, compiled_body: bool = False) -> tuple[bool, int, bool, bool]:
-    """Train one step and run a forward (which learns, under the torch-function mode, what each module reads), then step
-    again with rank 1's gather of the head's bucket delayed and run the forward once more: it waits per module, the mode off.
-
-    Returns whether that forward's output was current, how many torch functions the mode saw during it, whether the mode
-    was back on once it returned (the unused param's gather still pending), and whether a read of that param was current.
-    ``learned=False`` forgets what the first forward taught (the negative control). ``compiled_body``: the body is a
-    ``torch.compile``d submodule, whose compiled code runs no module hooks inside, and its bucket is the one delayed."""
+    ``"transformer_eval"``: validation of an ``nn.TransformerEncoder`` under ``model.eval()`` and ``no_grad``, whose
+    layers take a fused fast path (``torch._transformer_encoder_layer_fwd``) when no torch-function mode is active, one
+    that reads the layer's sub-modules' weights inside the layer. ``"log_then_forward"``: one param read after the
+    first step only (``if step % 100 == 0: log(p.norm())``), then a forward whose parent indexes its children's weights
+    (``F.linear(h, layer.weight)``). Waits per module call, learned from the first forward after a step (tried in #27
+    and withdrawn), read stale params in the first case (the fast path is taken only once the mode is off) and, in a
+    helper's probe with its own model, in the second (the log read had completed every gather, so the first forward
+    learned nothing); the guard keeps both current."""
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = ForeignRead()
-    if compiled_body:
-        model.body = torch.compile(model.body, backend="eager")
+    if kind == "transformer_eval":
+        model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
+                                            enable_nested_tensor=False)
+        x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(rank))
+    else:
+        model = IndexesChildren()
+        x = torch.randn(4, 13, generator=torch.Generator().manual_seed(rank))
+    forward = model
+
     opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), bucket_size_mb=SMALL_BUCKETS_MB)
-    x = torch.randn(4, 13, generator=torch.Generator().manual_seed(rank))
-    for step in range(2):
-        model(x).square().mean().backward()
-        if step == 1 and not learned:
-            param_gather._GUARD._foreign.clear()
-        buffer = opt._shards[0].buffer
-        delayed = model.body._orig_mod.weight if compiled_body else model.head.weight
-        bucket = buffer.layout.slots[next(i for i, p in enumerate(buffer.params) if p is delayed)].bucket
-        with _delayed_gather_of(buffer.bucket_view(bucket), DELAY_S if rank == 1 and step == 1 else 0.0):
+    differences = []
+    for step in range(4):
+        model.train()
+        forward(x).square().mean().backward()
+        with _delayed_gathers(EACH_DELAY_S if rank == 1 else 0.0):  # each launch late: buckets arrive one by one
             opt.step()
         opt.zero_grad()
-    seen = []
-    with mock.patch.object(param_gather._ParamGuard, "__torch_function__",
-                           lambda self, func, types, args=(), kwargs=None: seen.append(func) or func(*args, **(kwargs or {}))):
+        model.eval()
         with torch.no_grad():
-            before = len(seen)
-            out = model(x)
-            inside = len(seen) - before
-        guarded_after = param_gather._GUARD in _get_current_function_mode_stack()
-        unused = model.unused.weight.detach().clone()
-    opt.wait_params()
-    with torch.no_grad():
-        current = torch.equal(out, model(x))
-    unused_current = torch.equal(unused, model.unused.weight)
+            if kind == "log_then_forward" and step == 0:
+                model.layers[-1].weight.norm()
+            out = forward(x)
+        opt.wait_params()
+        with torch.no_grad():
+            differences.append(float((out - forward(x)).abs().max()))
     opt.close()
-    return current, inside, guarded_after, unused_current
+    return differences
 
 
-@pytest.mark.parametrize("compiled_body", [False, True])
-def test_a_forward_after_the_first_waits_per_module_for_what_it_reads(pools, compiled_body):
-    results = pools[2].run(per_module_worker, True, compiled_body)
-    for current, torch_functions_seen, guarded_after, unused_current in results:
-        assert current and unused_current
-        assert torch_functions_seen == 0
-        # (a compiled submodule waits for every gather when called: nothing is left pending then)
-        assert guarded_after != compiled_body, "the mode went back on for the gather the forward did not wait for"
-
-
-def test_a_forward_that_reads_a_param_outside_its_module_is_stale_without_what_the_first_forward_learned(pools):
-    current = pools[2].run(per_module_worker, False)
-    assert current[0][0] is False  # rank 0's F.linear read head.weight before rank 1's slice arrived
+@pytest.mark.parametrize("kind", ["transformer_eval", "log_then_forward"])
+def test_forwards_after_every_step_read_current_params(pools, kind):
+    for differences in pools[2].run(step_then_read_worker, kind):
+        # (under the guard the encoder takes its slow path, the reference after wait_params() its fused one: rounding apart;
+        # a stale read is off by about 1)
+        assert all(d < 1e-5 for d in differences), differences

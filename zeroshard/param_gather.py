@@ -6,30 +6,20 @@ returns without waiting for them: the next forward's first layers start while th
 buckets are still on the wire, as Megatron-LM's ``overlap_param_gather`` does. The buckets are
 launched in forward order (the reverse of the layout, which follows backward order), so the
 first module that runs waits only for its own bucket; each bucket is waited for just before the
-first torch function that reads or writes one of its params, or in a forward, the first module
-call that holds or reads one (below).
+first torch function that reads or writes one of its params.
 
-Two ways of waiting, by when the read comes. The optimizer is given params, not modules, and a
-param can be read outside any forward — an EMA copy, ``model.state_dict()``, ``torch.save``,
-``p.clone()``, evaluation code that indexes a weight. Between ``step()`` and the forward, every one
-of them goes through a torch function that takes the param (or something made from it after the
-step), and :class:`_ParamGuard`, a ``TorchFunctionMode``, sees that call first: nothing can read a
-param half-gathered (a stale read would be a silent wrong number). Covered: every torch function
-and ``Tensor`` method, ``torch.ops`` custom ops, and ``torch.compile`` (Dynamo honours active
-modes). Inside the forward, one Python call per torch function would cost the host about as much
-as the forward's own dispatch (+45% on a 12-layer, 64-wide GPT on CPU), so from the second time an
-outermost module runs with gathers pending, the mode comes off for its forward and each module
-call waits for its own params and for those it was seen reading the first time (a weight used
-functionally by a module that does not hold it), as Megatron-LM's forward pre-hooks do; the mode
-goes back on after the forward if params it did not read are still pending. A compiled module
-(``torch.compile``), the model or a submodule, waits for all pending gathers when called.
-
+Why a ``TorchFunctionMode`` rather than forward pre-hooks on the modules (Megatron's way): the
+optimizer is given params, not modules, and a param can be read outside any forward — an EMA
+copy, ``model.state_dict()``, ``torch.save``, ``p.clone()``, evaluation code that indexes a weight.
+Every one of them goes through a torch function that takes the param (or something made from it
+after the step), and :class:`_ParamGuard` sees that call first. So nothing can read a param
+half-gathered: a stale read would be a silent wrong number. Covered: every torch function and
+``Tensor`` method, ``torch.ops`` custom ops, and ``torch.compile`` (Dynamo honours active modes).
 A ``torch.jit`` scripted or traced module reads its params in C++, past the mode, so the module
-forward pre-hook waits for a ``ScriptModule``'s params before it runs. Not covered: a C++
-extension bound without the dispatcher that is handed a param directly (also
-``torch.utils.dlpack.to_dlpack``, and a ``torch.jit.script`` function, not module, called with a
-param), an alias of a param made *before* ``step()`` and read after it, a forward that reads a
-param outside the module holding it on a path its first forward after a step did not take, and
+forward pre-hook that is registered while the guard is pushed waits for a ``ScriptModule``'s
+params before it runs. Not covered: a C++ extension bound without the dispatcher that is handed a
+param directly (also ``torch.utils.dlpack.to_dlpack``, and a ``torch.jit.script`` function, not
+module, called with a param), an alias of a param made *before* ``step()`` and read after it, and
 reads from another thread than the one that called ``step()`` (mode stacks are per thread); call
 :meth:`~zeroshard.ShardedOptimizer.wait_params` first there.
 
@@ -39,8 +29,8 @@ sits between another mode's enter and exit); otherwise, and with ``overlap_param
 gather is pending, at the next module call or zeroshard call that finds it on top of the stack.
 (On gloo the gathers are point-to-point works, which report completion only once waited for: there
 the guard goes once every param was read, by the next forward, or after ``wait_params()``.)
-While pushed, its cost is one Python call per torch function (a dictionary lookup per tensor
-argument); in a forward waiting per module, one per module call.
+Its cost while pushed is one Python call per torch function (a dictionary lookup per tensor
+argument).
 """
 
 from __future__ import annotations
@@ -48,7 +38,6 @@ from __future__ import annotations
 import datetime
 import itertools
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -232,34 +221,17 @@ def _params_by_piece(shard: LocalShard, chunk: Chunk, pieces: list[tuple[int, in
 
 
 class _ParamGuard(TorchFunctionMode):
-    """Waits for a param's pending all-gather before it is read: per torch function, or per module call in a forward.
+    """The mode that waits for a param's pending all-gather before any torch function touches it.
 
     One per process: every optimizer's pending gathers are registered here (param id → its
-    gather), so several optimizers (Muon + AdamW) share one guard. While gathers are pending it
-    is a torch-function mode on the stack (every read waits for what it touches) and a pair of
-    global module forward hooks. An outermost module call (the model's forward) goes one of two ways:
-
-    - *learning*, the first time a given outermost module runs with gathers pending: the mode
-      stays on, and each read of a pending param made inside a module that does not hold the
-      param itself (a tied weight used functionally, ``F.linear(x, self.wte.weight)``) is noted
-      for that module (the innermost module running);
-    - *module*, every later time: the mode comes off for the forward, and each module call waits,
-      before it runs, for its own params' gathers and those it was seen reading (Megatron-LM's
-      forward pre-hook wait), one Python call per module instead of one per torch function. If
-      gathers are still pending when the outermost call returns (params the forward did not
-      read), the mode goes back on.
+    gather), so several optimizers (Muon + AdamW) share one mode on the stack.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._waiting: dict[int, tuple[ParamGather, BucketGather]] = {}  # id(param) -> (its optimizer's gathers, its bucket's)
         self._gathers: dict[int, ParamGather] = {}  # id -> the optimizers' gathers with buckets in _waiting
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []  # the global module forward hooks, while gathers are pending
-        self._depth = 0  # module forward calls in progress
-        self._calls: list[nn.Module] = []  # learning: the module calls in progress, innermost last
-        self._per_module = False  # the current outermost forward waits per module (the mode is off)
-        self._learned: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # outermost modules whose forward ran with the mode on
-        self._foreign: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = weakref.WeakKeyDictionary()  # params read, not held
+        self._pop_hook: torch.utils.hooks.RemovableHandle | None = None
 
     def watch(self, gathers: ParamGather) -> bool:
         """Register ``gathers``' pending buckets and push the guard on this thread's mode stack; ``False`` where it cannot be pushed.
@@ -274,10 +246,8 @@ class _ParamGuard(TorchFunctionMode):
             if stack:
                 return False
             _push_mode(self)
-        if not self._hooks:
-            self._depth, self._calls, self._per_module = 0, [], False
-            self._hooks = [nn.modules.module.register_module_forward_pre_hook(self._before_module_call),
-                           nn.modules.module.register_module_forward_hook(self._after_module_call, always_call=True)]
+            if self._pop_hook is None:
+                self._pop_hook = nn.modules.module.register_module_forward_pre_hook(self._before_module_call)
         self._gathers[id(gathers)] = gathers
         for gather in gathers._pending:
             for param in gather.params:
@@ -292,7 +262,7 @@ class _ParamGuard(TorchFunctionMode):
                 del self._waiting[id(param)]
 
     def pop_if_done(self) -> None:
-        """Leave this thread's mode stack once nothing is pending, if the guard is on top of it; outside a forward, drop the hooks.
+        """Leave this thread's mode stack once nothing is pending, if the guard is on top of it.
 
         Gathers that completed by themselves are retired first, so the guard goes as soon as the
         wire is done, whether or not their params were touched.
@@ -306,59 +276,18 @@ class _ParamGuard(TorchFunctionMode):
         stack = _get_current_function_mode_stack()
         if stack and stack[-1] is self:
             _pop_mode()
-        if self._depth == 0:
-            for handle in self._hooks:
-                handle.remove()
-            self._hooks = []
-
-    def _wait_for(self, params: Iterable[nn.Parameter | None]) -> None:
-        for param in params:
-            entry = self._waiting.get(id(param))
-            if entry is not None:
-                entry[0].wait(upto=entry[1])
-
-    def _wait_all(self) -> None:
-        for gathers in list(self._gathers.values()):
-            gathers.wait()
+            if self._pop_hook is not None:
+                self._pop_hook.remove()
+                self._pop_hook = None
 
     def _before_module_call(self, module: nn.Module, args: object) -> None:
-        """Global module forward pre-hook while gathers are pending: choose how an outermost call waits, wait per module."""
-        if torch.compiler.is_compiling():  # modules inside a compiled one: Dynamo honours the mode (on, see below)
-            return
-        if self._depth == 0:
-            stack = _get_current_function_mode_stack()
-            self._per_module = module in self._learned and bool(stack) and stack[-1] is self
-            if self._per_module:
-                _pop_mode()
-        if hasattr(module, "_orig_mod"):
-            self._wait_all()  # torch.compile's wrapper, at any depth: its compiled code runs no module hooks inside
-        self._depth += 1
+        """Global module forward pre-hook while pushed: wait for a ScriptModule's params, then pop if done."""
         if isinstance(module, torch.jit.ScriptModule):
-            # A scripted or traced module reads its params in C++, past the mode: wait for them now.
-            self._wait_for(module.parameters())
-        if self._per_module:
-            self._wait_for(module._parameters.values())
-            self._wait_for(self._foreign.get(module, ()))
-        else:
-            self._calls.append(module)
-
-    def _after_module_call(self, module: nn.Module, args: object, output: object) -> None:
-        """Global module forward hook (also after an exception): at the outermost call's end, the mode back on if gathers remain."""
-        if torch.compiler.is_compiling():
-            return
-        self._depth = max(0, self._depth - 1)
-        if self._calls and self._calls[-1] is module:
-            self._calls.pop()
-        if self._depth > 0:
-            return
-        if self._per_module:
-            self._per_module = False
-            if self._waiting and not _get_current_function_mode_stack():
-                _push_mode(self)
-            elif self._waiting:
-                self._wait_all()  # another mode was pushed during the forward: the guard cannot go back on
-        else:
-            self._learned.add(module)
+            # A scripted or traced module reads its params in C++, past this mode: wait for them now.
+            for param in module.parameters():
+                entry = self._waiting.get(id(param))
+                if entry is not None:
+                    entry[0].wait(upto=entry[1])
         self.pop_if_done()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -368,9 +297,6 @@ class _ParamGuard(TorchFunctionMode):
                 for item in value if isinstance(value, (list, tuple)) else (value,):
                     entry = self._waiting.get(id(item))
                     if entry is not None:
-                        if self._calls and not torch.compiler.is_compiling() and \
-                                all(p is not item for p in self._calls[-1]._parameters.values()):
-                            self._foreign.setdefault(self._calls[-1], []).append(item)
                         entry[0].wait(upto=entry[1])
         return func(*args, **(kwargs or {}))
 
