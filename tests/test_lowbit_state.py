@@ -22,7 +22,8 @@ import zeroshard
 from zeroshard.convert import convert
 
 torchao_optim = pytest.importorskip("torchao.optim")
-KINDS = ("AdamW8bit", "AdamW4bit")
+# (class, options): torchao keeps block_size as an attribute, not in param_groups: the state's shapes must follow it
+KINDS = [("AdamW8bit", {}), ("AdamW4bit", {}), ("AdamW8bit", {"block_size": 128})]
 STEPS = 4  # the checkpoint is taken after 2
 
 
@@ -31,8 +32,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64))
 
 
-def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
-    return getattr(torchao_optim, kind)(model.parameters(), lr=1e-2)
+def _optimizer(kind: str, model: nn.Module, options: dict | None = None) -> torch.optim.Optimizer:
+    return getattr(torchao_optim, kind)(model.parameters(), lr=1e-2, **(options or {}))
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
@@ -61,16 +62,16 @@ def _same(a: dict, b: dict) -> bool:
         all(torch.equal(x, _bits(b)[k]) for k, x in _bits(a).items())
 
 
-def train_worker(kind: str, directory: str) -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
+def train_worker(kind: str, options: dict, directory: str) -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
     """DDP + the unsharded optimizer, and ShardedOptimizer(stage=2) saving every format after 2 steps; both final params,
     and the state types this rank holds."""
     reference = _model()
     ddp = DDP(reference)
-    plain = _optimizer(kind, reference)
+    plain = _optimizer(kind, reference, options)
     _train(ddp, plain, range(STEPS))
 
     model = _model()
-    opt = zeroshard.ShardedOptimizer(_optimizer(kind, model), stage=2)
+    opt = zeroshard.ShardedOptimizer(_optimizer(kind, model, options), stage=2)
     _train(model, opt, range(2))
     rank = dist.get_rank()
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{directory}/dcp")
@@ -88,11 +89,11 @@ def train_worker(kind: str, directory: str) -> tuple[list[torch.Tensor], list[to
     return [p.detach().clone() for p in model.parameters()], [p.detach().clone() for p in reference.parameters()], types
 
 
-def resume_worker(kind: str, directory: str, method: str) -> tuple[list[torch.Tensor], list[str]]:
+def resume_worker(kind: str, options: dict, directory: str, method: str) -> tuple[list[torch.Tensor], list[str]]:
     """Resume at step 2 from ``method``'s checkpoint and finish; the final params and the state types after the load."""
     model = _model()
     model.load_state_dict(torch.load(f"{directory}/model.pt"))
-    opt = zeroshard.ShardedOptimizer(_optimizer(kind, model), stage=2)
+    opt = zeroshard.ShardedOptimizer(_optimizer(kind, model, options), stage=2)
     if method == "dcp":
         sd = {"optim": opt.state_dict()}
         dcp.load(sd, checkpoint_id=f"{directory}/dcp")
@@ -112,24 +113,24 @@ def resume_worker(kind: str, directory: str, method: str) -> tuple[list[torch.Te
     return [p.detach().clone() for p in model.parameters()], types
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_low_bit_state_trains_like_ddp_and_resumes_bitwise_from_every_format(pools, tmp_path, kind):
-    runs = pools[2].run(train_worker, kind, str(tmp_path))
+@pytest.mark.parametrize(("kind", "options"), KINDS)
+def test_low_bit_state_trains_like_ddp_and_resumes_bitwise_from_every_format(pools, tmp_path, kind, options):
+    runs = pools[2].run(train_worker, kind, options, str(tmp_path))
     final, reference, _ = runs[0]
     assert all(torch.equal(a, b) for a, b in zip(final, reference)), "stage 2 differs from DDP + the unsharded optimizer"
     subclass = "OptimState8bit" if kind == "AdamW8bit" else "OptimState4bit"
     assert any(subclass in types for _, _, types in runs)
     for method in ("own", "dcp", "full"):
-        for params, types in pools[2].run(resume_worker, kind, str(tmp_path), method):
+        for params, types in pools[2].run(resume_worker, kind, options, str(tmp_path), method):
             assert all(torch.equal(a, b) for a, b in zip(params, final)), method
             assert subclass in types or not types, (method, types)
-    for _, types in pools[1].run(resume_worker, kind, str(tmp_path), "dcp"):
+    for _, types in pools[1].run(resume_worker, kind, options, str(tmp_path), "dcp"):
         assert subclass in types
 
     # The full format is plain torch.optim: it loads into the unsharded optimizer as the same subclass and bits,
     # and python -m zeroshard.convert writes the same from the DCP checkpoint, with no process group.
     full = torch.load(tmp_path / "full.pt", weights_only=False)
-    plain = _optimizer(kind, _model())
+    plain = _optimizer(kind, _model(), options)
     plain.load_state_dict(full)
     loaded = plain.state_dict()["state"]
     assert loaded.keys() == full["state"].keys()
@@ -153,3 +154,23 @@ def test_slices_of_low_bit_state_are_refused_on_every_rank_at_construction(pools
     # On 1-D slices the quantization blocks would follow the world size, and a DCP resume came back as plain fp32 state.
     for message in pools[2].run(flat_worker, "AdamW8bit", how):
         assert "AdamW8bit keeps its state as OptimState8bit" in message and "partition='param'" in message
+
+
+def mismatch_worker() -> str:
+    """Rank 0 holds state of another shape than the spec for one param it owns; consolidate_state_dict() on every rank."""
+    model = _model()
+    opt = zeroshard.ShardedOptimizer(_optimizer("AdamW8bit", model), stage=2)
+    _train(model, opt, range(1))
+    if dist.get_rank() == 0:
+        state = next(s for s in opt.optimizer.state.values() if s)
+        state["exp_avg"] = torch.zeros(3)
+    with pytest.raises(RuntimeError) as raised:
+        opt.consolidate_state_dict(to=1)
+    return str(raised.value)
+
+
+def test_state_of_unexpected_shapes_raises_on_every_rank_before_anything_is_sent(pools):
+    # Before: the receiving rank allocated what it expected, the sizes disagreed, and gloo aborted (or it waited forever).
+    messages = pools[2].run(mismatch_worker)
+    assert all("keeps state of other shapes than zeroshard expects" in m and "nothing was sent" in m for m in messages)
+    assert "(3,)" in messages[0] and "on this rank: none" in messages[1]

@@ -24,6 +24,7 @@ value with ``.item()``).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -104,6 +105,20 @@ class StateSpec(NamedTuple):
                                         else torch.zeros(shape, dtype=dtype, device=device))
         return out
 
+    def mismatch(self, state: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per checkpoint entry of ``state`` (as :meth:`entries` names them) whose shape is not the spec's: (found, expected)."""
+        found: dict[str, tuple[int, ...]] = {}
+        for key in self.shapes:
+            held, sub = state.get(key), self.subclasses.get(key)
+            if held is None:
+                continue
+            if sub is None or type(held) is not sub.cls:
+                found[key] = tuple(held.shape)
+            else:
+                found.update({f"{key}.{name}": tuple(getattr(held, name).shape) for name in sub.inner})
+        expected = {key: shape for key, (shape, _) in self.entries().items()}
+        return {key: (shape, expected.get(key, ())) for key, shape in found.items() if expected.get(key) != shape}
+
     def unflatten(self, entry: dict[str, Tensor]) -> dict[str, Tensor]:
         """The state tensors from a checkpoint entry as :meth:`entries` names them: copies, subclasses rebuilt."""
         state: dict[str, Tensor] = {}
@@ -153,6 +168,7 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
             checkpoints do not carry.
     """
     cls = type(optimizer)
+    hyperparameters = {**instance_options(optimizer, hyperparameters), **hyperparameters}
     kwargs = constructor_kwargs(cls, hyperparameters)
     # The learning rate (which schedules change every step) does not decide what state is kept.
     key = (cls, repr(sorted((k, v) for k, v in kwargs.items() if k not in ("lr", "initial_lr"))), tuple(shape), dtype)
@@ -176,6 +192,21 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
                      subclasses)
     _SPECS[key] = spec
     return spec
+
+
+def instance_options(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]) -> dict[str, Any]:
+    """Constructor arguments ``optimizer`` keeps as plain attributes rather than in its param groups (torchao's
+    ``block_size`` and ``bf16_stochastic_round``), by name: they decide the state's shapes as much as the groups' do."""
+    try:
+        names = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):
+        return {}
+    found = {}
+    for name in names:
+        value = getattr(optimizer, name, None) if name not in ("self", "params") and name not in hyperparameters else None
+        if isinstance(value, (bool, int, float, str)):
+            found[name] = value
+    return found
 
 
 def _owned(view: CheckpointView) -> Iterator[tuple[int, LocalShard, Any, nn.Parameter, int]]:
@@ -303,6 +334,7 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
     here = dist.get_rank() == to
     dst = dist.get_group_rank(view.shard_group, to)
     groups = view.optimizer.param_groups
+    _check_shapes_everywhere(view)
     state: dict[int, dict[str, Any]] = {}
     masters: dict[int, Tensor] = {}
     for shard in view.shards:
@@ -340,6 +372,29 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
                 if view.param_steps[index]:
                     state[index] = {**({"step": torch.tensor(float(view.param_steps[index]))} if spec.has_step else {}), **spec.unflatten(values)}
     return full_envelope(view, dict(sorted(state.items())), masters) if here else None
+
+
+def _check_shapes_everywhere(view: CheckpointView) -> None:
+    """Before the state travels point to point: every rank checks that its params' state has the shapes every other rank
+    expects (from the spec), and all learn of a mismatch anywhere in one all-reduce, so all raise together instead of a
+    receive of the wrong size aborting the process group (or waiting forever).
+
+    Raises:
+        RuntimeError: some rank's state has other shapes than the spec (this rank's mismatches are named).
+    """
+    names, groups = param_names(view), view.optimizer.param_groups
+    bad = []
+    for _, shard, _, vparam, index in _owned(view):
+        found = _spec(view, groups, shard, vparam.shape).mismatch(view.optimizer.state.get(vparam, {}))
+        if found:
+            bad.append(f"{names[index]}: {found} (key: (found, expected))")
+    flag = torch.tensor([float(len(bad))], device=view.shards[0].buffer.device if view.shards else None)
+    collectives.wait(collectives.all_reduce(flag, view.shard_group, op=dist.ReduceOp.MAX), None,
+                     "consolidate_state_dict(): the check of the state's shapes", "call consolidate_state_dict() on every rank")
+    if flag.item():
+        raise RuntimeError(f"{type(view.optimizer).__name__} keeps state of other shapes than zeroshard expects from its hyperparameters "
+                           f"(on this rank: {bad or 'none'}); nothing was sent. Which state a param has comes from one step of a "
+                           "throwaway optimizer built from the param group's hyperparameters and the options the optimizer keeps as attributes")
 
 
 def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[int], list[tuple[int, int, Tensor]]]:
