@@ -42,9 +42,8 @@ from zeroshard.shard_grads import ShardGrads
 from zeroshard.sharded_grad import ShardedGrad
 from zeroshard.staging import StagingBuckets
 
-# Stage 2 keeps at most this many bucket reductions in flight (double buffering, as DeepSpeed's
-# ZeRO-2 does): launching one more first completes the oldest, so staging memory stays bounded at
-# about this many buckets plus the one being filled, instead of growing to a full gradient copy.
+# Stage 2 keeps at most this many bucket reductions in flight (double buffering, as DeepSpeed's ZeRO-2):
+# launching one more completes the oldest, so staging memory stays about this many buckets plus one.
 MAX_BUCKETS_IN_FLIGHT = 2
 
 
@@ -92,7 +91,7 @@ class GradReducer:
         self.overlap_comm = overlap_comm
         self.shards: list[LocalShard] = []
         self._comm = GradComm(groups.shard, timeout)  # where every gradient's pieces are
-        self._space = ParamSpace()  # the optimizer's params as torch.optim numbers them (VirtualGrad norms)
+        self._space = ParamSpace()  # the params as torch.optim numbers them (VirtualGrad norms)
         self._grads: list[ShardGrads] = []  # per shard: its gradient bookkeeping
         self._order = BucketOrder()  # rebuilt once, from the first reduced backward
         self._staging = StagingBuckets()  # stage 2
@@ -101,18 +100,18 @@ class GradReducer:
         self._next_launch = 0
         self._callback_queued = False
         self._outermost = OutermostBackward(weak_method(self._queue_end_of_backward))  # see zeroshard/nested_backward.py
-        self._flushed = False  # another reducer's end of backward reduced this pass (launch_order.flush)
+        self._flushed = False  # another reducer's end of backward reduced this pass (launch_order)
         self._no_sync = False
         self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
-        self._late = False  # a gradient arrived after its bucket was reduced, in a backward of this step (see _take_grad)
+        self._late = False  # a gradient arrived after its bucket was reduced in this step (_take_grad)
         self._reductions = 0  # backward passes reduced since reset
-        self._reset_marks: list[tuple[int, int]] | None = None  # _marks() at the last reset; None: something happened since
+        self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset; None: used since
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
         self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
-        self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates without communication
+        self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates locally
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        # DDP wrappers around these params: switched off, their reducers released (see DDPWrappers.adopt).
+        # DDP wrappers around these params: switched off, their reducers released (DDPWrappers.adopt).
         self._ddps = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))
         # The hooks hold this reducer weakly, so they go with it (or with close()). Not at exit:
         # DDP would get a reducer back for nothing, maybe after its process group is destroyed.
@@ -144,7 +143,6 @@ class GradReducer:
 
     def add_shard(self, shard: LocalShard) -> None:
         """Register ``shard``'s params: hooks, launch order, and (stage 1) a flat grad buffer."""
-        self._reset_marks = None
         k = len(self.shards)
         self.shards.append(shard)
         layout = shard.buffer.layout
@@ -252,7 +250,6 @@ class GradReducer:
     # -- backward --
 
     def _on_grad_ready(self, k: int, i: int, param: nn.Parameter) -> None:
-        self._reset_marks = None
         self.shards[k].follow(i)  # the model may have moved since the optimizer was built
         grad = param.grad
         if grad is None:
@@ -261,7 +258,7 @@ class GradReducer:
             raise RuntimeError(f"param {tuple(param.shape)} got a sparse gradient; zeroshard reduces dense gradients only (use sparse=False in nn.Embedding)")
         self._grads[k].used[i] = True
         if self.stage == 1:
-            self._keep_in_flat_grad(k, i, param)
+            self._grads[k].keep_in_flat_grad(i, param)
         if self._no_sync or self._ddp_no_sync:
             if launch_order.shared(self.group):  # the group's other reducers still reduce at this backward's end
                 self._queue_end_of_backward()
@@ -270,7 +267,7 @@ class GradReducer:
             self._grads[k].refuse_partial_write(i, self._grads[k].hooked_before(i, param))
         self._queue_end_of_backward()
         self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this param's pre-hook (_before_accumulate)
-        if self._ddp_reduced:  # DDP's reducer, hooked after, reads .grad as zeroshard leaves it: take it now
+        if self._ddp_reduced:  # DDP's reducer, hooked after, reads .grad as left here: take it now
             self._take_deferred()
 
     def _take_deferred(self) -> None:
@@ -287,26 +284,16 @@ class GradReducer:
         if param.grad is None:  # a hook dropped it: as DDP does, count the param as unused on this rank
             self._grads[k].used[i] = False
         if self.stage == 1:
-            self._keep_in_flat_grad(k, i, param)  # a hook may have replaced .grad (None: zeroes this rank's part)
+            self._grads[k].keep_in_flat_grad(i, param)  # a hook may have replaced .grad (None: zeroes this rank's part)
         self._take_grad(k, i, param)
         if self.overlap_comm:
             self._launch_complete_buckets()
-
-    def _keep_in_flat_grad(self, k: int, i: int, param: nn.Parameter) -> None:
-        """Stage 1: make ``param.grad`` a view of the flat grad buffer, copying if autograd made a new one."""
-        view = self._grads[k].flat_view(i)
-        grad = param.grad
-        if grad is None:
-            view.zero_()
-        elif grad is not view and grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
-            param.grad = view
 
     def _take_grad(self, k: int, i: int, param: nn.Parameter, last: bool = False) -> None:
         """Count a gradient of param ``i`` of shard ``k`` (``last``: at the end of the pass); stage 2 moves it into the staging bucket."""
         slot = self.shards[k].buffer.layout.slots[i]
         if self._order.position((k, slot.bucket)) < self._next_launch:
-            # More gradients than any pass had before, its bucket reduced (nested_backward.py): kept local, reduced at step().
+            # More gradients than any pass had, its bucket reduced (nested_backward.py): kept local until step().
             self._grads[k].arrivals[i] += 1
             self._late = True
             self._order.completed((k, slot.bucket))  # it completes now in the next passes
@@ -336,7 +323,7 @@ class GradReducer:
         self._pending.clear()
 
     def _queue_end_of_backward(self) -> None:
-        if not self._callback_queued:  # runs once the backward pass is done: completes and waits for every bucket
+        if not self._callback_queued:  # once the backward pass is done: completes and waits for every bucket
             Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued, self._flushed = True, False
 
@@ -394,10 +381,10 @@ class GradReducer:
                     continue
                 self._settle(k, i, param)
                 fresh = param.grad is not None and not isinstance(param.grad, ShardedGrad)
-                if fresh and not (self.stage == 1 and self._is_flat_grad_view(k, i, param)):
+                if fresh and not (self.stage == 1 and self._grads[k].is_flat_view(i, param)):
                     self._grads[k].used[i] = True
                 if self.stage == 1 and not isinstance(param.grad, ShardedGrad):  # a ShardedGrad's local sum is in the flat grad already
-                    self._keep_in_flat_grad(k, i, param)
+                    self._grads[k].keep_in_flat_grad(i, param)
                 self._take_grad(k, i, param, last=True)
         self._launch_complete_buckets(in_turn=False)
         self._drain()
@@ -429,9 +416,6 @@ class GradReducer:
         for grads in self._grads:
             grads.clear_backward()
 
-    def _is_flat_grad_view(self, k: int, i: int, param: nn.Parameter) -> bool:
-        return param.grad is not None and param.grad.data_ptr() == self._grads[k].flat_view(i).data_ptr()
-
     def reduce_for_step(self) -> None:
         """Reduce whatever is still local: gradients from ``no_sync``, a late one (``_take_grad``), or a step with no reduced backward.
 
@@ -449,7 +433,6 @@ class GradReducer:
         Gradients already reduced are not reduced twice: stage 2's ``ShardedGrad`` s add nothing,
         and stage 1 overwrites each slice of the grad shard with the same sum.
         """
-        self._reset_marks = None
         self._unreduced = True
 
     def local_used(self) -> list[list[bool]]:
@@ -464,14 +447,14 @@ class GradReducer:
         and what a DDP wrapper wrote into ``.grad`` in the backward it still reduced. Returns at once
         when nothing happened since the last reset (``zero_grad()`` right after ``step()``, which resets).
         """
-        if self._reset_marks is not None and self._reset_marks == self._marks():
+        if self._reset_marks is not None and self._reset_marks == [m for g in self._grads for m in g.marks()]:
             return
         if self._ddp_reduced:
             self._ddp_reduced = False
             for shard in self.shards:
                 for param in shard.buffer.params:
                     param.grad = None
-        self._ddps.release()  # between backward passes: the one a DDP wrapper found at a backward reduced is over
+        self._ddps.release()  # between backward passes: a backward a DDP wrapper reduced is over
         for pending in self._pending:  # left behind by a backward pass that raised (some write into the grad shard: first)
             self._wait(pending.work, pending.what)
         self._pending.clear()
@@ -483,12 +466,7 @@ class GradReducer:
         self._reductions = 0
         self._unreduced = self._flushed = self._late = False
         self._note_flat_grad_versions()
-        self._reset_marks = self._marks()
-
-    def _marks(self) -> list[tuple[int, int]]:
-        """What a reset leaves to compare with: each grad shard's and flat grad buffer's identity and version."""
-        tensors = [shard.grad_shard for shard in self.shards] + [g.flat for g in self._grads if g.flat is not None]
-        return [(id(t), t._version) for t in tensors]
+        self._reset_marks = [m for g in self._grads for m in g.marks()]
 
     def grad_buffers(self) -> list[Tensor]:
         """The gradient buffers this reducer owns right now: stage 1 flat grads, stage 2 staging buckets (pooled too)."""

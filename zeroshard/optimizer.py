@@ -371,12 +371,12 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         return self._placement
 
     def wait_params(self) -> None:
-        """Wait for the last :meth:`step`'s param all-gathers (on CUDA: order the current stream after them).
+        """Wait for the last :meth:`step`'s param all-gathers (CUDA: order the current stream after them).
 
         Torch code needs no call: any torch function given a param (the forward, ``state_dict()``,
-        an EMA copy) waits for its bucket itself (``zeroshard/param_gather.py``). Call it before
-        other reads: a C++ extension bound without torch's dispatcher, or a param alias made
-        before the step. Launches no collective.
+        an EMA copy) waits for its bucket (``zeroshard/param_gather.py``). Call it before other
+        reads: a C++ extension bound without torch's dispatcher, or a param alias made before the
+        step. No collective.
 
         Raises:
             RuntimeError: with ``collective_timeout_s``, an all-gather some rank did not join in time.

@@ -127,6 +127,24 @@ class ShardGrads:
             self.flat_views = [self.shard.buffer.param_view(j, of=self.flat).view_as(params[j]) for j in range(len(params))]
         return self.flat_views[i]
 
+    def marks(self) -> list[tuple[int, int]]:
+        """The grad shard's and :attr:`flat`'s identity and version: equal marks mean neither was written in between."""
+        return [(id(t), t._version) for t in (self.shard.grad_shard, self.flat) if t is not None]
+
+    def keep_in_flat_grad(self, i: int, param: nn.Parameter) -> None:
+        """Stage 1: make param ``i``'s ``.grad`` its view of :attr:`flat`, copying if autograd made a new one (``None``: zeroes it)."""
+        view = self.flat_view(i)
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad is not view and grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            param.grad = view
+
+    def is_flat_view(self, i: int, param: nn.Parameter) -> bool:
+        """Stage 1: whether param ``i``'s ``.grad`` is its view of :attr:`flat`."""
+        return param.grad is not None and param.grad.data_ptr() == self.flat_view(i).data_ptr()
+
     def leave_sharded_grads(self) -> None:
         """After a reduction: every param's ``.grad`` is its ``ShardedGrad`` (DDP's averaged gradient; ``zeroshard/sharded_grad.py``).
 
