@@ -43,7 +43,7 @@ from zeroshard.sharded_grad import ShardedGrad
 from zeroshard.staging import StagingBuckets
 
 # Stage 2 keeps at most this many bucket reductions in flight (double buffering, as DeepSpeed's ZeRO-2):
-# launching one more completes the oldest, so staging memory stays about this many buckets plus one.
+# launching one more completes the oldest: staging memory stays about this many buckets plus one.
 MAX_BUCKETS_IN_FLIGHT = 2
 
 
@@ -281,7 +281,7 @@ class GradReducer:
         arrived, self._deferred = self._deferred, None
         k, i, param = arrived.shard, arrived.index, arrived.param
         self._grads[k].refuse_partial_write(i, arrived.changed())
-        if param.grad is None:  # a hook dropped it: as DDP does, the param is unused on this rank
+        if param.grad is None:  # a hook dropped it: as in DDP, the param is unused on this rank
             self._grads[k].used[i] = False
         if self.stage == 1:
             self._grads[k].keep_in_flat_grad(i, param)  # a hook may have replaced .grad (None: zeroes this rank's part)
