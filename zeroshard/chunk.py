@@ -30,9 +30,10 @@ def is_virtual_param(param: torch.Tensor) -> bool:
     return getattr(param, _VIRTUAL, False)
 
 
-def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the master weights for params of ``dtype``: fp32 for 16-bit floats, else ``dtype``."""
-    return torch.float32 if dtype.itemsize < 4 else dtype
+def master_dtype_for(dtype: torch.dtype, master_weights: bool = True) -> torch.dtype:
+    """The dtype of the master weights for params of ``dtype``: fp32 for 16-bit floats, else ``dtype``;
+    ``dtype`` itself without ``master_weights`` (the params are the master weights)."""
+    return torch.float32 if master_weights and dtype.itemsize < 4 else dtype
 
 
 class Chunk:
@@ -42,7 +43,8 @@ class Chunk:
         buffer: the flat param buffer.
         rank: this rank's index in the sharding group.
         bucket: the bucket's index in ``buffer.layout``.
-        grad_shard: the shard's grad shard (1-D, master dtype); :attr:`grad` is a view of it.
+        grad_shard: the shard's grad shard (1-D, master dtype: its dtype is the chunk's master dtype);
+            :attr:`grad` is a view of it.
         pieces: this rank's (param ∩ slice) pieces of the bucket, in flat order.
         on_host: start in host memory (``offload="cpu"``), with a master of its own whatever the
             param dtype; otherwise on the params' device.
@@ -51,7 +53,8 @@ class Chunk:
         bucket: the bucket's index.
         numel: elements of the slice (``bucket.shard_numel(N)``), padding included.
         shard_offset: first element of the slice within this rank's shard.
-        master_dtype: fp32 for 16-bit params, else the param dtype.
+        master_dtype: the grad shard's dtype: fp32 for 16-bit params, else (and with
+            ``master_weights=False``) the param dtype.
         params: 1-D, param dtype, ``numel`` elements: this rank's slice of the flat param buffer
             (the input of the bucket's all-gather).
         bucket_params: 1-D, param dtype, ``bucket.padded_numel`` elements: the whole bucket in the
@@ -80,7 +83,7 @@ class Chunk:
         self.bucket = bucket
         self.numel = layout.buckets[bucket].shard_numel(layout.world_size)
         self.shard_offset = layout.buckets[bucket].shard_offset
-        self.master_dtype = master_dtype_for(buffer.dtype)
+        self.master_dtype = grad_shard.dtype
         self.params: Tensor = buffer.slice_view(bucket, rank)  # 1D param dtype, this rank's slice
         self.bucket_params: Tensor = buffer.bucket_view(bucket)  # 1D param dtype, the whole bucket with padding
         self.grad: Tensor = grad_shard[self.shard_offset : self.shard_offset + self.numel]  # 1D master dtype

@@ -36,6 +36,8 @@ class LocalShard:
         param_indices: per param of ``buffer`` (layout order), its ``torch.optim`` index (params
             numbered across param groups in order, as ``state_dict()`` numbers them); default
             ``0, 1, ...``.
+        master_weights: keep fp32 master weights for 16-bit params (``False``: the params are
+            the master weights, and the grad shard and virtual params take their dtype).
 
     Attributes:
         group, param_indices: as passed.
@@ -50,7 +52,8 @@ class LocalShard:
     """
 
     def __init__(
-        self, buffer: FlatParamBuffer, rank: int, host_master: bool = False, group: int = 0, param_indices: list[int] | None = None
+        self, buffer: FlatParamBuffer, rank: int, host_master: bool = False, group: int = 0, param_indices: list[int] | None = None,
+        master_weights: bool = True,
     ) -> None:
         self.buffer = buffer
         self.rank = rank
@@ -58,7 +61,7 @@ class LocalShard:
         self.param_indices = list(range(len(buffer.params))) if param_indices is None else param_indices
         layout = buffer.layout
         self.pieces: list[ShardPiece] = layout.pieces(rank)
-        self.master_dtype = master_dtype_for(buffer.dtype)
+        self.master_dtype = master_dtype_for(buffer.dtype, master_weights)
         self._bucket_starts = [b.shard_offset for b in layout.buckets]
         self.grad_shard: Tensor = torch.zeros(layout.shard_numel, dtype=self.master_dtype, device=buffer.device)
         pieces_of: list[list[ShardPiece]] = [[] for _ in layout.buckets]

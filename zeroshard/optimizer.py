@@ -18,12 +18,11 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from zeroshard import collectives, overflow
+from zeroshard import overflow
 from zeroshard.delegating import DelegatingOptimizer
 from zeroshard.fused_adam import FusedAdam, fused_adam_kind
 from zeroshard.grad_norm import NORM_TYPES, GradStats, gather_grad_stats
 from zeroshard.grad_reducer import GradReducer
-from zeroshard.groups import ShardingGroups, resolve_groups
 from zeroshard.local_shard import LocalShard
 from zeroshard.loss_scaler import DynamicLossScaler, choose_loss_scale
 from zeroshard.memory import MemoryUsage, owned_memory
@@ -33,7 +32,7 @@ from zeroshard.placement import Placement
 from zeroshard.shard_set import ShardSet
 from zeroshard.state_dict_api import StateDictMixin
 from zeroshard.step_path import grad_multiplier, wrapped_step
-from zeroshard.validation import check_arguments, check_options, choose_partition, options_fingerprint
+from zeroshard.validation import check_construction
 
 logger = logging.getLogger("zeroshard")
 
@@ -53,15 +52,14 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
     Models", SC'20, §5 (stages 1 and 2), with the virtual-parameter scheme of the SageMaker model
     parallel library; mirrors ``torch.distributed.optim.ZeroRedundancyOptimizer`` in API.
 
-    Memory per rank for Ψ mixed-precision params and sharding degree N (Adam): stage 1
-    ``4Ψ + 16Ψ/N`` bytes, stage 2 ``2Ψ + 16Ψ/N`` plus the buckets in flight (the grad shard is
-    kept in fp32). N is the shard group's size, not the number of data-parallel ranks.
+    Memory per rank (stage 2, Adam, bf16 params): ``2Ψ + 16Ψ/N`` bytes, N the shard group's size;
+    :func:`zeroshard.estimate_memory` gives every case.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` instance built on the model's params, not yet
             stepped. Its ``param_groups`` stay the live list the user and LR schedulers see, with
             each group's ``"params"`` replaced by this rank's virtual parameters (fp32 for 16-bit
-            params, else the param dtype; 1-D slices, or whole params shaped as before with
+            params with ``master_weights``, else the param dtype; 1-D slices, or whole params shaped as before with
             ``partition="param"``). LBFGS and SparseAdam are refused. State created at
             construction (Adagrad's ``sum``) is sharded with the params.
         stage: 1 shards optimizer state and master weights; 2 also shards gradients.
@@ -117,6 +115,10 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             order) to overlap the next forward, as Megatron-LM's ``overlap_param_gather``; any
             torch function given a param waits for its bucket first (see :meth:`wait_params`).
             ``False``: :meth:`step` waits for them.
+        master_weights: ``True``: 16-bit params get fp32 master weights, grad shard and state.
+            ``False`` (ColossalAI's option): the wrapped optimizer's own ``step()`` updates the
+            params' slices in their dtype, as unsharded (torchao's ``bf16_stochastic_round``).
+            Not with ``offload``.
 
     Raises:
         TypeError: an argument of the wrong type (named, with its value), ``process_group`` of
@@ -150,17 +152,15 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         assume_elementwise: bool = False,
         collective_timeout_s: float | None = None,
         overlap_param_gather: bool = True,
+        master_weights: bool = True,
     ) -> None:
         if isinstance(optimizer, ShardedOptimizer):
             raise TypeError("optimizer is already a ShardedOptimizer; wrap the plain torch optimizer once")
-        check_arguments(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype)
-        self.partition = choose_partition(optimizer, partition, assume_elementwise)
-        check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio, collective_timeout_s, overlap_param_gather)
-        self.groups: ShardingGroups = resolve_groups(process_group)
-        options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload,
-                                      self.partition)
-        for group in self.groups.all():
-            collectives.check_same_on_all_ranks("option", options, group)
+        self.partition, self.groups = check_construction(
+            optimizer, process_group, stage=stage, bucket_size_mb=bucket_size_mb, overlap_comm=overlap_comm, reduce_dtype=reduce_dtype,
+            max_grad_norm=max_grad_norm, loss_scale=loss_scale, offload=offload, gpu_margin_mem_ratio=gpu_margin_mem_ratio, partition=partition,
+            assume_elementwise=assume_elementwise, collective_timeout_s=collective_timeout_s, overlap_param_gather=overlap_param_gather,
+            master_weights=master_weights)
         DelegatingOptimizer.__init__(self, optimizer)
         self.stage = stage
         self.process_group = self.groups.shard
@@ -173,8 +173,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self.collective_timeout_s = collective_timeout_s
 
         self._shard_set = ShardSet(optimizer, self.groups, self.bucket_size_mb, host_master=offload is not None,
-                                   partition=self.partition)
-        self._shards = self._shard_set.shards  # the same list, grown in place (add_param_group, unfreezing)
+                                   partition=self.partition, master_weights=master_weights)
+        self._shards = self._shard_set.shards  # the same list, grown in place
         self._consolidated: dict[str, Any] | None = None  # full state, on the consolidate_state_dict rank
         self._issued: dict[int, weakref.ref] = {}  # id -> tensor, for those the last state_dict() returned
         self.max_grad_norm = max_grad_norm
@@ -190,12 +190,12 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             overlap_comm=overlap_comm, timeout=self._collective_timeout(),
         )
         self._device = self._shards[0].buffer.device  # every param on one device (checked)
-        self._fused = FusedAdam(optimizer, kind) if (kind := fused_adam_kind(optimizer)) else None
+        self._fused = FusedAdam(optimizer, kind) if master_weights and (kind := fused_adam_kind(optimizer)) else None
         self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
         self._placement: Placement | None = None
         # Measures the first iteration, up to the first step(), for the placement (see _place_chunks).
         self._margin_tracer = MemoryTracer(self._device, sample_interval_s=0.01).start() if gpu_margin_mem_ratio > 0 else None
-        if self._margin_tracer is not None:  # an optimizer dropped before its first step stops the sampler too
+        if self._margin_tracer is not None:  # dropped before its first step: stop sampling
             weakref.finalize(self, self._margin_tracer.cancel)
         self._scaler, self._static_scale = choose_loss_scale(loss_scale, fp16=any(s.buffer.dtype == torch.float16 for s in self._shards))
         if self._scaler is not None:

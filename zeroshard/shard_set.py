@@ -34,6 +34,7 @@ class ShardSet:
         bucket_size_mb: bucket size in MiB of the param dtype.
         host_master: keep master weights in host memory (CPU offload).
         partition: ``"flat"`` or ``"param"`` (see :func:`~zeroshard.sharding.shard_param_groups`).
+        master_weights: keep fp32 master weights for 16-bit params (``ShardedOptimizer``'s option).
 
     Attributes:
         shards: in the order they were built: each param group's (one per dtype of its
@@ -46,8 +47,9 @@ class ShardSet:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: ShardingGroups, bucket_size_mb: float, host_master: bool,
-                 partition: str = "flat") -> None:
+                 partition: str = "flat", master_weights: bool = True) -> None:
         self.optimizer = optimizer
+        self.master_weights = master_weights
         self.partition = partition
         self.groups = groups
         self.bucket_size_mb = bucket_size_mb
@@ -72,7 +74,7 @@ class ShardSet:
         new = shard_param_groups(
             self.optimizer, indices, self.groups, bucket_size_mb=self.bucket_size_mb, device=self.device,
             first_shard=len(self.shards), first_param_index=len(self.param_steps), host_master=self.host_master,
-            partition=self.partition,
+            partition=self.partition, master_weights=self.master_weights,
         )
         self.group_params.extend(new.group_params)
         self.param_steps.extend([0] * sum(len(params) for params in new.group_params))
@@ -147,7 +149,7 @@ class ShardSet:
                 new = shard_param_groups(
                     self.optimizer, range(g, g + 1), self.groups, bucket_size_mb=self.bucket_size_mb, device=self.device,
                     first_shard=len(self.shards), first_param_index=first_param_index, host_master=self.host_master,
-                    params_of=[params], already_sharded=sharded, partition=self.partition,
+                    params_of=[params], already_sharded=sharded, partition=self.partition, master_weights=self.master_weights,
                 )
                 self._extend(new.shards)
                 added.extend(new.shards)

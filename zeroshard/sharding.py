@@ -55,6 +55,7 @@ def shard_param_groups(
     params_of: list[list[nn.Parameter]] | None = None,
     already_sharded: frozenset[int] = frozenset(),
     partition: str = "flat",
+    master_weights: bool = True,
 ) -> NewShards:
     """Flatten, broadcast and shard param groups ``indices`` of ``optimizer``.
 
@@ -79,6 +80,7 @@ def shard_param_groups(
             construction and trainable now are sharded this way, see ``ShardedOptimizer``).
         partition: ``"flat"`` (each rank owns ``1/N`` of every bucket) or ``"param"`` (each param
             owned whole by one rank, chosen by :func:`~zeroshard.ownership.assign_owners`).
+        master_weights: keep fp32 master weights for 16-bit params (see :class:`~zeroshard.local_shard.LocalShard`).
 
     Raises:
         ValueError: from :func:`~zeroshard.validation.check_params`, or params that differ
@@ -120,7 +122,7 @@ def shard_param_groups(
             collectives.broadcast_from_first_([b.data for b, _, _ in buffers] + frozen, group)
 
     rank = dist.get_rank(groups.shard)
-    shards = [LocalShard(buffer, rank, host_master, group=g, param_indices=indices_of) for buffer, g, indices_of in buffers]
+    shards = [LocalShard(buffer, rank, host_master, group=g, param_indices=indices_of, master_weights=master_weights) for buffer, g, indices_of in buffers]
     for g in indices:
         virtual = [v for shard in shards if shard.group == g for v in shard.virtual_params]
         optimizer.param_groups[g]["params"] = (optimizer.param_groups[g]["params"] if already_sharded else []) + virtual

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zeroshard import overflow
+from zeroshard import collectives, overflow
 from zeroshard.chunk import is_virtual_param
 from zeroshard.fused_adam import fused_adam_kind
+from zeroshard.groups import ShardingGroups, resolve_groups
 from zeroshard.loss_scaler import DynamicLossScaler
 
 
@@ -164,21 +165,26 @@ def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_com
 
 
 def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_scale: Any, offload: Any, gpu_margin_mem_ratio: Any,
-                  collective_timeout_s: Any = None, overlap_param_gather: Any = True) -> None:
+                  collective_timeout_s: Any = None, overlap_param_gather: Any = True, master_weights: Any = True) -> None:
     """Raise on a step option ``ShardedOptimizer`` cannot use.
 
     Raises:
         TypeError: ``max_grad_norm`` or ``collective_timeout_s`` neither ``None`` nor a number;
-            ``loss_scale`` a ``bool``; ``overlap_param_gather`` not a ``bool``.
+            ``loss_scale`` a ``bool``; ``overlap_param_gather`` or ``master_weights`` not a ``bool``.
         ValueError: ``max_grad_norm`` not positive; a ``DynamicLossScaler`` another open
             ``ShardedOptimizer`` uses; ``loss_scale`` not ``None``,
             ``"dynamic"``, a finite positive number or a ``DynamicLossScaler``; ``offload`` not
             ``None``/``"cpu"``, or ``"cpu"`` with an optimizer other than Adam/AdamW;
             ``gpu_margin_mem_ratio`` outside [0, 1], or above 0 without ``offload="cpu"``;
-            ``collective_timeout_s`` not finite and positive.
+            ``collective_timeout_s`` not finite and positive; ``master_weights=False`` with
+            ``offload="cpu"`` (the offloaded update is the fused one, on fp32 masters).
     """
-    if not isinstance(overlap_param_gather, bool):
-        raise TypeError(f"overlap_param_gather={overlap_param_gather!r} must be True or False, got {type(overlap_param_gather).__name__}")
+    for name, value in (("overlap_param_gather", overlap_param_gather), ("master_weights", master_weights)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} must be True or False, got {type(value).__name__}")
+    if not master_weights and offload is not None:
+        raise ValueError(f"master_weights=False with offload={offload!r}: the offloaded update is torch's fused CPU AdamW on fp32 master "
+                         "weights in host memory; keep master_weights=True to offload, or offload=None to step the params themselves")
     if offload not in (None, "cpu"):
         raise ValueError(f"offload={offload!r} must be None or 'cpu'")
     if offload is not None and fused_adam_kind(optimizer) is None:
@@ -209,12 +215,13 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
 
 
 def options_fingerprint(optimizer: torch.optim.Optimizer, stage: int, bucket_size_mb: float, overlap_comm: bool, reduce_dtype: torch.dtype | None,
-                        max_grad_norm: float | None, loss_scale: Any, offload: str | None, partition: str = "flat") -> list[tuple[Any, ...]]:
+                        max_grad_norm: float | None, loss_scale: Any, offload: str | None, partition: str = "flat",
+                        master_weights: bool = True) -> list[tuple[Any, ...]]:
     """The options every rank must share, as ``(name, value)`` entries for
     :func:`~zeroshard.collectives.check_same_on_all_ranks`.
 
     They decide the layout and the collectives (``stage``, ``bucket_size_mb``, ``overlap_comm``,
-    ``reduce_dtype``, ``offload``) or the numbers every rank must compute alike (the optimizer
+    ``reduce_dtype``, ``offload``, ``master_weights``) or the numbers every rank must compute alike (the optimizer
     class, ``max_grad_norm``, the loss scale). A difference in the first kind makes gloo abort
     the process; in the second, the ranks' shards drift apart in silence.
     ``gpu_margin_mem_ratio`` only places this rank's state and may differ.
@@ -230,7 +237,33 @@ def options_fingerprint(optimizer: torch.optim.Optimizer, stage: int, bucket_siz
         ("loss_scale", scale),
         ("offload", offload),
         ("partition", partition),
+        ("master_weights", master_weights),
     ]
+
+
+def check_construction(optimizer: Any, process_group: Any, *, stage: Any, bucket_size_mb: Any, overlap_comm: Any, reduce_dtype: Any,
+                       max_grad_norm: Any, loss_scale: Any, offload: Any, gpu_margin_mem_ratio: Any, partition: Any, assume_elementwise: Any,
+                       collective_timeout_s: Any, overlap_param_gather: Any, master_weights: Any) -> tuple[str, ShardingGroups]:
+    """``ShardedOptimizer``'s argument checks: :func:`check_arguments`, :func:`choose_partition` and
+    :func:`check_options` on this rank, then (a collective) the options every rank must share
+    (:func:`options_fingerprint`) over each of ``process_group``'s groups.
+
+    Returns:
+        The partition (``"flat"`` or ``"param"``) and the resolved process groups.
+
+    Raises:
+        TypeError, ValueError: from those checks and from :func:`~zeroshard.groups.resolve_groups`;
+            on every rank when ranks pass different options.
+    """
+    check_arguments(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype)
+    chosen = choose_partition(optimizer, partition, assume_elementwise)
+    check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio, collective_timeout_s, overlap_param_gather, master_weights)
+    groups = resolve_groups(process_group)
+    options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload, chosen,
+                                  master_weights)
+    for group in groups.all():
+        collectives.check_same_on_all_ranks("option", options, group)
+    return chosen, groups
 
 
 def is_sharded(param: nn.Parameter) -> bool:
