@@ -8,12 +8,11 @@ and N (bench/formulas.py) and with DDP. On CPU the process's RSS growth is shown
 growth of the caching allocator's allocated bytes. DDP's own bucket buffers (a second copy of the
 gradients unless ``gradient_as_bucket_view=True``) are not in the tensor count.
 
-With torchao installed, a second table gives the optimizer state's bytes per param on rank 0 for
-``AdamW`` (zeroshard's flat chunks), torchao's ``AdamW8bit`` and ``AdamW4bit`` (whole params per
-rank, tensor-subclass moments) at stages 1 and 2, fp32, after one step, against the bytes the same
-optimizer keeps for the params rank 0 owns (per quantized tensor: its codes, an fp32 scale per
-block and the quantization map; plain fp32 moments for params under torchao's 4096-element
-minimum), and against ``AdamW``'s.
+A second table gives the optimizer state's bytes per param per rank at stages 1 and 2, after one
+step: ``AdamW`` on fp32 params (zeroshard's flat chunks), ``AdamW`` on bf16 params with
+``master_weights=False`` (bf16 moments, no fp32 master), and with torchao installed its ``AdamW8bit``
+and ``AdamW4bit`` (whole params per rank, tensor-subclass moments), each against
+``zeroshard.estimate_memory`` for the same model and options, for the rank that keeps the most.
 """
 
 from __future__ import annotations
@@ -36,13 +35,16 @@ TABLES = (
     Table(("memory",), "MiB on rank 0 after one training step, counted tensor by tensor; formula_MiB: the ZeRO paper's count; "
                        "measured/formula: measured over it; vs_ddp: measured over DDP's in the same dtype; process_growth_MiB: RSS growth "
                        "(GPU: allocated bytes), activations included"),
-    Table(("lowbit",), "optimizer state on rank 0 after one step at 2 ranks, fp32: state_bytes_per_param: memory_usage()'s optimizer_state "
-                       "over the model's params; formula_bytes_per_param: the bytes the optimizer keeps for the params rank 0 owns (AdamW: "
-                       "8 per element of its slices; 8-bit: 2 per element + 8 per block of 256 + 2 KiB of maps per quantized param; 4-bit: "
-                       "1 per element + 8 per block of 128 + 128 B of maps; fp32 moments below 4096 elements), over the model's params; "
-                       "measured/formula; vs_adamw: state over AdamW's at the same stage"),
+    Table(("lowbit",), "bytes per param of the model on the rank that keeps the most, after one step at 2 ranks: state_bytes_per_param: "
+                       "memory_usage()'s optimizer_state (step tensors included); formula_bytes_per_param: zeroshard.estimate_memory's "
+                       "(AdamW: 8 per element of the rank's slices, 4 with bf16 moments; torchao 8-bit: 2 per element + 8 per block of 256 + "
+                       "2 KiB of maps per quantized param; 4-bit: 1 per element + 8 per block of 128 + 128 B of maps; plain moments below "
+                       "4096 elements); measured/formula; total_bytes_per_param: every kind (params, grads, grad shard, master, state) and "
+                       "its formula; vs_adamw: state over fp32 AdamW's at the same stage"),
 )
-LOWBIT = ("AdamW", "AdamW8bit", "AdamW4bit")
+# (optimizer class, param dtype, master_weights): fp32 AdamW, bf16 moments without fp32 masters, torchao's 8-bit and 4-bit
+LOWBIT = (("AdamW", torch.float32, True), ("AdamW", torch.bfloat16, False), ("AdamW8bit", torch.float32, True),
+          ("AdamW4bit", torch.float32, True))
 
 
 def _tensor_bytes(tensors) -> int:
@@ -104,49 +106,38 @@ def run(quick: bool) -> list[dict]:
             row = run_ranks(rank_main, 2, config, method, stage, dtype)[0]
             ddp = ddp or row["measured_MiB"]
             rows.append({**row, "vs_ddp": row["measured_MiB"] / ddp})
-    if importlib.util.find_spec("torchao") is None:
-        return rows
+    states = [case for case in LOWBIT if case[0] == "AdamW" or importlib.util.find_spec("torchao") is not None]
     for stage in (2,) if quick else (1, 2):
         adamw = None
-        for kind in LOWBIT:
-            progress("memory", f"{kind} state, stage {stage}: one training step at 2 ranks")
-            row = run_ranks(lowbit_rank_main, 2, config, kind, stage)[0]
+        for optimizer_class, dtype, master_weights in states:
+            progress("memory", f"{optimizer_class} state ({dtype}, master_weights={master_weights}), stage {stage}: one training step at 2 ranks")
+            ranks = run_ranks(lowbit_rank_main, 2, config, optimizer_class, dtype, master_weights, stage)
+            row = max(ranks, key=lambda r: r["state_bytes_per_param"])  # the rank that keeps the most, as estimate_memory gives
             adamw = adamw or row["state_bytes_per_param"]
             rows.append({**row, "vs_adamw": row["state_bytes_per_param"] / adamw})
     return rows
 
 
-def expected_state_bytes(kind: str, numel: int) -> int:
-    """The bytes ``kind`` keeps as ``exp_avg`` and ``exp_avg_sq`` for one whole fp32 param of ``numel`` elements (torchao's rule:
-    quantized from 4096 elements when the block size divides them), ``step`` aside."""
-    if kind == "AdamW" or numel < 4096:
-        return 2 * 4 * numel
-    bits, block, qmap = (8, 256, 256) if kind == "AdamW8bit" else (4, 128, 16)
-    if numel % block:
-        return 2 * 4 * numel
-    return 2 * (numel * bits // 8 + 4 * (numel // block) + 4 * qmap)
-
-
-def lowbit_rank_main(config: gpt.GPTConfig, kind: str, stage: int) -> dict:
-    """One step of ``ShardedOptimizer(kind)``; rank 0's optimizer state bytes per param of the model, measured and expected."""
+def lowbit_rank_main(config: gpt.GPTConfig, optimizer_class: str, dtype: torch.dtype, master_weights: bool, stage: int) -> dict:
+    """One step of ``ShardedOptimizer(optimizer_class)``; this rank's bytes per param of the model, and ``estimate_memory``'s."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    model = gpt.build(config, device)
+    model = gpt.build(config, device).to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
-    if kind == "AdamW":
+    if optimizer_class == "AdamW":
         inner: torch.optim.Optimizer = torch.optim.AdamW(params, lr=1e-3)
     else:
         import torchao.optim
 
-        inner = getattr(torchao.optim, kind)(params, lr=1e-3)
-    opt = zeroshard.ShardedOptimizer(inner, stage=stage)
+        inner = getattr(torchao.optim, optimizer_class)(params, lr=1e-3)
+    opt = zeroshard.ShardedOptimizer(inner, stage=stage, master_weights=master_weights)
     model(*gpt.batch(config, dist.get_rank(), device)).backward()
     opt.step()
-    # the state steps (0-dim fp32) are not moments
-    state = opt.memory_usage().by_kind["optimizer_state"] - 4 * sum(1 for s in inner.state.values() if "step" in s)
-    if kind == "AdamW":  # flat: each rank's slices, 8 bytes per element (padding included)
-        expected = 8 * sum(chunk.numel for shard in opt._shards for chunk in shard.chunks)
-    else:  # whole params: the ones this rank owns
-        expected = sum(expected_state_bytes(kind, vparam.numel()) for shard in opt._shards for vparam in shard.virtual_params)
+    measured = opt.memory_usage().by_kind
+    formula = zeroshard.estimate_memory(model, stage=stage, world_size=dist.get_world_size(), master_weights=master_weights,
+                                        optimizer_class=optimizer_class, device_type=device.type).by_kind
     numel = sum(p.numel() for p in params)
-    return {"kind": "lowbit", "optimizer": kind, "stage": stage, "params_M": numel / 1e6, "state_bytes_per_param": state / numel,
-            "formula_bytes_per_param": expected / numel, "measured/formula": state / expected}
+    return {"kind": "lowbit", "optimizer": optimizer_class, "dtype": str(dtype).replace("torch.", ""), "master_weights": master_weights,
+            "stage": stage, "params_M": numel / 1e6, "state_bytes_per_param": measured["optimizer_state"] / numel,
+            "formula_bytes_per_param": formula["optimizer_state"] / numel,
+            "measured/formula": measured["optimizer_state"] / formula["optimizer_state"],
+            "total_bytes_per_param": sum(measured.values()) / numel, "formula_total_bytes_per_param": sum(formula.values()) / numel}

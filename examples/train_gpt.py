@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 examples/train_gpt.py            # 3 to 5 minutes on 2 CPU cores
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 20 # seconds
     torchrun --nproc_per_node 2 examples/train_gpt.py --optimizer muon  # Muon on the hidden matrices, AdamW on the rest
+    torchrun --nproc_per_node 2 examples/train_gpt.py --optimizer adamw8bit  # torchao's 8-bit AdamW (pip install torchao)
     torchrun --nproc_per_node 2 examples/train_gpt.py --ckpt-dir ckpt --steps 200
     torchrun --nproc_per_node 3 examples/train_gpt.py --ckpt-dir ckpt --steps 400 --resume  # on 3 ranks
 
@@ -17,11 +18,16 @@ matrices of the transformer blocks (attention and MLP), ``torch.optim.AdamW`` on
 (embeddings and the tied head, biases, norms), each in its own ``ShardedOptimizer``. Muon needs
 each matrix whole, so its wrapper picks ``partition="param"`` (each matrix owned by one rank);
 one LR schedule drives both, and ``zeroshard.clip_grad_norm_`` clips both by one global norm.
+
+``--optimizer adamw8bit`` trains with torchao's ``AdamW8bit`` (moments kept as 8-bit codes with an
+fp32 scale per block of 256 elements): its wrapper picks ``partition="param"``, so each param's
+blocks are quantized as the unsharded optimizer would quantize them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import math
 import os
@@ -38,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroshard
+from zeroshard.memory import whole_param_state_bytes
 
 VOCAB = 256  # bytes
 
@@ -46,8 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked: a bad value exits with argparse's usage error naming it."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--stage", type=int, default=2, choices=(1, 2), help="ZeRO stage")
-    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
-                   help="adamw: AdamW on every param; muon: Muon on the blocks' weight matrices, AdamW on the rest")
+    p.add_argument("--optimizer", choices=("adamw", "muon", "adamw8bit"), default="adamw",
+                   help="adamw: AdamW on every param; muon: Muon on the blocks' weight matrices, AdamW on the rest; "
+                        "adamw8bit: torchao's AdamW8bit on every param")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the default takes 3 to 5 minutes on 2 CPU ranks)")
     p.add_argument("--data", type=Path, default=None, help="text file to train on (None: the stdlib sources)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
@@ -79,8 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-grad-norm {args.max_grad_norm}: must be 0 (off) or positive")
     if not 0.0 <= args.gpu_margin_mem_ratio <= 1.0:
         p.error(f"--gpu-margin-mem-ratio {args.gpu_margin_mem_ratio}: must be between 0 and 1")
-    if args.offload is not None and args.optimizer == "muon":
-        p.error(f"--offload {args.offload} keeps Adam/AdamW state only: it cannot be used with --optimizer muon (use --optimizer adamw)")
+    if args.offload is not None and args.optimizer != "adamw":
+        p.error(f"--offload {args.offload} keeps torch AdamW state only: it cannot be used with --optimizer {args.optimizer} "
+                "(use --optimizer adamw)")
+    if args.optimizer == "adamw8bit" and importlib.util.find_spec("torchao") is None:
+        p.error("--optimizer adamw8bit needs torchao: pip install torchao")
     if args.gpu_margin_mem_ratio > 0 and args.offload is None:
         p.error("--gpu-margin-mem-ratio needs --offload cpu")
     if args.data is not None and not args.data.is_file():
@@ -217,20 +228,27 @@ class GPT(nn.Module):
 
 
 def build_optimizers(model: GPT, args: argparse.Namespace) -> list[Trained]:
-    """AdamW on every param (``--optimizer adamw``), or Muon on the blocks' weight matrices and AdamW on the rest.
+    """AdamW on every param (``--optimizer adamw``, or torchao's ``AdamW8bit``: ``adamw8bit``), or Muon on the blocks' weight
+    matrices and AdamW on the rest.
 
     Each optimizer gets its own ``ShardedOptimizer`` (AdamW: ``partition="flat"``; Muon, which
-    needs each matrix whole: ``partition="param"``, chosen by ``partition=None``) and its own
+    needs each matrix whole, and AdamW8bit, which quantizes whole params: ``partition="param"``,
+    chosen by ``partition=None``) and its own
     LambdaLR with the same warmup and cosine decay, so one schedule drives both.
     """
     hidden = [p for block in model.blocks for p in block.parameters() if p.dim() == 2] if args.optimizer == "muon" else []
     rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
     decay = [p for p in rest if p.dim() >= 2]
     no_decay = [p for p in rest if p.dim() < 2]
-    adamw = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95)
-    )
-    wrapped = [("optim", adamw, rest, sum(2 * p.numel() * 4 + 4 for p in rest))]  # exp_avg, exp_avg_sq, step
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    if args.optimizer == "adamw8bit":
+        import torchao.optim
+
+        adamw: torch.optim.Optimizer = torchao.optim.AdamW8bit(groups, lr=args.lr, betas=(0.9, 0.95))
+    else:
+        adamw = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    kind = "AdamW8bit" if args.optimizer == "adamw8bit" else "AdamW"
+    wrapped = [("optim", adamw, rest, sum(whole_param_state_bytes(kind, p.numel(), 4) + 4 for p in rest))]  # exp_avg, exp_avg_sq, step
     if hidden:
         # Moonlight's setting (Liu et al., "Muon is Scalable for LLM Training", 2025): the AdamW lr
         # and weight decay, with each matrix's update scaled by 0.2 * sqrt(max(rows, cols)) to match

@@ -22,8 +22,10 @@ import zeroshard
 from zeroshard.convert import convert
 
 torchao_optim = pytest.importorskip("torchao.optim")
-# (class, options): torchao keeps block_size as an attribute, not in param_groups: the state's shapes must follow it
-KINDS = [("AdamW8bit", {}), ("AdamW4bit", {}), ("AdamW8bit", {"block_size": 128})]
+# (class, options): torchao keeps block_size as an attribute, not in param_groups: the state's shapes must follow it.
+# bitsandbytes' AdamW8bit keeps plain uint8 codes and fp32 block maxima (it runs on CPU tensors).
+KINDS = [("AdamW8bit", {}), ("AdamW4bit", {}), ("AdamW8bit", {"block_size": 128}), ("bitsandbytes.AdamW8bit", {})]
+SUBCLASS = {"AdamW8bit": "OptimState8bit", "AdamW4bit": "OptimState4bit"}  # the state's class; bitsandbytes: plain Tensor
 STEPS = 4  # the checkpoint is taken after 2
 
 
@@ -33,6 +35,10 @@ def _model() -> nn.Module:
 
 
 def _optimizer(kind: str, model: nn.Module, options: dict | None = None) -> torch.optim.Optimizer:
+    if kind.startswith("bitsandbytes."):
+        import bitsandbytes
+
+        return getattr(bitsandbytes.optim, kind.split(".")[1])(model.parameters(), lr=1e-2, **(options or {}))
     return getattr(torchao_optim, kind)(model.parameters(), lr=1e-2, **(options or {}))
 
 
@@ -45,11 +51,17 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
         opt.zero_grad()
 
 
-def _bits(state: dict) -> dict[str, torch.Tensor]:
-    """Every plain tensor a state entry is made of (a subclass: its inner tensors), by name."""
+def _unnested(state: dict) -> dict:
+    """A state entry with bitsandbytes' nesting undone: its ``state_dict()`` keeps the quantization state under
+    ``"__bnb_optimizer_quant_state__"`` (for FSDP), while ``optimizer.state`` and zeroshard's full format keep it flat."""
+    return {k: v for key, value in state.items() for k, v in (value.items() if isinstance(value, dict) else [(key, value)])}
+
+
+def _bits(state: dict) -> dict[str, object]:
+    """Every plain tensor a state entry is made of (a subclass: its inner tensors), and its other values, by name."""
     out = {}
-    for key, value in state.items():
-        if type(value) is torch.Tensor:
+    for key, value in _unnested(state).items():
+        if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor:
             out[key] = value
         else:
             names, _ = value.__tensor_flatten__()
@@ -58,8 +70,10 @@ def _bits(state: dict) -> dict[str, torch.Tensor]:
 
 
 def _same(a: dict, b: dict) -> bool:
+    a, b = _unnested(a), _unnested(b)
+    bits = _bits(b)
     return {k: type(v) for k, v in a.items()} == {k: type(v) for k, v in b.items()} and \
-        all(torch.equal(x, _bits(b)[k]) for k, x in _bits(a).items())
+        all(torch.equal(x, bits[k]) if isinstance(x, torch.Tensor) else x == bits[k] for k, x in _bits(a).items())
 
 
 def train_worker(kind: str, options: dict, directory: str) -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
@@ -82,9 +96,9 @@ def train_worker(kind: str, options: dict, directory: str) -> tuple[list[torch.T
         torch.save(model.state_dict(), f"{directory}/model.pt")
     types = sorted({type(v).__name__ for state in opt.optimizer.state.values() for v in state.values()})
     # memory_usage() counts the state at its real bytes: the subclasses' codes, scales and maps, not 4 bytes per element
-    real = sum(t.numel() * t.element_size() for state in opt.optimizer.state.values() for v in state.values() if v.dim() > 0
-               for t in (_bits({"v": v}).values()))
-    assert opt.memory_usage().by_kind["optimizer_state"] == real + sum(4 for state in opt.optimizer.state.values() if "step" in state)
+    real = sum(t.numel() * t.element_size() for state in opt.optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) for t in _bits({"v": v}).values())
+    assert opt.memory_usage().by_kind["optimizer_state"] == real
     _train(model, opt, range(2, STEPS))
     return [p.detach().clone() for p in model.parameters()], [p.detach().clone() for p in reference.parameters()], types
 
@@ -98,6 +112,8 @@ def resume_worker(kind: str, options: dict, directory: str, method: str) -> tupl
         sd = {"optim": opt.state_dict()}
         dcp.load(sd, checkpoint_id=f"{directory}/dcp")
         opt.load_state_dict(sd["optim"])
+    elif method == "plain":  # the unsharded optimizer's own state_dict() (bitsandbytes nests its quantization state)
+        opt.load_state_dict(torch.load(f"{directory}/plain.pt", weights_only=False))
     elif method == "own":
         opt.load_state_dict(torch.load(f"{directory}/own{dist.get_rank()}.pt", weights_only=False))
     else:
@@ -115,10 +131,12 @@ def resume_worker(kind: str, options: dict, directory: str, method: str) -> tupl
 
 @pytest.mark.parametrize(("kind", "options"), KINDS)
 def test_low_bit_state_trains_like_ddp_and_resumes_bitwise_from_every_format(pools, tmp_path, kind, options):
+    if kind.startswith("bitsandbytes."):
+        pytest.importorskip("bitsandbytes")
     runs = pools[2].run(train_worker, kind, options, str(tmp_path))
     final, reference, _ = runs[0]
     assert all(torch.equal(a, b) for a, b in zip(final, reference)), "stage 2 differs from DDP + the unsharded optimizer"
-    subclass = "OptimState8bit" if kind == "AdamW8bit" else "OptimState4bit"
+    subclass = SUBCLASS.get(kind, "Tensor")
     assert any(subclass in types for _, _, types in runs)
     for method in ("own", "dcp", "full"):
         for params, types in pools[2].run(resume_worker, kind, options, str(tmp_path), method):
@@ -135,6 +153,9 @@ def test_low_bit_state_trains_like_ddp_and_resumes_bitwise_from_every_format(poo
     loaded = plain.state_dict()["state"]
     assert loaded.keys() == full["state"].keys()
     assert all(_same(full["state"][i], loaded[i]) for i in loaded)
+    torch.save(plain.state_dict(), tmp_path / "plain.pt")  # and back: the unsharded optimizer's own format loads into zeroshard
+    for params, _ in pools[2].run(resume_worker, kind, options, str(tmp_path), "plain"):
+        assert all(torch.equal(a, b) for a, b in zip(params, final)), "resumed from the unsharded optimizer's state_dict()"
     convert(tmp_path / "dcp", tmp_path / "converted.pt")
     converted = torch.load(tmp_path / "converted.pt", weights_only=False)["optim"]["state"]
     assert converted.keys() == full["state"].keys()

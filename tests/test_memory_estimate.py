@@ -80,6 +80,55 @@ def test_estimate_within_5_percent_of_measured_hybrid(pools):
     _check(pools[4].run(estimate_worker, CASES[:3], 2))
 
 
+# (stage, dtype, optimizer class, master_weights): torchao's low-bit state (whole params per rank; the weights
+# quantized, the biases under torchao's 4096-element minimum kept plain), bf16 moments without fp32 masters.
+STATE_CASES = [
+    (1, torch.float32, "AdamW8bit", True),
+    (2, torch.float32, "AdamW8bit", True),
+    (2, torch.float32, "AdamW4bit", True),
+    (2, torch.float32, "AdamWFp8", True),
+    (2, torch.bfloat16, "AdamW8bit", True),
+    (1, torch.bfloat16, "AdamW", False),
+    (2, torch.bfloat16, "AdamW", False),
+    (2, torch.bfloat16, "_AdamW", False),
+]
+
+
+def state_worker(cases: list) -> list[tuple[dict, dict]]:
+    results = []
+    for stage, dtype, optimizer_class, master_weights in cases:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64), nn.Tanh(), nn.Linear(64, 8)).to(dtype)
+        if optimizer_class == "AdamW":
+            inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        else:
+            import torchao.optim
+
+            inner = getattr(torchao.optim, optimizer_class)(model.parameters(), lr=1e-3)
+        opt = zeroshard.ShardedOptimizer(inner, stage=stage, master_weights=master_weights)
+        model(torch.randn(4, 64, dtype=dtype)).float().square().mean().backward()
+        opt.step()
+        estimate = zeroshard.estimate_memory(model, stage=stage, world_size=torch.distributed.get_world_size(), master_weights=master_weights,
+                                             optimizer_class=optimizer_class, device_type="cpu")
+        results.append((opt.memory_usage().by_kind, estimate.by_kind))
+        opt.close()
+    return results
+
+
+def test_estimate_counts_low_bit_state_and_bf16_moments(pools):
+    """The estimate gives the rank that keeps the most (with whole params per rank, the ranks differ), to the byte."""
+    pytest.importorskip("torchao.optim")
+    results = pools[2].run(state_worker, STATE_CASES)
+    for i, case in enumerate(STATE_CASES):
+        estimate = results[0][i][1]
+        assert results[1][i][1] == estimate
+        for kind, value in estimate.items():
+            measured = max(rank_results[i][0][kind] for rank_results in results)
+            assert value == measured, (case, kind, value, measured)
+    low_bit = {case[2]: results[0][i][1]["optimizer_state"] for i, case in enumerate(STATE_CASES) if case[:2] == (2, torch.float32)}
+    assert low_bit["AdamW4bit"] < low_bit["AdamWFp8"] < low_bit["AdamW8bit"]  # fp8 has no quantization map
+
+
 def test_estimate_on_cuda_puts_offloaded_state_on_the_host():
     on_device = zeroshard.estimate_memory(10**6, stage=2, world_size=4, dtype=torch.bfloat16)
     offloaded = zeroshard.estimate_memory(10**6, stage=2, world_size=4, dtype=torch.bfloat16, offload="cpu")
@@ -90,7 +139,8 @@ def test_estimate_on_cuda_puts_offloaded_state_on_the_host():
     assert offloaded.device_bytes == 2 * 10**6 + 4 * 10**6 // 4
 
 
-@pytest.mark.parametrize("kwargs", [dict(stage=3), dict(world_size=0), dict(shard_size=3), dict(offload="nvme"), dict(dtype=torch.int8)])
+@pytest.mark.parametrize("kwargs", [dict(stage=3), dict(world_size=0), dict(shard_size=3), dict(offload="nvme"), dict(dtype=torch.int8),
+                                    dict(optimizer_class="SGD"), dict(block_size=0), dict(offload="cpu", optimizer_class="AdamW8bit")])
 def test_estimate_refuses_bad_arguments(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         zeroshard.estimate_memory(1000, **{"world_size": 4, **kwargs})

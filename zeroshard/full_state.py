@@ -115,6 +115,24 @@ def full_envelope(view: CheckpointView, state: dict[int, dict[str, Any]], master
     }
 
 
+def unnested(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (full format) with state that ``optimizer``'s own ``state_dict()`` nests put back flat.
+
+    bitsandbytes' 8-bit optimizers (0.45 on) move each entry's quantization state (``state1``,
+    ``absmax1``, ``qmap1``, ...) under a key of their own, ``_FSDP_WRAPPED_QUANT_STATE_KEY``
+    (``"__bnb_optimizer_quant_state__"``), so FSDP's gather skips it; ``optimizer.state``, their
+    ``load_state_dict`` and zeroshard's formats hold it flat. Any other dict is returned as it is;
+    ``state_dict`` is not modified.
+    """
+    key = getattr(optimizer, "_FSDP_WRAPPED_QUANT_STATE_KEY", None)
+    state = state_dict.get("state")
+    if not isinstance(key, str) or not isinstance(state, dict):
+        return state_dict
+    flat = {index: {**{k: v for k, v in entry.items() if k != key}, **entry[key]}
+            if isinstance(entry, dict) and isinstance(entry.get(key), dict) else entry for index, entry in state.items()}
+    return {**state_dict, "state": flat}
+
+
 def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[int], list[tuple[int, int, Tensor]]]:
     """Check a full ``torch.optim``-format state dict and cut this rank's shard out of it.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +10,7 @@ from torch import Tensor, nn
 
 from zeroshard.chunk import chunks_of
 from zeroshard.local_shard import LocalShard
+from zeroshard.ownership import assign_owners, elementwise_cost
 from zeroshard.partition import build_layout
 from zeroshard.sharding import bucket_numel
 from zeroshard.validation import is_subclass_state
@@ -91,6 +93,39 @@ def _plain_tensors(value: Tensor) -> list[Tensor]:
     return [t for name in names for t in _plain_tensors(getattr(value, name))]
 
 
+# torchao's low-bit Adam classes: (bits per element, default block size, quantization-map entries) of each moment
+LOW_BIT = {"8bit": (8, 256, 256), "4bit": (4, 128, 16), "Fp8": (8, 256, 0)}
+TORCHAO_MIN_QUANTIZED = 4096  # torchao (like bitsandbytes) quantizes state of params with at least this many elements
+
+
+def _low_bit_kind(optimizer_class: str) -> str | None:
+    """``"8bit"``, ``"4bit"`` or ``"Fp8"`` for torchao's low-bit Adam/AdamW class names, else ``None``."""
+    for kind in LOW_BIT:
+        if optimizer_class in (f"Adam{kind}", f"AdamW{kind}"):
+            return kind
+    return None
+
+
+def whole_param_state_bytes(optimizer_class: str, numel: int, state_itemsize: int, block_size: int | None = None) -> int:
+    """Bytes of ``exp_avg`` and ``exp_avg_sq`` that ``optimizer_class`` keeps for one whole param of ``numel`` elements.
+
+    torchao's low-bit classes (``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8`` and their Adam twins) keep
+    each moment as a tensor subclass of ``bits`` per element, an fp32 scale per block of ``block_size``
+    (default 256, 128 for 4-bit) and an fp32 quantization map (256 entries for 8-bit, 16 for 4-bit,
+    none for fp8), for params of at least 4096 elements that the block size divides; other params,
+    and ``"AdamW"``/``"Adam"``/``"_AdamW"``, keep plain moments of ``state_itemsize`` bytes per
+    element (torchao's ``_AdamBase._new_buffer``). ``step`` aside.
+    """
+    kind = _low_bit_kind(optimizer_class)
+    if kind is None:
+        return 2 * state_itemsize * numel
+    bits, default_block, qmap = LOW_BIT[kind]
+    block = block_size or default_block
+    if numel < TORCHAO_MIN_QUANTIZED or numel % block:
+        return 2 * state_itemsize * numel
+    return 2 * (numel * bits // 8 + 4 * (numel // block) + 4 * qmap)
+
+
 def estimate_memory(
     model_or_numel: nn.Module | int,
     *,
@@ -101,8 +136,11 @@ def estimate_memory(
     shard_size: int | None = None,
     bucket_size_mb: float = 25.0,
     device_type: str = "cuda",
+    master_weights: bool = True,
+    optimizer_class: str = "AdamW",
+    block_size: int | None = None,
 ) -> MemoryUsage:
-    """Per-rank bytes a ``ShardedOptimizer`` around ``torch.optim.Adam``/``AdamW`` owns between steps.
+    """Per-rank bytes a ``ShardedOptimizer`` around an Adam/AdamW owns between steps.
 
     Predicts what :meth:`ShardedOptimizer.memory_usage` reports after the first ``step()``, kind
     by kind, for the same model and options, without building anything (no process group, no
@@ -120,6 +158,14 @@ def estimate_memory(
       tensor per (param ∩ rank slice) piece, counted for the rank with the most pieces.
     * with offload on CUDA, bf16/fp16 params also keep a pinned staging copy of the shard in the
       param dtype (``b·Ψ_pad/N``, counted under ``params``).
+
+    With ``master_weights=False`` 16-bit params keep no master, and the grad shard and moments
+    take the param dtype (``b`` bytes; the wrapped optimizer's own state covers its pieces, not
+    the padding). torchao's classes (``optimizer_class`` ``"AdamW8bit"``, ``"AdamW4bit"``,
+    ``"AdamWFp8"``, their Adam twins, or ``"_AdamW"``) run with ``partition="param"``: each param
+    is owned whole by one rank (:func:`~zeroshard.ownership.assign_owners`), so the state is that
+    of the params a rank owns (:func:`whole_param_state_bytes`: 8-bit moments cost about 2 bytes
+    per element, 4-bit about 1) and the kinds are given for the rank that owns the most state.
 
     Ψ_pad is Ψ with padding: params are laid out in reverse registration order, one flat buffer per
     dtype, and cut into buckets of at most ``bucket_size_mb`` MiB of the param dtype (a larger
@@ -142,15 +188,23 @@ def estimate_memory(
             pinned staging exists, as ``memory_usage()`` reports in a CPU-only run. Otherwise the
             offloaded kinds and the ``step`` tensors (torch keeps them on the host) are
             ``host_bytes``.
+        master_weights: as the optimizer's ``master_weights``.
+        optimizer_class: the wrapped class's name: ``"AdamW"`` or ``"Adam"`` (``torch.optim``),
+            or torchao's ``"AdamW8bit"``, ``"AdamW4bit"``, ``"AdamWFp8"``, ``"Adam8bit"``,
+            ``"Adam4bit"``, ``"AdamFp8"``, ``"_AdamW"``.
+        block_size: a torchao low-bit class's ``block_size``; ``None``: its default.
 
     Returns:
         A :class:`MemoryUsage` in bytes, ``by_kind`` with the kinds above.
 
     Raises:
         ValueError: ``stage`` not 1 or 2, ``world_size`` below 1, ``shard_size`` not dividing it,
-            ``offload`` not ``None``/``"cpu"``, a ``model_or_numel`` below 1 or a model without
-            trainable params, or a non-floating ``dtype``.
+            ``offload`` not ``None``/``"cpu"`` (or ``"cpu"`` with ``master_weights=False`` or a
+            torchao class), a ``model_or_numel`` below 1 or a model without trainable params, a
+            non-floating ``dtype``, an ``optimizer_class`` outside those above, or a
+            ``block_size`` below 1.
     """
+    whole = optimizer_class == "_AdamW" or _low_bit_kind(optimizer_class) is not None
     if stage not in (1, 2):
         raise ValueError(f"stage={stage!r} must be 1 or 2")
     if not isinstance(world_size, int) or world_size < 1:
@@ -162,28 +216,49 @@ def estimate_memory(
         raise ValueError(f"offload={offload!r} must be None or 'cpu'")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} must be a floating-point dtype")
+    if optimizer_class not in ("AdamW", "Adam") and not whole:
+        raise ValueError(f"optimizer_class={optimizer_class!r} must be 'AdamW', 'Adam', or one of torchao's 'AdamW8bit', 'AdamW4bit', "
+                         "'AdamWFp8', 'Adam8bit', 'Adam4bit', 'AdamFp8', '_AdamW'")
+    if offload and (whole or not master_weights):
+        raise ValueError(f"offload={offload!r} runs torch's fused AdamW on fp32 masters: not with master_weights={master_weights} and "
+                         f"optimizer_class={optimizer_class!r}")
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"block_size={block_size!r} must be None or an int >= 1")
     if isinstance(model_or_numel, nn.Module):
         trainable = [p for p in model_or_numel.parameters() if p.requires_grad and p.numel() > 0]
         if not trainable:
             raise ValueError("the model has no trainable params")
-        sized = [(p.numel(), dtype or p.dtype) for p in reversed(trainable)]
+        sized = [(tuple(p.shape), dtype or p.dtype) for p in reversed(trainable)]
     else:
         if int(model_or_numel) < 1:
             raise ValueError(f"model_or_numel={model_or_numel!r} must be a model or an int >= 1")
-        sized = [(int(model_or_numel), dtype or torch.float32)]
+        sized = [((int(model_or_numel),), dtype or torch.float32)]
     on_cuda = device_type != "cpu"
     kinds = dict.fromkeys(("params", "grads", "grad_shard", "master", "optimizer_state"), 0)
     host = 0
     for param_dtype in dict.fromkeys(d for _, d in sized):
-        layout = build_layout([n for n, d in sized if d == param_dtype], bucket_numel(bucket_size_mb, param_dtype), shards)
-        item, master_item = param_dtype.itemsize, max(4, param_dtype.itemsize)
+        shapes = [shape for shape, d in sized if d == param_dtype]
+        numels = [math.prod(shape) for shape in shapes]
+        item = param_dtype.itemsize
+        master_item = max(4, item) if master_weights else item
+        # whole params: owners as ShardedOptimizer picks them (param_costs: one fp32 state element per param element)
+        owners = assign_owners([elementwise_cost(shape, max(4, item)) for shape in shapes], shards) if whole else None
+        layout = build_layout(numels, bucket_numel(bucket_size_mb, param_dtype), shards, owners)
         shard = layout.shard_numel
-        steps = 4 * max(len(layout.pieces(rank)) for rank in range(shards))
+        pieces = [layout.pieces(rank) for rank in range(shards)]
+        if whole:  # the wrapped optimizer's own state for the params each rank owns
+            state = max(sum(whole_param_state_bytes(optimizer_class, numels[p.param], master_item, block_size) + 4 for p in ranked)
+                        for ranked in pieces)
+        elif master_weights:  # the fused update: both moments over each chunk, padding included
+            state = 2 * master_item * shard + 4 * max(len(ranked) for ranked in pieces)
+        else:  # torch.optim's own step: moments shaped as each piece
+            state = max(sum(2 * master_item * p.numel + 4 for p in ranked) for ranked in pieces)
+        steps = 4 * max(len(ranked) for ranked in pieces)
         kinds["params"] += item * layout.numel
         kinds["grads"] += item * layout.numel if stage == 1 else 0
         kinds["grad_shard"] += master_item * shard * (2 if offload else 1)
-        kinds["optimizer_state"] += 2 * master_item * shard + steps
-        master = master_item * shard if offload or item < 4 else 0
+        kinds["optimizer_state"] += state
+        master = master_item * shard if offload or (item < 4 and master_weights) else 0
         kinds["master"] += master
         staging = item * shard if offload and on_cuda and item < 4 else 0
         kinds["params"] += staging

@@ -144,6 +144,7 @@ class StateDictMixin:
             filled_in_place = bool(tensors) and all(self._issued.get(id(t), lambda: None)() is t for t in tensors)
             inner, steps, masters = (param_state if self.partition == "param" else checkpoint).load_sharded(view, state_dict, filled_in_place)
         elif isinstance(state_dict, dict) and (meta is None or (isinstance(meta, dict) and meta.get("format") == checkpoint.FULL_FORMAT)):
+            state_dict = full_state.unnested(self.optimizer, state_dict)  # bitsandbytes' own state_dict() nests its state
             inner, steps, masters = (param_state if self.partition == "param" else full_state).load_full(view, state_dict)
         else:
             raise ValueError(f"state_dict is neither a zeroshard state dict nor a torch.optim one (zeroshard entry: {meta!r})")
