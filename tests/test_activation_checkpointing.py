@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import zeroshard
-from zeroshard import collectives
+from zeroshard import collectives, compat
 
 VOCAB, DIM, STEPS = 23, 11, 4
 
@@ -126,7 +126,7 @@ def _train(stage: int, accumulation: str, max_grad_norm: float | None, layout: s
 
     def counting(*args, **kwargs):
         calls[0] += 1
-        calls[1] += torch._C._current_autograd_node() is None  # not from a gradient hook: the end-of-backward callback or step()
+        calls[1] += compat.current_autograd_node() is None  # not from a gradient hook: the end-of-backward callback or step()
         return real(*args, **kwargs)
 
     collectives.reduce_scatter = counting

@@ -9,6 +9,7 @@ from models import TinyNet, batch, loss_fn, param_groups
 from torch import nn
 
 import zeroshard
+from zeroshard import compat
 
 
 def _adamw(model: nn.Module, **kwargs) -> torch.optim.AdamW:
@@ -296,7 +297,7 @@ def overlap_worker(stage: int, overlap_comm: bool) -> tuple[list[str], list[int 
         loss_fn(model, x, y).backward()
     finally:
         grad_reducer.collectives.reduce_scatter = original
-    with torch._C.DisableTorchFunctionSubclass():  # a ShardedGrad's own storage, not the gradient it stands for
+    with compat.DisableTorchFunctionSubclass():  # a ShardedGrad's own storage, not the gradient it stands for
         grad_bytes = [p.grad.untyped_storage().nbytes() if p.grad is not None else None for p in model.parameters() if p.requires_grad]
     flat_kept = all(grads.flat is not None for grads in opt._reducer._grads)  # the flat grad buffer: stage 1's full local gradients
     opt.step()

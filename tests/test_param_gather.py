@@ -19,11 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.overrides import _get_current_function_mode_stack
 
 import zeroshard
 from tests.models import TinyNet, batch, loss_fn, param_groups
-from zeroshard import collectives, param_gather
+from zeroshard import collectives, compat, param_gather
 
 DELAY_S = 0.5
 SMALL_BUCKETS_MB = 0.0005  # ~130 fp32 elements: TinyNet's params span several buckets
@@ -160,7 +159,7 @@ def training_worker(overlap: bool, steps: int = 4) -> list[torch.Tensor]:
         assert (pending > 0) == overlap, f"{pending} gathers in flight after step() with overlap_param_gather={overlap}"
     result = [p.detach().clone() for p in model.parameters()] + ema
     opt.close()
-    assert not _get_current_function_mode_stack(), "the guard stayed on the mode stack"
+    assert not compat.function_mode_stack(), "the guard stayed on the mode stack"
     return result
 
 
@@ -180,7 +179,7 @@ def other_mode_worker() -> tuple[int, int]:
     with torch.device("cpu"):  # a TorchFunctionMode
         opt.step()
         pending = opt._gather.pending
-        depth = len(_get_current_function_mode_stack())
+        depth = len(compat.function_mode_stack())
     opt.close()
     return pending, depth
 
@@ -263,7 +262,7 @@ def test_a_gather_waited_for_on_a_side_stream_is_waited_for_again_on_the_launch_
         second.done = True  # the device finished it: retired without a wait on the launch stream
         param_gather.pop_guard_if_done()
         assert gathers.pending == 0 and second.waited_on == ["side"]
-        assert param_gather._GUARD not in _get_current_function_mode_stack()
+        assert param_gather._GUARD not in compat.function_mode_stack()
     finally:
         gathers._pending.clear()
         gathers._unsettled.clear()

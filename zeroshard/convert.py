@@ -32,13 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from zeroshard.checkpoint import FULL_FORMAT, FULL_FORMAT_VERSION, SHARDED_FORMAT, _check_version
 from zeroshard.checkpoint_dir import METADATA, verify_checkpoint
+from zeroshard.compat import load_checkpoint_without_process_group
 from zeroshard.param_state import rebuild
 
 _PARAM_NAME = re.compile(r"param_groups\[(\d+)\]\['params'\]\[(\d+)\]")
@@ -55,7 +53,7 @@ def load_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
         verify_checkpoint(checkpoint)  # raises at once, naming the missing .metadata (before DCP logs its own tracebacks)
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=FileSystemReader(str(checkpoint)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        load_checkpoint_without_process_group(state, str(checkpoint))
     except (Exception, CheckpointException) as error:
         verify_checkpoint(checkpoint)  # names the bad file; reads the checkpoint only when the load failed
         raise ValueError(f"{checkpoint} cannot be read by torch.distributed.checkpoint: {error}") from error

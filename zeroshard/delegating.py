@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from zeroshard.compat import OPTIMIZER_HOOK_DICTS
+
 
 class DelegatingOptimizer(torch.optim.Optimizer):
     """An optimizer that owns no params: ``param_groups``, ``state`` and ``defaults`` are ``optimizer``'s.
@@ -26,12 +28,8 @@ class DelegatingOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # not torch's __init__, which takes params
         self.optimizer = optimizer
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        for name in OPTIMIZER_HOOK_DICTS:
+            setattr(self, name, OrderedDict())
         self._patch_step_function()
 
 

@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.optim.adam import adam as torch_functional_adam
 from torch.optim.adamw import adamw as torch_functional_adamw
 
+from zeroshard import compat
 from zeroshard.chunk import Chunk, chunks_of
 from zeroshard.kernels import fused_adamw_
 from zeroshard.local_shard import LocalShard
@@ -114,7 +115,7 @@ def host_adam(runs: list[Run], group: dict, adamw: bool, grad_scale: Tensor | No
     # 0-D fp32 step tensors, one per step count, holding the step after this update: torch's
     # optimizer increments its state["step"] to that value just before the same call.
     steps = {step: torch.scalar_tensor(float(step), dtype=torch.float32) for step in {run.step for run in runs}}
-    (torch._fused_adamw_ if adamw else torch._fused_adam_)(
+    (compat.fused_adamw_ if adamw else compat.fused_adam_)(
         [r.param for r in runs], [r.grad for r in runs], [r.exp_avg for r in runs], [r.exp_avg_sq for r in runs], [],
         [steps[r.step] for r in runs], amsgrad=False, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False), grad_scale=grad_scale, found_inf=None,
@@ -251,7 +252,7 @@ class FusedAdam:
                     scale = grad_scale
                     if scale is not None and chunk_runs[0].grad.dtype == torch.float64:
                         # The kernel reads grad_scale as fp32: multiply fp64 gradients exactly first, as torch's clipping does.
-                        torch._foreach_mul_([run.grad for run in chunk_runs], multiplier)
+                        compat.foreach_mul_([run.grad for run in chunk_runs], multiplier)
                         scale = None
                     with torch.profiler.record_function(CPU_ADAM_RANGE):
                         host_adam(chunk_runs, self.optimizer.param_groups[shards[k].group], self.adamw, scale)
@@ -297,7 +298,7 @@ class FusedAdam:
             if start is None:
                 start, run_step = i, step
         for step, tensors in counts.items():  # one operator per step count, not one per piece
-            torch._foreach_copy_(tensors, [torch.scalar_tensor(float(step))] * len(tensors))
+            compat.foreach_copy_(tensors, [torch.scalar_tensor(float(step))] * len(tensors))
         if start is not None:
             yield self._run(chunk, start, len(chunk.pieces), run_step)
 

@@ -35,6 +35,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from zeroshard.compat import current_autograd_node
+
 
 class OutermostBackward:
     """Defers a reducer's end-of-backward callback from a nested backward pass to the one enclosing it.
@@ -51,7 +53,7 @@ class OutermostBackward:
 
     def defer(self) -> bool:
         """Called at the end of a backward pass: whether it was a nested one, whose end is handed to the enclosing pass."""
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is None:
             return False
         nodes = [fn for fn, _ in node.next_functions if fn is not None]

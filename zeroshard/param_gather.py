@@ -44,10 +44,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode, _push_mode
+from torch.overrides import TorchFunctionMode
 
 from zeroshard import collectives
 from zeroshard.chunk import Chunk
+from zeroshard.compat import function_mode_stack, pop_function_mode, push_function_mode
 from zeroshard.local_shard import LocalShard
 
 WHAT = "the all-gather of the updated params"
@@ -241,11 +242,11 @@ class _ParamGuard(TorchFunctionMode):
         are reused): already there, it stays; an empty stack gets it; another mode on the stack
         means no push (pushing now would break that mode's exit, a stack pop).
         """
-        stack = _get_current_function_mode_stack()
+        stack = function_mode_stack()
         if self not in stack:
             if stack:
                 return False
-            _push_mode(self)
+            push_function_mode(self)
             if self._pop_hook is None:
                 self._pop_hook = nn.modules.module.register_module_forward_pre_hook(self._before_module_call)
         self._gathers[id(gathers)] = gathers
@@ -273,9 +274,9 @@ class _ParamGuard(TorchFunctionMode):
                 del self._gathers[key]
         if self._waiting:
             return
-        stack = _get_current_function_mode_stack()
+        stack = function_mode_stack()
         if stack and stack[-1] is self:
-            _pop_mode()
+            pop_function_mode()
             if self._pop_hook is not None:
                 self._pop_hook.remove()
                 self._pop_hook = None

@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from zeroshard import collectives
+from zeroshard.compat import DisableTorchFunctionSubclass
 
 _HINT = "read the same gradient values alike (a norm, a clip or full_tensor() of a param's .grad is a collective over the data-parallel ranks)"
 
@@ -168,7 +169,7 @@ class PartialNorm(Tensor):
         """
         if self._value is None:
             value = self._aggregate_value() if self.aggregate else self._element_values()
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 self._value = value.to(device=self.device, dtype=self.dtype).reshape(self.shape)
                 self.copy_(self._value)  # reads that bypass torch functions see the value too
         return self._value
@@ -218,7 +219,7 @@ class PartialNorm(Tensor):
         per_param, pieces = vector[len(sharded) : len(sharded) + size], vector[len(sharded) + size :]
         kept = self._norms(sharded, vector[: len(sharded)])[[i for i in range(len(self.kinds)) if i not in virtual]]
         values = torch.cat([kept, self._root(per_param[pieces > 0])])
-        with torch._C.DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass():
             return torch.linalg.vector_norm(values.to(self.dtype), self.ord)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
@@ -229,7 +230,7 @@ class PartialNorm(Tensor):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name == "__get__" or name in ("dim", "size", "numel", "is_floating_point", "element_size", "__len__"):
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if name == "stack" and _stackable(args, kwargs):
             return _stack(args[0])
@@ -253,7 +254,7 @@ def _resolved(value: Any) -> Any:
 
 
 def _run_resolved(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         return func(*_resolved(args), **{k: _resolved(v) for k, v in kwargs.items()})
 
 
@@ -271,7 +272,7 @@ def _stackable(args: Any, kwargs: dict[str, Any]) -> bool:
 def _stack(tensors: Sequence[Tensor]) -> PartialNorm:
     first = next(t for t in tensors if isinstance(t, PartialNorm))
     device = first.local.device
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         zero = torch.zeros(1, dtype=torch.float64, device=device)
         local = torch.cat([t.local if isinstance(t, PartialNorm) else zero for t in tensors])
         plain = torch.cat([t.plain if isinstance(t, PartialNorm) else t.detach().to(device, torch.float64).reshape(1) for t in tensors])
@@ -284,7 +285,7 @@ def _stack(tensors: Sequence[Tensor]) -> PartialNorm:
 
 def _moved(norm: PartialNorm, func: Any, args: Any, kwargs: dict[str, Any]) -> PartialNorm | None:
     """``norm.to(device)`` still pending; ``None`` for any other conversion (a dtype: resolved first)."""
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         probe = func(torch.empty(0, dtype=norm.dtype, device=norm.device), *args, **kwargs)
     if probe.dtype != norm.dtype:
         return None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from zeroshard.compat import DisableTorchFunctionSubclass, post_accumulate_grad_hook_ids
 from zeroshard.local_shard import LocalShard
 from zeroshard.partial_norm import GradComm
 from zeroshard.partition import ShardPiece
@@ -111,7 +112,7 @@ class ShardGrads:
 
     def sharded_grad(self, i: int, param: nn.Parameter) -> ShardedGrad:
         """The ShardedGrad to leave in param ``i``'s ``.grad`` once reduced (made once), its version noted as left."""
-        with torch._C.DisableTorchFunctionSubclass():  # its attributes without a Python call each (once per param and backward)
+        with DisableTorchFunctionSubclass():  # its attributes without a Python call each (once per param and backward)
             left = self.reduced.get(i)
             if left is None or left.device != param.device or left.dtype != param.dtype:
                 left = self.reduced[i] = make_sharded_grad(param, self, i)
@@ -194,12 +195,12 @@ class ShardGrads:
         if version is None:
             return
         grad, left = param.grad, self.reduced[i]
-        with torch._C.DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call
+        with DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call
             unchanged = grad is left and grad._version == version
         if unchanged:
             return
         if grad is left:
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 if left.data_ptr() != left.placeholder:
                     raise RuntimeError(f"{self.shard.buffer.names[i]}: Tensor.set_() replaced the storage of its sharded gradient, which "
                                        "zeroshard cannot follow; assign a new gradient instead (p.grad = t)")
@@ -233,7 +234,7 @@ class ShardGrads:
         adds it to the running local sum (stage 1: ``.grad`` is its flat grad view).
         """
         held, left = param.grad, self.reduced.get(i)
-        with torch._C.DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call
+        with DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call
             self.continued[i] = reduced and held is not None and (
                 self.flat is not None or (left is not None and held is left and self.reduced_versions.get(i) == left._version))
         if i in self.reduced_versions:
@@ -271,8 +272,7 @@ class ShardGrads:
 
     def hooked_before(self, i: int, param: nn.Parameter) -> bool:
         """Whether param ``i`` has post-accumulate-grad hooks registered before zeroshard's (they ran before it)."""
-        hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
-        return any(key < self.hook_ids.get(i, -1) for key in hooks)
+        return any(key < self.hook_ids.get(i, -1) for key in post_accumulate_grad_hook_ids(param))
 
     @torch.no_grad()
     def follow_flat_writes(self, reduced: bool) -> None:

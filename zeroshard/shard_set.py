@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from zeroshard.amp import GradScalerLink
+from zeroshard.compat import DisableTorchFunction
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
 from zeroshard.sharding import shard_param_groups
@@ -113,7 +114,7 @@ class ShardSet:
         """``torch.optim.Optimizer.zero_grad`` over the groups' original params (frozen ones included)."""
         if set_to_none:
             # ``.grad`` is metadata: no torch-function mode needs to see it (the param guard would take a Python call per get and set)
-            with torch._C.DisableTorchFunction():
+            with DisableTorchFunction():
                 for params in self.group_params:
                     for p in params:
                         p.grad = None

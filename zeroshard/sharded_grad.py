@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from zeroshard.compat import DisableTorchFunctionSubclass
 from zeroshard.partial_norm import SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_order
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ _FOREACH_INPLACE = frozenset({
 
 
 def _disabled(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
 
 

@@ -9,7 +9,6 @@ the host class must provide) so that the dependency is written down and type-che
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -19,17 +18,12 @@ import torch
 import torch.distributed as dist
 
 from zeroshard import checkpoint, full_state, param_state
+from zeroshard.compat import called_by_dcp
 from zeroshard.fused_adam import FusedAdam
 from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
 from zeroshard.loss_scaler import DynamicLossScaler
 from zeroshard.shard_set import ShardSet
-
-
-def _called_by_dcp() -> bool:
-    """Whether the caller of ``state_dict()`` is ``torch.distributed.checkpoint`` (its ``Stateful`` protocol)."""
-    caller = sys._getframe(2)  # 0: this function, 1: state_dict, 2: its caller
-    return caller.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint.")
 
 
 class StateDictMixin:
@@ -82,7 +76,7 @@ class StateDictMixin:
         self.wait_params()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        if self._consolidated is not None and not _called_by_dcp():
+        if self._consolidated is not None and not called_by_dcp():
             state_dict, self._consolidated = self._consolidated, None
         else:
             state_dict = (param_state if self.partition == "param" else checkpoint).sharded_state_dict(self._checkpoint_view())

@@ -1,0 +1,134 @@
+"""Every private torch internal in ``zeroshard/compat.py`` exists and behaves as zeroshard uses it.
+
+A torch release that removes or changes one fails here, naming the torch version and the internal, before
+the failure shows up as a wrong number or a hang somewhere in the suite.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from zeroshard import compat
+
+TORCH = f"torch {torch.__version__}"
+
+
+class _Counting(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_torch_function_mode_stack_can_be_pushed_and_popped_by_hand():
+    mode = _Counting()
+    assert compat.function_mode_stack() == [], f"{TORCH}: a mode is active before the test"
+    compat.push_function_mode(mode)
+    try:
+        assert compat.function_mode_stack() == [mode], f"{TORCH}: _push_mode no longer puts the mode on _get_current_function_mode_stack()"
+        torch.ones(2).add(1)
+        assert mode.calls > 0, f"{TORCH}: a mode pushed with _push_mode does not see torch calls"
+    finally:
+        compat.pop_function_mode()
+    assert compat.function_mode_stack() == [], f"{TORCH}: _pop_mode left the mode on the stack"
+
+
+def test_disabling_torch_function_skips_subclasses_and_modes():
+    class Sub(torch.Tensor):
+        calls = 0
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.calls += 1
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    t = torch.ones(3).as_subclass(Sub)
+    with compat.DisableTorchFunctionSubclass():
+        t.add(1)
+    assert Sub.calls == 0, f"{TORCH}: DisableTorchFunctionSubclass no longer skips a subclass's __torch_function__"
+    mode = _Counting()
+    with mode, compat.DisableTorchFunction():
+        torch.ones(2).add(1)
+    assert mode.calls == 0, f"{TORCH}: DisableTorchFunction no longer skips torch-function modes"
+
+
+def test_the_fused_adam_kernels_are_the_ones_adamw_fused_runs():
+    for adamw, cls in ((True, torch.optim.AdamW), (False, torch.optim.Adam)):
+        torch.manual_seed(0)
+        param, grad = torch.randn(37), torch.randn(37)
+        reference = param.clone().requires_grad_()
+        reference.grad = grad.clone()
+        cls([reference], lr=1e-2, weight_decay=0.1, fused=True).step()
+        exp_avg, exp_avg_sq, step = torch.zeros(37), torch.zeros(37), torch.tensor(1.0)
+        kernel = compat.fused_adamw_ if adamw else compat.fused_adam_
+        kernel([param], [grad], [exp_avg], [exp_avg_sq], [], [step], amsgrad=False, lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1,
+               eps=1e-8, maximize=False)
+        assert torch.equal(param, reference.detach()), f"{TORCH}: torch._fused_{'adamw' if adamw else 'adam'}_ differs from {cls.__name__}(fused=True)"
+    tensors = [torch.ones(2), torch.ones(3)]
+    compat.foreach_mul_(tensors, 3.0)
+    compat.foreach_copy_(tensors, [torch.full((2,), 5.0), torch.full((3,), 7.0)])
+    assert tensors[0].tolist() == [5.0, 5.0] and tensors[1].tolist() == [7.0] * 3, f"{TORCH}: torch._foreach_copy_"
+
+
+def test_optimizer_hook_registries_are_the_ones_its_public_methods_fill():
+    opt = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+    for name in compat.OPTIMIZER_HOOK_DICTS:
+        assert isinstance(getattr(opt, name, None), OrderedDict), f"{TORCH}: torch.optim.Optimizer has no {name}"
+    opt.register_step_pre_hook(lambda *a: None)
+    opt.register_load_state_dict_post_hook(lambda *a: None)
+    assert len(opt._optimizer_step_pre_hooks) == 1 and len(opt._optimizer_load_state_dict_post_hooks) == 1, TORCH
+
+
+def test_the_current_autograd_node_is_known_inside_a_backward_only():
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(lambda g: seen.append(compat.current_autograd_node()))
+    (x * 2).sum().backward()
+    assert seen and seen[0] is not None, f"{TORCH}: torch._C._current_autograd_node() is None inside a gradient hook"
+    assert compat.current_autograd_node() is None, f"{TORCH}: torch._C._current_autograd_node() outside a backward"
+
+
+def test_post_accumulate_grad_hook_ids_follow_registration_order():
+    param = nn.Parameter(torch.ones(2))
+    first = param.register_post_accumulate_grad_hook(lambda p: None)
+    second = param.register_post_accumulate_grad_hook(lambda p: None)
+    assert compat.post_accumulate_grad_hook_ids(param) == [first.id, second.id], f"{TORCH}: Tensor._post_accumulate_grad_hooks"
+    second.remove()
+    assert compat.post_accumulate_grad_hook_ids(param) == [first.id], TORCH
+
+
+def test_a_dcp_checkpoint_loads_without_a_process_group(tmp_path):
+    dcp.save({"w": torch.arange(6.0), "step": 3}, checkpoint_id=str(tmp_path), no_dist=True)
+    state: dict = {}
+    compat.load_checkpoint_without_process_group(state, str(tmp_path))
+    assert torch.equal(state["w"], torch.arange(6.0)) and state["step"] == 3, f"{TORCH}: DCP's _load_state_dict / _EmptyStateDictLoadPlanner"
+
+
+def test_dcp_calls_state_dict_from_its_own_modules(tmp_path):
+    """``called_by_dcp`` looks two frames up from itself: DCP's ``Stateful`` call must be there, a plain call must not."""
+
+    class Probe:
+        def __init__(self) -> None:
+            self.seen: list[bool] = []
+
+        def state_dict(self) -> dict:
+            self.seen.append(compat.called_by_dcp())
+            return {"w": torch.zeros(2)}
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            pass
+
+    probe = Probe()
+    probe.state_dict()
+    dcp.save({"probe": probe}, checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.load({"probe": probe}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert probe.seen[0] is False, f"{TORCH}: a plain state_dict() call counted as DCP's"
+    assert probe.seen[1:] and all(probe.seen[1:]), f"{TORCH}: dcp.save/dcp.load no longer call state_dict() from torch.distributed.checkpoint.*"

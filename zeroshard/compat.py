@@ -1,0 +1,89 @@
+"""The private torch internals zeroshard uses, in one place, each with the reason no public API serves.
+
+``tests/test_compat.py`` checks every one against the installed torch and fails naming the torch
+version when one is gone or behaves otherwise; ``pyproject.toml`` states the torch releases the suite
+ran on. ``DistributedDataParallel``'s private members, which zeroshard needs to switch DDP's own
+reduction off, stay with that surgery in ``zeroshard/ddp_wrapper.py``, whose ``check_supported``
+raises naming the torch version before anything is changed.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
+
+# param_gather.py: the gather guard sits on the torch-function mode stack only while all-gathers are
+# in flight; a ``with mode:`` block cannot outlive ``step()``, so it pushes and pops by hand.
+function_mode_stack = _get_current_function_mode_stack
+push_function_mode = _push_mode
+pop_function_mode = _pop_mode
+
+# A tensor subclass's own attributes and ops without a Python ``__torch_function__`` call each (torch's
+# documented idiom for subclasses, "Extending torch with a Tensor-like type"), and with no mode at all.
+DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
+DisableTorchFunction = torch._C.DisableTorchFunction
+
+# fused_adam.py: the kernels ``AdamW(fused=True).step()`` runs, called on a chunk's flat tensors with the
+# multiplier folded in (``torch.optim`` exposes them only through ``step()`` on its own params).
+fused_adamw_ = torch._fused_adamw_
+fused_adam_ = torch._fused_adam_
+foreach_mul_ = torch._foreach_mul_
+foreach_copy_ = torch._foreach_copy_
+
+# delegating.py: the hook registries ``torch.optim.Optimizer.__init__`` creates, which its public
+# ``register_step_pre_hook`` and friends fill; a ShardedOptimizer does not run that ``__init__``.
+OPTIMIZER_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+)
+
+
+def current_autograd_node() -> Any:
+    """The autograd node whose task is running on this thread, or ``None`` outside one.
+
+    nested_backward.py: a backward started inside another's hook ends before the enclosing one; this
+    node is how its end is handed to the enclosing pass (``torch._C._current_autograd_node``).
+    """
+    return torch._C._current_autograd_node()
+
+
+def post_accumulate_grad_hook_ids(param: nn.Parameter) -> list[int]:
+    """The handle ids of the post-accumulate-grad hooks registered on ``param``, in registration order.
+
+    shard_grads.py: whether a user's hook was registered before zeroshard's (it then ran first, on this
+    rank's gradient); ``Tensor.register_post_accumulate_grad_hook`` returns handles but no registry.
+    """
+    return list(getattr(param, "_post_accumulate_grad_hooks", None) or {})
+
+
+def load_checkpoint_without_process_group(state: dict[str, Any], checkpoint: str) -> None:
+    """Fill ``state`` with everything in the DCP checkpoint directory ``checkpoint``, on one process, with no process group.
+
+    convert.py: ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does the same but writes
+    the result to a file; its loader and planner are private.
+
+    Raises:
+        CheckpointException, Exception: what DCP raises for a missing or damaged file.
+    """
+    from torch.distributed.checkpoint import FileSystemReader  # on use: `import zeroshard` stays free of DCP (and sympy)
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _load_state_dict(state, storage_reader=FileSystemReader(checkpoint), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+
+
+def called_by_dcp() -> bool:
+    """Whether the caller's caller belongs to ``torch.distributed.checkpoint``.
+
+    state_dict_api.py: right after ``consolidate_state_dict()``, ``state_dict()`` returns the full
+    format once (``ZeroRedundancyOptimizer``'s contract, which HF Trainer relies on), but DCP, which
+    calls ``state_dict()`` through its ``Stateful`` protocol on every rank, must get the sharded one.
+    The protocol passes nothing that tells the two callers apart.
+    """
+    caller = sys._getframe(2)  # 0: this function, 1: state_dict(), 2: its caller
+    return caller.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint.")
+
