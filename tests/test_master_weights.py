@@ -137,3 +137,30 @@ def test_master_weights_is_checked_before_any_collective():
         zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters()), master_weights=1)
     with pytest.raises(ValueError, match="master_weights=False with offload='cpu'"):
         zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters()), master_weights=False, offload="cpu")
+
+
+def cross_load_worker(saved_with: bool) -> tuple[str, bool]:
+    """A per-rank state dict saved with ``master_weights=saved_with`` loaded into the other mode (the error), and its full format
+    loaded there (which converts: moments cast to the new state dtype, masters from the params)."""
+    model = _model()
+    opt = zeroshard.ShardedOptimizer(_optimizer("AdamW", model), stage=2, master_weights=saved_with)
+    _train(model, opt, range(1))
+    own = opt.state_dict()
+    opt.consolidate_state_dict(to=0)
+    full = opt.state_dict() if dist.get_rank() == 0 else None
+    full = [full]
+    dist.broadcast_object_list(full, src=0)
+    opt.close()
+    other = zeroshard.ShardedOptimizer(_optimizer("AdamW", model), stage=2, master_weights=not saved_with)
+    with pytest.raises(ValueError) as raised:
+        other.load_state_dict(own)
+    other.load_state_dict(full[0])
+    moments = [v for s in other.optimizer.state.values() for k, v in s.items() if k == "exp_avg"]
+    return str(raised.value), bool(moments) and all(m.dtype == (torch.bfloat16 if saved_with else torch.float32) for m in moments)
+
+
+@pytest.mark.parametrize("saved_with", [True, False])
+def test_a_state_dict_from_the_other_master_weights_mode_names_it_or_converts(pools, saved_with):
+    for message, converted in pools[2].run(cross_load_worker, saved_with):
+        assert f"saved with master_weights={saved_with}" in message and f"build the optimizer with master_weights={saved_with}" in message
+        assert converted, "the full format loads into the other mode, moments in its state dtype"

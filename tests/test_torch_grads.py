@@ -158,6 +158,37 @@ def test_hybrid_sharding_gives_ddps_numbers(pools, variant):
     pools[4].run(torch_code_worker, 2, variant, "none", 2)  # 2 replicas of 2 shards: the pieces of a gradient span one shard group
 
 
+def mixed_dtype_clip_worker(master_weights: bool, foreach: bool) -> tuple[float, float]:
+    """A bf16 model with one fp32 layer: DDP's clip norm and zeroshard's, both from ``torch.nn.utils.clip_grad_norm_``."""
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)).bfloat16()
+        model[1].float()
+        model[1].register_forward_pre_hook(lambda module, args: (args[0].float(),))
+        return model
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(8, 16, generator=g).bfloat16(), torch.randn(8, 16, generator=g)
+    ref = build()
+    ddp = DDP(ref)  # alive through the backward, which its reducer averages
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    model = build()
+    opt = zeroshard.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=2, master_weights=master_weights)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    ours = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, foreach=foreach))
+    opt.close()
+    return ours, float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, foreach=foreach))
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_clip_norm_of_mixed_dtypes_rounds_each_norm_to_its_dtype(pools, master_weights, foreach):
+    # torch stacks the bf16 gradients' norms (bf16 numbers) with the fp32 ones' before the total; zeroshard kept them in fp64 (off by 2e-4)
+    for ours, ddps in pools[2].run(mixed_dtype_clip_worker, master_weights, foreach):
+        assert ours == ddps
+
+
 def collectives_worker(stage: int) -> dict[str, int]:
     _, _, model, opt = _pair(stage)
     loss_fn(model, *batch(dist.get_rank(), 0)).backward()

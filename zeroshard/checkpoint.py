@@ -184,6 +184,15 @@ def check_layout(view: CheckpointView, saved_layout: Any) -> None:
         raise ValueError(_layout_mismatch(list(theirs), list(ours)))
 
 
+def master_hint(found: Any, wanted: Any) -> str:
+    """A sentence for a load whose state differs from the expected by ``"master"`` alone (``master_weights`` changed), else ``""``."""
+    if found is None or set(found) ^ set(wanted) != {"master"}:
+        return ""
+    saved = "True" if "master" in found else "False"
+    return (f" The checkpoint was saved with master_weights={saved} (fp32 masters of 16-bit params {'kept' if saved == 'True' else 'not kept'}): "
+            f"build the optimizer with master_weights={saved}, or load the full format, which converts.")
+
+
 def saves_master(shard: LocalShard) -> bool:
     """Whether checkpoints carry this shard's master: only 16-bit params have one that differs from
     the params (an fp32 master kept in host memory by offload equals them), so the formats do not
@@ -334,7 +343,7 @@ def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys:
                         f"state_dict() gave dcp.load {found} to fill: its hyperparameters keep other state than the checkpoint's. "
                         "Build the optimizer with the checkpoint's hyperparameters, or load a full or per-rank state dict"
                     )
-                raise ValueError(f"state_dict bucket {k}.{bucket.index} holds {found}, expected {sorted(wanted)}")
+                raise ValueError(f"state_dict bucket {k}.{bucket.index} holds {found}, expected {sorted(wanted)}.{master_hint(found, wanted)}")
             lo, hi = _local_range(view, k, bucket.index)
             for key, value in entry.items():
                 local = _to_local(value)

@@ -43,6 +43,7 @@ from zeroshard.checkpoint import (
     groups_without_params,
     inner_state_dict,
     layout_signature,
+    master_hint,
     param_names,
     saves_master,
 )
@@ -309,7 +310,7 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
             hint = (" this optimizer's state_dict() gave dcp.load other entries to fill than the checkpoint holds: build the optimizer with "
                     "the checkpoint's hyperparameters" if filled_in_place else "")
             raise ValueError(f"state_dict holds {found} (key: shape) for {names[index]}; {type(view.optimizer).__name__} with the "
-                             f"state_dict's hyperparameters keeps {wanted}.{hint}")
+                             f"state_dict's hyperparameters keeps {wanted}.{hint}{master_hint(found, wanted)}")
         if steps[index]:
             state[vparam] = spec.unflatten(entry)
             if spec.has_step:
