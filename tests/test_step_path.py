@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import pytest
@@ -61,6 +62,35 @@ def overflow_on_one_rank_worker(stage: int) -> tuple[bool, bool, float, float]:
 def test_inf_on_one_rank_skips_the_step_everywhere(pools, stage):
     for skipped, unchanged, scale, norm in pools[2].run(overflow_on_one_rank_worker, stage):
         assert skipped and unchanged and scale == 512.0 and not math.isfinite(norm)
+
+
+def nan_without_loss_scale_worker() -> tuple[bool, bool, list[tuple[int, str]]]:
+    """fp32, no loss scale, a NaN in rank 1's gradients: every rank skips; what rank 0 logged (level, message)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("zeroshard")
+    logger.addHandler(handler)
+    try:
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), stage=2)
+        before = _snapshot(model, opt)
+        loss = loss_fn(model, *batch(dist.get_rank(), 0))
+        (loss * float("nan") if dist.get_rank() == 1 else loss).backward()
+        opt.step()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
+    finally:
+        logger.removeHandler(handler)
+    return opt.step_was_skipped, unchanged, [(r.levelno, r.getMessage()) for r in records if "skipped" in r.getMessage()]
+
+
+def test_nan_gradients_without_a_loss_scale_skip_and_warn(pools):
+    # DDP + AdamW would write the NaN into the params; zeroshard skips, and says so at WARNING (with a loss scale a skip is routine: INFO)
+    runs = pools[2].run(nan_without_loss_scale_worker)
+    assert all(skipped and unchanged for skipped, unchanged, _ in runs)
+    assert [level for level, _ in runs[0][2]] == [logging.WARNING] and "no loss scale active" in runs[0][2][0][1]
+    assert runs[1][2] == []  # rank 0 logs
 
 
 def norm_worker(norm_type: float) -> tuple[float, float]:

@@ -66,6 +66,16 @@ def scaler_in_use(scaler: Any) -> bool:
 
 
 def log_skip(skipped_steps: int, loss_scale: float | None, rank: int) -> None:
-    """Log (rank 0) that ``skipped_steps`` steps were skipped for inf/NaN so far, at 1, 2, 4, 8, ... of them."""
-    if rank == 0 and skipped_steps & (skipped_steps - 1) == 0:
+    """Log (rank 0) that ``skipped_steps`` steps were skipped for inf/NaN so far, at 1, 2, 4, 8, ... of them.
+
+    With a loss scale a skip is how the scale is found (INFO); without one (fp32, bf16) the model made
+    inf/NaN gradients, which DDP + the optimizer would have written into the params (WARNING).
+    """
+    if rank != 0 or skipped_steps & (skipped_steps - 1):
+        return
+    if loss_scale is None:
+        logger.warning("zeroshard: %d steps skipped so far for inf/NaN gradients with no loss scale active (the params and state are "
+                       "unchanged; DDP + the optimizer would have written the inf/NaN into them): check the model and the data",
+                       skipped_steps)
+    else:
         logger.info("zeroshard: %d steps skipped so far for inf/NaN gradients; loss scale now %s", skipped_steps, loss_scale)
