@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroshard
-from zeroshard.memory import whole_param_state_bytes
 
 VOCAB = 256  # bytes
 
@@ -248,7 +247,9 @@ def build_optimizers(model: GPT, args: argparse.Namespace) -> list[Trained]:
     else:
         adamw = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     kind = "AdamW8bit" if args.optimizer == "adamw8bit" else "AdamW"
-    wrapped = [("optim", adamw, rest, sum(whole_param_state_bytes(kind, p.numel(), 4) + 4 for p in rest))]  # exp_avg, exp_avg_sq, step
+    # exp_avg, exp_avg_sq and step of each param, as the unsharded optimizer keeps them (one rank owns every param)
+    unsharded = sum(zeroshard.estimate_memory(p.numel(), world_size=1, optimizer_class=kind).by_kind["optimizer_state"] for p in rest)
+    wrapped = [("optim", adamw, rest, unsharded)]
     if hidden:
         # Moonlight's setting (Liu et al., "Muon is Scalable for LLM Training", 2025): the AdamW lr
         # and weight decay, with each matrix's update scaled by 0.2 * sqrt(max(rows, cols)) to match

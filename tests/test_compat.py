@@ -132,3 +132,12 @@ def test_dcp_calls_state_dict_from_its_own_modules(tmp_path):
     dcp.load({"probe": probe}, checkpoint_id=str(tmp_path), no_dist=True)
     assert probe.seen[0] is False, f"{TORCH}: a plain state_dict() call counted as DCP's"
     assert probe.seen[1:] and all(probe.seen[1:]), f"{TORCH}: dcp.save/dcp.load no longer call state_dict() from torch.distributed.checkpoint.*"
+
+
+def test_make_subclass_views_the_storage_without_a_copy():
+    class Sub(torch.Tensor):
+        pass
+
+    base = torch.arange(4.0)
+    sub = compat.make_subclass(Sub, base)
+    assert type(sub) is Sub and sub.data_ptr() == base.data_ptr(), f"{TORCH}: Tensor._make_subclass no longer views the storage"

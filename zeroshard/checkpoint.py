@@ -185,7 +185,12 @@ def check_layout(view: CheckpointView, saved_layout: Any) -> None:
 
 
 def master_hint(found: Any, wanted: Any) -> str:
-    """A sentence for a load whose state differs from the expected by ``"master"`` alone (``master_weights`` changed), else ``""``."""
+    """A sentence for a load whose state differs from the expected by ``"master"`` alone (``master_weights`` changed), else ``""``.
+
+    Args:
+        found: the state keys the loaded entry holds (``None``: no entry).
+        wanted: the keys this optimizer expects (``"master"`` among them when it keeps fp32 masters).
+    """
     if found is None or set(found) ^ set(wanted) != {"master"}:
         return ""
     saved = "True" if "master" in found else "False"
@@ -240,10 +245,8 @@ def local_state(view: CheckpointView, k: int, b: int, key: str, numel: int) -> T
 def _dtensor_api() -> tuple[type[DTensor], type[Replicate], type[Shard]]:
     """``DTensor`` and its placements, imported on first use: ``torch.distributed.tensor`` imports
     sympy (a third of a second), which ``import zeroshard`` must not pay for."""
-    try:  # torch >= 2.5
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-    except ImportError:  # torch 2.4
-        from torch.distributed._tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     return DTensor, Replicate, Shard
 
 

@@ -61,7 +61,8 @@ class Chunk:
             flat param buffer (the output of its all-gather).
         grad: 1-D, master dtype, ``numel`` elements: this slice of the grad shard.
         master: 1-D, master dtype, ``numel`` elements, where the chunk lives; ``None`` where
-            :attr:`params` holds the master weights (fp32/fp64 params on their device).
+            :attr:`params` holds the master weights (fp32/fp64 params on their device, and 16-bit
+            params with ``master_weights=False``).
         exp_avg, exp_avg_sq: 1-D, master dtype, ``numel`` elements, where the chunk lives; ``None``
             until :meth:`allocate_moments` (the fused Adam/AdamW update only; other optimizers
             keep their state themselves).

@@ -27,6 +27,10 @@ pop_function_mode = _pop_mode
 DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
 DisableTorchFunction = torch._C.DisableTorchFunction
 
+# partial_norm.py, sharded_grad.py: a tensor subclass instance viewing an existing tensor's storage (no copy), as
+# torch's own subclasses (``nn.Parameter``, ``Buffer``) are made; ``Tensor.as_subclass`` runs ``__torch_function__``.
+make_subclass = torch.Tensor._make_subclass
+
 # fused_adam.py: the kernels ``AdamW(fused=True).step()`` runs, called on a chunk's flat tensors with the
 # multiplier folded in (``torch.optim`` exposes them only through ``step()`` on its own params).
 fused_adamw_ = torch._fused_adamw_

@@ -31,7 +31,7 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
     A collective over ``to``'s shard group (other shard groups, replicas of it, return at once).
     Ranks other than ``to`` never hold more than their own slice of one bucket. Each shard's
     state and master are gathered in its own master dtype (fp32 for 16-bit and fp32 params, fp64
-    for fp64 ones), so every value arrives unrounded.
+    for fp64 ones; the param dtype with ``master_weights=False``), so every value arrives unrounded.
     """
     if to not in dist.get_process_group_ranks(view.shard_group):
         return None
@@ -122,7 +122,12 @@ def unnested(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> di
     ``absmax1``, ``qmap1``, ...) under a key of their own, ``_FSDP_WRAPPED_QUANT_STATE_KEY``
     (``"__bnb_optimizer_quant_state__"``), so FSDP's gather skips it; ``optimizer.state``, their
     ``load_state_dict`` and zeroshard's formats hold it flat. Any other dict is returned as it is;
-    ``state_dict`` is not modified.
+    ``state_dict`` is not modified. Follows bitsandbytes' ``Optimizer8bit.state_dict`` /
+    ``load_state_dict`` (bitsandbytes/optim/optimizer.py).
+
+    Args:
+        optimizer: the wrapped optimizer (its class attribute names the nesting key, if any).
+        state_dict: a full-format state dict (``{"state": {index: entry}, "param_groups": ...}``).
     """
     key = getattr(optimizer, "_FSDP_WRAPPED_QUANT_STATE_KEY", None)
     state = state_dict.get("state")

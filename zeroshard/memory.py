@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from zeroshard.chunk import chunks_of
 from zeroshard.local_shard import LocalShard
-from zeroshard.ownership import assign_owners, elementwise_cost
+from zeroshard.ownership import assign_owners, default_cost
 from zeroshard.partition import build_layout
 from zeroshard.sharding import bucket_numel
 from zeroshard.validation import is_subclass_state
@@ -160,12 +160,15 @@ def estimate_memory(
       param dtype (``b·Ψ_pad/N``, counted under ``params``).
 
     With ``master_weights=False`` 16-bit params keep no master, and the grad shard and moments
-    take the param dtype (``b`` bytes; the wrapped optimizer's own state covers its pieces, not
-    the padding). torchao's classes (``optimizer_class`` ``"AdamW8bit"``, ``"AdamW4bit"``,
+    take the param dtype (``b`` bytes); the wrapped optimizer's own step runs (no fused update,
+    also for fp32 params), and its state covers its pieces, not the padding. torchao's classes (``optimizer_class`` ``"AdamW8bit"``, ``"AdamW4bit"``,
     ``"AdamWFp8"``, their Adam twins, or ``"_AdamW"``) run with ``partition="param"``: each param
     is owned whole by one rank (:func:`~zeroshard.ownership.assign_owners`), so the state is that
     of the params a rank owns (:func:`whole_param_state_bytes`: 8-bit moments cost about 2 bytes
-    per element, 4-bit about 1) and the kinds are given for the rank that owns the most state.
+    per element, 4-bit about 1) and the kinds are given for the rank that owns the most state
+    (summed over the dtypes of a mixed model, each dtype's such rank: then an upper bound). Owners
+    are assigned as for one param group per dtype; an optimizer built on several param groups
+    (weight decay apart) assigns each group's params alone and may place them otherwise.
 
     Ψ_pad is Ψ with padding: params are laid out in reverse registration order, one flat buffer per
     dtype, and cut into buckets of at most ``bucket_size_mb`` MiB of the param dtype (a larger
@@ -198,11 +201,12 @@ def estimate_memory(
         A :class:`MemoryUsage` in bytes, ``by_kind`` with the kinds above.
 
     Raises:
+        TypeError: ``master_weights`` not a ``bool``.
         ValueError: ``stage`` not 1 or 2, ``world_size`` below 1, ``shard_size`` not dividing it,
             ``offload`` not ``None``/``"cpu"`` (or ``"cpu"`` with ``master_weights=False`` or a
             torchao class), a ``model_or_numel`` below 1 or a model without trainable params, a
             non-floating ``dtype``, an ``optimizer_class`` outside those above, or a
-            ``block_size`` below 1.
+            ``block_size`` below 1 or given for a class without blocks.
     """
     whole = optimizer_class == "_AdamW" or _low_bit_kind(optimizer_class) is not None
     if stage not in (1, 2):
@@ -219,11 +223,15 @@ def estimate_memory(
     if optimizer_class not in ("AdamW", "Adam") and not whole:
         raise ValueError(f"optimizer_class={optimizer_class!r} must be 'AdamW', 'Adam', or one of torchao's 'AdamW8bit', 'AdamW4bit', "
                          "'AdamWFp8', 'Adam8bit', 'Adam4bit', 'AdamFp8', '_AdamW'")
-    if offload and (whole or not master_weights):
-        raise ValueError(f"offload={offload!r} runs torch's fused AdamW on fp32 masters: not with master_weights={master_weights} and "
-                         f"optimizer_class={optimizer_class!r}")
-    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-        raise ValueError(f"block_size={block_size!r} must be None or an int >= 1")
+    if not isinstance(master_weights, bool):
+        raise TypeError(f"master_weights={master_weights!r} must be True or False")
+    if offload and whole:
+        raise ValueError(f"offload={offload!r} runs torch's fused AdamW: not with optimizer_class={optimizer_class!r}")
+    if offload and not master_weights:
+        raise ValueError(f"offload={offload!r} runs torch's fused AdamW on fp32 masters: not with master_weights=False")
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1 or _low_bit_kind(optimizer_class) is None):
+        raise ValueError(f"block_size={block_size!r} must be None, or an int >= 1 for a torchao low-bit class (optimizer_class="
+                         f"{optimizer_class!r})")
     if isinstance(model_or_numel, nn.Module):
         trainable = [p for p in model_or_numel.parameters() if p.requires_grad and p.numel() > 0]
         if not trainable:
@@ -241,19 +249,19 @@ def estimate_memory(
         numels = [math.prod(shape) for shape in shapes]
         item = param_dtype.itemsize
         master_item = max(4, item) if master_weights else item
-        # whole params: owners as ShardedOptimizer picks them (param_costs: one fp32 state element per param element)
-        owners = assign_owners([elementwise_cost(shape, max(4, item)) for shape in shapes], shards) if whole else None
+        owners = assign_owners([default_cost(shape, param_dtype) for shape in shapes], shards) if whole else None  # as param_costs
         layout = build_layout(numels, bucket_numel(bucket_size_mb, param_dtype), shards, owners)
         shard = layout.shard_numel
         pieces = [layout.pieces(rank) for rank in range(shards)]
-        if whole:  # the wrapped optimizer's own state for the params each rank owns
-            state = max(sum(whole_param_state_bytes(optimizer_class, numels[p.param], master_item, block_size) + 4 for p in ranked)
-                        for ranked in pieces)
+        if whole:  # per rank: the wrapped optimizer's own state for the params it owns, and a step each
+            per_rank = [sum(whole_param_state_bytes(optimizer_class, numels[p.param], master_item, block_size) + 4 for p in ranked)
+                        for ranked in pieces]
         elif master_weights:  # the fused update: both moments over each chunk, padding included
-            state = 2 * master_item * shard + 4 * max(len(ranked) for ranked in pieces)
+            per_rank = [2 * master_item * shard + 4 * len(ranked) for ranked in pieces]
         else:  # torch.optim's own step: moments shaped as each piece
-            state = max(sum(2 * master_item * p.numel + 4 for p in ranked) for ranked in pieces)
-        steps = 4 * max(len(ranked) for ranked in pieces)
+            per_rank = [sum(2 * master_item * p.numel + 4 for p in ranked) for ranked in pieces]
+        most = max(range(shards), key=lambda rank: (per_rank[rank], len(pieces[rank])))  # the rank that keeps the most
+        state, steps = per_rank[most], 4 * len(pieces[most])
         kinds["params"] += item * layout.numel
         kinds["grads"] += item * layout.numel if stage == 1 else 0
         kinds["grad_shard"] += master_item * shard * (2 if offload else 1)

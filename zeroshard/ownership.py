@@ -104,6 +104,12 @@ def assign_owners(costs: Sequence[ParamCost], world_size: int) -> list[int]:
     return owners
 
 
+def default_cost(shape: Sequence[int], dtype: torch.dtype) -> ParamCost:
+    """:func:`elementwise_cost` with one master-dtype state element per param element (fp32 for 16-bit
+    params): what :func:`param_costs` charges under any optimizer but Muon."""
+    return elementwise_cost(shape, max(4, dtype.itemsize))
+
+
 def param_costs(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: Sequence[torch.Tensor]) -> list[ParamCost]:
     """The cost of each of ``params`` (of param group ``group``) under ``optimizer``'s update.
 
@@ -114,5 +120,5 @@ def param_costs(optimizer: torch.optim.Optimizer, group: dict[str, Any], params:
     """
     if type(optimizer) is getattr(torch.optim, "Muon", None):
         return [muon_cost(p.shape, max(4, p.dtype.itemsize), int(group.get("ns_steps", 5))) if p.dim() >= 2
-                else elementwise_cost(p.shape, max(4, p.dtype.itemsize)) for p in params]
-    return [elementwise_cost(p.shape, max(4, p.dtype.itemsize)) for p in params]
+                else default_cost(p.shape, p.dtype) for p in params]
+    return [default_cost(p.shape, p.dtype) for p in params]

@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from zeroshard import collectives
-from zeroshard.compat import DisableTorchFunctionSubclass
+from zeroshard.compat import DisableTorchFunctionSubclass, make_subclass
 
 _HINT = "read the same gradient values alike (a norm, a clip or full_tensor() of a param's .grad is a collective over the data-parallel ranks)"
 
@@ -153,7 +153,7 @@ class PartialNorm(Tensor):
              spaces: Sequence[ParamSpace | None] = (None,), dtypes: Sequence[torch.dtype] = ()) -> PartialNorm:
         """A pending norm of ``dtype`` on ``device``, of ``shape`` (elements: ``local`` and ``plain``, 1-D fp64; ``dtypes``: each
         one's own, default ``dtype``)."""
-        out = Tensor._make_subclass(PartialNorm, torch.full(tuple(shape), math.nan, dtype=dtype, device=device))
+        out = make_subclass(PartialNorm, torch.full(tuple(shape), math.nan, dtype=dtype, device=device))
         out.local, out.plain, out.kinds, out.aggregate, out.ord, out.comm, out._value = local, plain, tuple(kinds), aggregate, ord, comm, None
         out.slots, out.spaces, out.dtypes = tuple(slots), tuple(spaces), tuple(dtypes) or (dtype,) * len(out.kinds)
         return out

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from zeroshard.compat import DisableTorchFunctionSubclass
+from zeroshard.compat import DisableTorchFunctionSubclass, make_subclass
 from zeroshard.partial_norm import SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_order
 
 if TYPE_CHECKING:
@@ -225,9 +225,9 @@ class VirtualGrad(Tensor):
         device that refuses every torch function but metadata instead: ``.grad`` must be on the param's device.
         """
         if piece.device == vparam.device:
-            grad = Tensor._make_subclass(VirtualGrad, piece)
+            grad = make_subclass(VirtualGrad, piece)
         else:
-            grad = Tensor._make_subclass(VirtualGrad, torch.zeros((), dtype=piece.dtype, device=vparam.device).expand(piece.shape))
+            grad = make_subclass(VirtualGrad, torch.zeros((), dtype=piece.dtype, device=vparam.device).expand(piece.shape))
             grad.elsewhere = name
         grad.comm, grad.space, grad.slot = comm, space, slot
         return grad
@@ -345,7 +345,7 @@ def _converts_to_itself(grad: Tensor, func: Any, args: Any, kwargs: dict[str, An
 def make_sharded_grad(param: nn.Parameter, home: ShardGrads, index: int) -> ShardedGrad:
     """A new ``ShardedGrad`` for ``param`` (its shape, dtype and device; one element of storage)."""
     # NaN: a read that bypasses torch functions (torch.tensor(p.grad), a C++ extension) shows it is not the gradient
-    grad = Tensor._make_subclass(ShardedGrad, torch.full((), math.nan, dtype=param.dtype, device=param.device).expand(param.shape))
+    grad = make_subclass(ShardedGrad, torch.full((), math.nan, dtype=param.dtype, device=param.device).expand(param.shape))
     grad.home, grad.param_index = home, index
     grad.placeholder = _disabled(grad.data_ptr)
     return grad

@@ -32,7 +32,8 @@ def wrapped_step(optimizer: torch.optim.Optimizer, shards: list[LocalShard], use
     The grad shards are multiplied by ``multiplier`` in place (they are consumed), each virtual
     param's ``.grad`` is its piece of them, or ``None`` where ``used`` (per shard, per param)
     says no rank gave the param a gradient, so the optimizer skips it as ``torch.optim`` does.
-    Afterwards 16-bit params receive the cast of their updated fp32 masters.
+    Afterwards 16-bit params receive the cast of their updated fp32 masters (with ``master_weights``;
+    without, the virtual params are views of the params themselves and were updated in place).
     """
     for shard, flags in zip(shards, used):
         if multiplier != 1.0:

@@ -182,11 +182,11 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
     for name, value in (("overlap_param_gather", overlap_param_gather), ("master_weights", master_weights)):
         if not isinstance(value, bool):
             raise TypeError(f"{name}={value!r} must be True or False, got {type(value).__name__}")
+    if offload not in (None, "cpu"):
+        raise ValueError(f"offload={offload!r} must be None or 'cpu'")
     if not master_weights and offload is not None:
         raise ValueError(f"master_weights=False with offload={offload!r}: the offloaded update is torch's fused CPU AdamW on fp32 master "
                          "weights in host memory; keep master_weights=True to offload, or offload=None to step the params themselves")
-    if offload not in (None, "cpu"):
-        raise ValueError(f"offload={offload!r} must be None or 'cpu'")
     if offload is not None and fused_adam_kind(optimizer) is None:
         raise ValueError("offload='cpu' runs torch's fused CPU Adam/AdamW: it needs torch.optim.Adam or AdamW without amsgrad, capturable or "
                          f"differentiable, got {type(optimizer).__name__}")
@@ -247,6 +247,12 @@ def check_construction(optimizer: Any, process_group: Any, *, stage: Any, bucket
     """``ShardedOptimizer``'s argument checks: :func:`check_arguments`, :func:`choose_partition` and
     :func:`check_options` on this rank, then (a collective) the options every rank must share
     (:func:`options_fingerprint`) over each of ``process_group``'s groups.
+
+    Args:
+        optimizer, process_group: as ``ShardedOptimizer``'s.
+        stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload,
+        gpu_margin_mem_ratio, partition, assume_elementwise, collective_timeout_s,
+        overlap_param_gather, master_weights: its keyword arguments, unchecked.
 
     Returns:
         The partition (``"flat"`` or ``"param"``) and the resolved process groups.
