@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
