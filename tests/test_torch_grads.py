@@ -189,6 +189,37 @@ def test_clip_norm_of_mixed_dtypes_rounds_each_norm_to_its_dtype(pools, master_w
         assert ours == ddps
 
 
+def whole_param_clip_worker(stage: int, partition: str, foreach: bool) -> tuple[list[float], list[float], bool]:
+    """torch's clip over gradients each held whole by one rank: DDP's norms, and params, bit for bit (per step)."""
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+
+    ref, model = build(), build()
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, partition=partition)
+    ours, ddps = [], []
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+        for net, o, norms in ((ddp, ref_opt, ddps), (model, opt, ours)):
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05, foreach=foreach)))
+            o.step()
+            o.zero_grad()
+    return ours, ddps, all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize(("stage", "partition"), [(1, "param"), (2, "param")])
+def test_clip_of_whole_gradients_is_ddps_bit_for_bit(pools, stage, partition, foreach):
+    # the rank holding a gradient whole takes torch's own norm of it (was: fp64 power sums, DDP's norm within an ulp)
+    for ours, ddps, same in pools[2].run(whole_param_clip_worker, stage, partition, foreach):
+        assert ours == ddps and same
+
+
 def collectives_worker(stage: int) -> dict[str, int]:
     _, _, model, opt = _pair(stage)
     loss_fn(model, *batch(dist.get_rank(), 0)).backward()

@@ -132,6 +132,8 @@ class PartialNorm(Tensor):
         aggregate: whether this 0-dim tensor is the norm of its elements (else it is the elements themselves).
         ord: the order of every pending element.
         comm: the group the pending elements reduce over.
+        exact: per element: its ``local`` is the norm itself, taken by the one rank that holds the whole
+            gradient (0 on the others), not a power sum.
         dtypes: per element, the dtype of the norm it was before ``torch.stack`` promoted them to one:
             each is rounded to its own first, as torch's own stack of DDP's norms holds them.
     """
@@ -145,23 +147,25 @@ class PartialNorm(Tensor):
     ord: float
     comm: GradComm
     dtypes: tuple[torch.dtype, ...]
+    exact: tuple[bool, ...]
     _value: Tensor | None
 
     @staticmethod
     def make(local: Tensor, plain: Tensor, kinds: Sequence[str], ord: float, comm: GradComm, dtype: torch.dtype, device: torch.device,
              *, shape: Sequence[int] = (), aggregate: bool = False, slots: Sequence[int] = (-1,),
-             spaces: Sequence[ParamSpace | None] = (None,), dtypes: Sequence[torch.dtype] = ()) -> PartialNorm:
+             spaces: Sequence[ParamSpace | None] = (None,), dtypes: Sequence[torch.dtype] = (), exact: Sequence[bool] = ()) -> PartialNorm:
         """A pending norm of ``dtype`` on ``device``, of ``shape`` (elements: ``local`` and ``plain``, 1-D fp64; ``dtypes``: each
         one's own, default ``dtype``)."""
         out = make_subclass(PartialNorm, torch.full(tuple(shape), math.nan, dtype=dtype, device=device))
         out.local, out.plain, out.kinds, out.aggregate, out.ord, out.comm, out._value = local, plain, tuple(kinds), aggregate, ord, comm, None
         out.slots, out.spaces, out.dtypes = tuple(slots), tuple(spaces), tuple(dtypes) or (dtype,) * len(out.kinds)
+        out.exact = tuple(exact) or (False,) * len(out.kinds)
         return out
 
     def _like(self, **changes: Any) -> PartialNorm:
         """This pending norm with some of :meth:`make`'s arguments changed."""
         args: dict[str, Any] = dict(shape=self.shape, aggregate=self.aggregate, slots=self.slots, spaces=self.spaces, dtype=self.dtype,
-                                    device=self.device, dtypes=self.dtypes)
+                                    device=self.device, dtypes=self.dtypes, exact=self.exact)
         args.update(changes)
         return PartialNorm.make(self.local, self.plain, self.kinds, self.ord, self.comm, **args)
 
@@ -189,7 +193,8 @@ class PartialNorm(Tensor):
         """Per element its norm (fp64), rounded to its own dtype: the ``sharded`` ones from their ``reduced`` power sums, plain
         ones as given, virtual ones local."""
         norms = self._root(self.local.clone())
-        norms[sharded] = self._root(reduced)
+        norms[sharded] = torch.where(torch.tensor([self.exact[i] for i in sharded], dtype=torch.bool, device=reduced.device),
+                                     reduced, self._root(reduced))
         plain = [i for i, kind in enumerate(self.kinds) if kind == PLAIN]
         norms[plain] = self.plain[plain]
         for dtype in set(self.dtypes) - {torch.float64}:  # a bf16 gradient's norm is a bf16 number, also in an fp32 stack
@@ -289,7 +294,7 @@ def _stack(tensors: Sequence[Tensor]) -> PartialNorm:
     slots = [t.slots[0] if isinstance(t, PartialNorm) else -1 for t in tensors]
     spaces = [t.spaces[0] if isinstance(t, PartialNorm) else None for t in tensors]
     return PartialNorm.make(local, plain, kinds, first.ord, first.comm, dtype, first.device, shape=(len(tensors),), slots=slots, spaces=spaces,
-                            dtypes=[t.dtype for t in tensors])
+                            dtypes=[t.dtype for t in tensors], exact=[t.exact[0] if isinstance(t, PartialNorm) else False for t in tensors])
 
 
 def _moved(norm: PartialNorm, func: Any, args: Any, kwargs: dict[str, Any]) -> PartialNorm | None:

@@ -28,6 +28,8 @@ class ShardGrads:
         flat_version: ``flat._version`` when zeroshard last wrote it (a later version means user
             code wrote the gradients: ``model.zero_grad(set_to_none=False)``, a clip).
         pieces_of: per param (layout order), this rank's pieces of it.
+        whole: per param: it lies whole in one rank's slice (this one's or another's), so that rank
+            can take its norm as torch takes DDP's (``ShardedGrad``'s norms).
         ready: per param: its gradients of the current backward pass were taken (all that are expected).
         ready_count: per bucket: how many of its params are ready.
         arrivals: per param: how many gradients were taken in the current backward pass (more than
@@ -56,6 +58,7 @@ class ShardGrads:
     used: list[bool]
     continued: list[bool]
     comm: GradComm
+    whole: list[bool] = field(default_factory=list)
     live: bool = False
     edited: bool = False
     reduced: dict[int, ShardedGrad] = field(default_factory=dict)
@@ -76,8 +79,13 @@ class ShardGrads:
             pieces_of[piece.param].append(piece)
         n = len(layout.slots)
         version = flat_grad._version if flat_grad is not None else 0
+        whole = []
+        for slot in layout.slots:
+            bucket = layout.buckets[slot.bucket]
+            lo, hi = bucket.rank_range((slot.offset - bucket.offset) // bucket.shard_numel(layout.world_size), layout.world_size)
+            whole.append(lo <= slot.offset and slot.offset + slot.numel <= hi)
         return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n, comm,
-                   landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n)
+                   whole, landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n)
 
     def note_flat_version(self) -> None:
         """Record that zeroshard wrote :attr:`flat` last."""

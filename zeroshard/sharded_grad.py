@@ -132,10 +132,23 @@ class ShardedGrad(Tensor):
         self.home.comm.sum_(full, f"{self.param_name}: gathering its gradient (full_tensor(), or a torch function reading its values)")
         return _disabled(full.view, tuple(self.shape)).to(self.dtype)
 
-    def _norm(self, ord: float, dtype: torch.dtype | None) -> PartialNorm:
+    def _norm(self, ord: float, dtype: torch.dtype | None, foreach: bool = False) -> PartialNorm:
+        """This gradient's norm, pending. A param whole in one rank's slice gets the norm torch computes of DDP's gradient
+        there (``vector_norm`` or, for ``foreach``, ``_foreach_norm`` of it in the param dtype; 0 on the other ranks), so a
+        clip sees DDP's numbers bit for bit; a param spread over slices, this rank's power sum of its pieces."""
         self._check_live("norm")
-        local = local_power_sum([piece for _, piece in self.local_pieces()] or [self.home.shard.grad_shard[:0]], ord).reshape(1)
-        return PartialNorm.make(local, torch.zeros_like(local), [SHARDED], ord, self.home.comm, dtype or self.dtype, self.device)
+        pieces = [piece for _, piece in self.local_pieces()]
+        if not self.home.whole[self.param_index]:
+            local = local_power_sum(pieces or [self.home.shard.grad_shard[:0]], ord).reshape(1)
+            return PartialNorm.make(local, torch.zeros_like(local), [SHARDED], ord, self.home.comm, dtype or self.dtype, self.device)
+        local = torch.zeros(1, dtype=torch.float64, device=self.home.shard.grad_shard.device)
+        if pieces:  # this rank holds the whole gradient (values of the param dtype: reduced in it)
+            whole = pieces[0].view(tuple(self.shape)).to(self.dtype)
+            with DisableTorchFunctionSubclass():
+                value = torch._foreach_norm([whole], ord, dtype=dtype)[0] if foreach else torch.linalg.vector_norm(whole, ord, dtype=dtype)
+            local[0] = value.to(torch.float64)
+        return PartialNorm.make(local, torch.zeros_like(local), [SHARDED], ord, self.home.comm, dtype or self.dtype, self.device,
+                                exact=[True])
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -265,7 +278,7 @@ def _foreach_norm(tensors: Sequence[Tensor], ord: Any = 2, dtype: torch.dtype | 
     out: list[Tensor] = []
     for t in tensors:
         if isinstance(t, ShardedGrad):
-            out.append(t._norm(order, dtype))
+            out.append(t._norm(order, dtype, foreach=True))
         elif isinstance(t, VirtualGrad):
             out.append(_virtual_norm(t, order, dtype))
         else:
