@@ -1,4 +1,4 @@
-"""Item 3 of #15: buckets launch in the order their gradients became ready in the first backward.
+"""Gradient buckets launch in the order their gradients became ready in the first backward.
 
 Two towers in two param groups, ``a``'s first: the fixed order launches ``a``'s bucket first.
 Rank 0 runs ``b(a(x))``, so ``b``'s gradients are ready first there; the other ranks run

@@ -293,7 +293,7 @@ def step_then_read_worker(kind: str) -> list[float]:
     layers take a fused fast path (``torch._transformer_encoder_layer_fwd``) when no torch-function mode is active, one
     that reads the layer's sub-modules' weights inside the layer. ``"log_then_forward"``: one param read after the
     first step only (``if step % 100 == 0: log(p.norm())``), then a forward whose parent indexes its children's weights
-    (``F.linear(h, layer.weight)``). Waits per module call, learned from the first forward after a step (tried in #27
+    (``F.linear(h, layer.weight)``). Waits per module call, learned from the first forward after a step (a design tried
     and withdrawn), read stale params in the first case (the fast path is taken only once the mode is off) and, in a
     helper's probe with its own model, in the second (the log read had completed every gather, so the first forward
     learned nothing); the guard keeps both current."""

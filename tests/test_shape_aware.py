@@ -1,4 +1,4 @@
-"""Shape-aware optimizers under ``partition="param"`` (issue #14, items 2-4) against DDP + the unsharded torch optimizers.
+"""Shape-aware optimizers under ``partition="param"`` (Muon, Adafactor, AdamW whole) against DDP + the unsharded torch optimizers.
 
 The reference is always real DDP (``find_unused_parameters=True``) with the unsharded
 ``torch.optim.Muon`` / ``AdamW(foreach=False)`` / ``Adafactor(foreach=False)``, seeded alike and fed

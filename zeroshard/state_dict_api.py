@@ -1,9 +1,11 @@
 """``ShardedOptimizer``'s checkpoint API: ``state_dict``, ``consolidate_state_dict``, ``load_state_dict``,
 and ``params_own_storage`` for saving the model.
 
-The formats and their checks live in ``zeroshard/checkpoint.py`` and ``zeroshard/full_state.py``;
-this mixin connects them to the optimizer's attributes, declared on :class:`StateDictMixin` (what
-the host class must provide) so that the dependency is written down and type-checked.
+The formats and their checks live in ``zeroshard/checkpoint.py`` and ``zeroshard/full_state.py``
+(``partition="flat"``) and ``zeroshard/param_state.py`` (``"param"``), each pair behind one
+:class:`CheckpointFormat` that the partition chosen at construction picks; this mixin connects it to
+the optimizer's attributes, declared on :class:`StateDictMixin` (what the host class must provide)
+so that the dependency is written down and type-checked.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +27,35 @@ from zeroshard.groups import ShardingGroups
 from zeroshard.local_shard import LocalShard
 from zeroshard.loss_scaler import DynamicLossScaler
 from zeroshard.shard_set import ShardSet
+
+# What a load hands the optimizer: the wrapped optimizer's state dict, the per-param step counts, and the masters to
+# copy as (shard, offset in its master shard, 1-D values).
+Loaded = tuple[dict[str, Any], list[int], list[tuple[int, int, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """The two checkpoint formats of one partition mode, as the functions that make and load them.
+
+    Attributes:
+        sharded_state_dict: ``(view) -> dict``: this rank's shard (the per-rank ``state_dict()``, DCP's).
+        load_sharded: ``(view, state_dict, filled_in_place) -> Loaded``: checks and takes a sharded dict.
+        consolidate: ``(view, to) -> dict | None``: the full ``torch.optim`` format gathered on rank
+            ``to`` (a collective; ``None`` elsewhere).
+        load_full: ``(view, state_dict) -> Loaded``: checks and takes a full-format dict saved at any
+            world size (or by the unsharded optimizer).
+    """
+
+    sharded_state_dict: Callable[[checkpoint.CheckpointView], dict[str, Any]]
+    load_sharded: Callable[[checkpoint.CheckpointView, dict[str, Any], bool], Loaded]
+    consolidate: Callable[[checkpoint.CheckpointView, int], dict[str, Any] | None]
+    load_full: Callable[[checkpoint.CheckpointView, dict[str, Any]], Loaded]
+
+
+FORMATS = {  # by ShardedOptimizer.partition
+    "flat": CheckpointFormat(checkpoint.sharded_state_dict, checkpoint.load_sharded, full_state.consolidate, full_state.load_full),
+    "param": CheckpointFormat(param_state.sharded_state_dict, param_state.load_sharded, param_state.consolidate, param_state.load_full),
+}
 
 
 class StateDictMixin:
@@ -45,6 +77,11 @@ class StateDictMixin:
     _optimizer_state_dict_post_hooks: OrderedDict
     _optimizer_load_state_dict_pre_hooks: OrderedDict
     _optimizer_load_state_dict_post_hooks: OrderedDict
+
+    @property
+    def _format(self) -> CheckpointFormat:
+        """The checkpoint formats of this optimizer's partition (fixed at construction)."""
+        return FORMATS[self.partition]
 
     def _checkpoint_view(self) -> checkpoint.CheckpointView:
         return checkpoint.CheckpointView(
@@ -79,7 +116,7 @@ class StateDictMixin:
         if self._consolidated is not None and not called_by_dcp():
             state_dict, self._consolidated = self._consolidated, None
         else:
-            state_dict = (param_state if self.partition == "param" else checkpoint).sharded_state_dict(self._checkpoint_view())
+            state_dict = self._format.sharded_state_dict(self._checkpoint_view())
             self._issued = {id(t): weakref.ref(t) for t in checkpoint.issued_tensors(state_dict)}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -102,7 +139,7 @@ class StateDictMixin:
         if not 0 <= to < dist.get_world_size():
             raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
         self.wait_params()
-        self._consolidated = (param_state if self.partition == "param" else full_state).consolidate(self._checkpoint_view(), to)
+        self._consolidated = self._format.consolidate(self._checkpoint_view(), to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a sharded state dict (this layout, any world size via DCP) or a full one (any world size).
@@ -136,10 +173,10 @@ class StateDictMixin:
         if isinstance(meta, dict) and meta.get("format") == checkpoint.SHARDED_FORMAT:
             tensors = checkpoint.issued_tensors(state_dict)
             filled_in_place = bool(tensors) and all(self._issued.get(id(t), lambda: None)() is t for t in tensors)
-            inner, steps, masters = (param_state if self.partition == "param" else checkpoint).load_sharded(view, state_dict, filled_in_place)
+            inner, steps, masters = self._format.load_sharded(view, state_dict, filled_in_place)
         elif isinstance(state_dict, dict) and (meta is None or (isinstance(meta, dict) and meta.get("format") == checkpoint.FULL_FORMAT)):
             state_dict = full_state.unnested(self.optimizer, state_dict)  # bitsandbytes' own state_dict() nests its state
-            inner, steps, masters = (param_state if self.partition == "param" else full_state).load_full(view, state_dict)
+            inner, steps, masters = self._format.load_full(view, state_dict)
         else:
             raise ValueError(f"state_dict is neither a zeroshard state dict nor a torch.optim one (zeroshard entry: {meta!r})")
         self.optimizer.load_state_dict(inner)
