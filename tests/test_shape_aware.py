@@ -460,3 +460,26 @@ def test_fp16_wrappers_make_one_overflow_decision(pools):
         assert not muon0 and not adamw0 and scale_a0 == scale_b0 == 16.0
         assert muon1 and adamw1, "an overflow in one wrapper's params must skip both"
         assert scale_a1 == scale_b1 == 8.0, "both loss scales back off together"
+
+
+def idle_rank_worker() -> list[str]:
+    """One matrix under Muon at 2 ranks: rank 1 owns nothing; what rank 0 logs at WARNING at construction."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("zeroshard")
+    logger.addHandler(handler)
+    try:
+        zeroshard.ShardedOptimizer(torch.optim.Muon([torch.nn.Parameter(torch.randn(8, 8))], lr=0.02))
+    finally:
+        logger.removeHandler(handler)
+    return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+
+
+def test_a_rank_owning_no_param_is_warned_of(pools):
+    # clipping the optimizer's param_groups returns at once on that rank and leaves the owner waiting in its collective
+    warnings = pools[2].run(idle_rank_worker)
+    assert len(warnings[0]) == 1 and "ranks [1] of the 2-rank shard group own no param" in warnings[0][0]
+    assert warnings[1] == []

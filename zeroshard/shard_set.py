@@ -81,7 +81,21 @@ class ShardSet:
         self.param_steps.extend([0] * sum(len(params) for params in new.group_params))
         self.device = new.device
         self._extend(new.shards)
+        self._warn_if_some_rank_owns_nothing()
         return new.shards
+
+    def _warn_if_some_rank_owns_nothing(self) -> None:
+        """Log (rank 0 of the shard group) a warning when some rank holds no piece of any param (``partition="param"``
+        with fewer params than ranks): ``torch.nn.utils.clip_grad_norm_`` over the optimizer's ``param_groups``
+        returns at once there, without the collective the other ranks then wait in."""
+        size = self.groups.shard_size
+        owning = {r for shard in self.shards for r in (shard.buffer.layout.owners or range(size))}  # flat: every rank has slices
+        idle = sorted(set(range(size)) - owning)
+        if idle and dist.get_rank(self.groups.shard) == 0:
+            logger.warning("zeroshard: ranks %s of the %d-rank shard group own no param of this optimizer (%d params, partition=%r): "
+                           "torch.nn.utils.clip_grad_norm_ over its param_groups (Lightning's gradient_clip_val, Fabric's "
+                           "clip_gradients) would leave the other ranks waiting; clip model.parameters() or use zeroshard.clip_grad_norm_",
+                           idle, size, sum(len(s.buffer.params) for s in self.shards), self.partition)
 
     def _extend(self, shards: list[LocalShard]) -> None:
         for shard in shards:
