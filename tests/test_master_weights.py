@@ -175,3 +175,22 @@ def test_a_state_dict_from_the_other_master_weights_mode_names_it_or_converts(po
         assert converted, "the full format loads into the other mode, moments in its state dtype"
         # DCP: fp32 moments load into bf16 ones (cast) and the masters are not asked for; a checkpoint without masters lacks them
         assert from_dcp == "loaded" if saved_with else "Missing key in checkpoint state_dict" in from_dcp and "master" in from_dcp
+
+
+def own_clip_worker() -> tuple[float, torch.dtype, float]:
+    """``opt.clip_grad_norm_`` on bf16 params without masters: its norm (fp32, from the bf16 gradients), and DDP's (bf16)."""
+    reference, model = _model(), _model()
+    ddp = DDP(reference)
+    opt = zeroshard.ShardedOptimizer(_optimizer("AdamW", model), stage=2, master_weights=False)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(8, 64, generator=g).bfloat16(), torch.randn(8, 64, generator=g).bfloat16()
+    nn.functional.mse_loss(ddp(x), y).backward()
+    nn.functional.mse_loss(model(x), y).backward()
+    ours = opt.clip_grad_norm_(0.3)
+    return float(ours), ours.dtype, float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.3))
+
+
+def test_own_clip_computes_the_norm_in_fp32(pools):
+    # torch's clip on the params gives DDP's bf16 norm bit for bit (parity test above); the optimizer's own clip sums in fp32
+    for ours, dtype, ddps in pools[2].run(own_clip_worker):
+        assert dtype == torch.float32 and abs(ours - ddps) <= 2**-8 * ddps
