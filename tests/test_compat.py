@@ -72,6 +72,8 @@ def test_the_fused_adam_kernels_are_the_ones_adamw_fused_runs():
         kernel([param], [grad], [exp_avg], [exp_avg_sq], [], [step], amsgrad=False, lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1,
                eps=1e-8, maximize=False)
         assert torch.equal(param, reference.detach()), f"{TORCH}: torch._fused_{'adamw' if adamw else 'adam'}_ differs from {cls.__name__}(fused=True)"
+    grads = [torch.randn(5), torch.randn(7)]
+    assert all(torch.allclose(n, torch.linalg.vector_norm(g)) for n, g in zip(compat.foreach_norm(grads, 2), grads)), f"{TORCH}: torch._foreach_norm"
     tensors = [torch.ones(2), torch.ones(3)]
     compat.foreach_mul_(tensors, 3.0)
     compat.foreach_copy_(tensors, [torch.full((2,), 5.0), torch.full((3,), 7.0)])

@@ -62,6 +62,14 @@ def test_owned_layout_puts_each_param_whole_in_its_owners_slice(data, numels, bu
     assert layout.numel == sum(b.padded_numel for b in layout.buckets) and layout.shard_numel * world_size == layout.numel
 
 
+@given(data=st.data(), numels=numels, bucket_numel=st.integers(1, 700), world_size=st.integers(1, 8), owned=st.booleans())
+def test_within_one_slice_iff_one_rank_holds_the_whole_param(data, numels, bucket_numel, world_size, owned):
+    owners = data.draw(st.lists(st.integers(0, world_size - 1), min_size=len(numels), max_size=len(numels))) if owned else None
+    layout = build_layout(numels, bucket_numel, world_size, owners)
+    whole = {p.param for rank in range(world_size) for p in layout.pieces(rank) if p.numel == numels[p.param]}
+    assert [layout.within_one_slice(i) for i in range(len(numels))] == [i in whole for i in range(len(numels))]
+
+
 def test_owned_layout_rejects_bad_owners():
     with pytest.raises(ValueError, match="owners has 1 entries for 2 params"):
         build_layout([3, 4], 10, 2, [0])

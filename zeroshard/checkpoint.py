@@ -193,8 +193,8 @@ def master_hint(found: Any, wanted: Any) -> str:
     """
     if found is None or set(found) ^ set(wanted) != {"master"}:
         return ""
-    saved = "True" if "master" in found else "False"
-    return (f" The checkpoint was saved with master_weights={saved} (fp32 masters of 16-bit params {'kept' if saved == 'True' else 'not kept'}): "
+    saved = "master" in found
+    return (f" The checkpoint was saved with master_weights={saved} (fp32 masters of 16-bit params {'kept' if saved else 'not kept'}): "
             f"build the optimizer with master_weights={saved}, or load the full format, which converts.")
 
 

@@ -37,6 +37,8 @@ fused_adamw_ = torch._fused_adamw_
 fused_adam_ = torch._fused_adam_
 foreach_mul_ = torch._foreach_mul_
 foreach_copy_ = torch._foreach_copy_
+# sharded_grad.py: the norm ``clip_grad_norm_(foreach=True)`` takes of DDP's gradient, taken of a whole gradient alike.
+foreach_norm = torch._foreach_norm
 
 # delegating.py: the hook registries ``torch.optim.Optimizer.__init__`` creates, which its public
 # ``register_step_pre_hook`` and friends fill; a ShardedOptimizer does not run that ``__init__``.

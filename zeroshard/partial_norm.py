@@ -193,8 +193,9 @@ class PartialNorm(Tensor):
         """Per element its norm (fp64), rounded to its own dtype: the ``sharded`` ones from their ``reduced`` power sums, plain
         ones as given, virtual ones local."""
         norms = self._root(self.local.clone())
-        norms[sharded] = torch.where(torch.tensor([self.exact[i] for i in sharded], dtype=torch.bool, device=reduced.device),
-                                     reduced, self._root(reduced))
+        norms[sharded] = self._root(reduced)
+        exact = [j for j, i in enumerate(sharded) if self.exact[i]]  # their reduced value is the norm itself
+        norms[[sharded[j] for j in exact]] = reduced[exact]
         plain = [i for i, kind in enumerate(self.kinds) if kind == PLAIN]
         norms[plain] = self.plain[plain]
         for dtype in set(self.dtypes) - {torch.float64}:  # a bf16 gradient's norm is a bf16 number, also in an fp32 stack

@@ -123,6 +123,13 @@ class FlatLayout:
         """Whether every param lies whole in one rank's slice (built with ``owners``)."""
         return self.owners is not None
 
+    def within_one_slice(self, index: int) -> bool:
+        """Whether param ``index`` lies whole in one rank's slice of its bucket (always, with ``owners``)."""
+        slot = self.slots[index]
+        bucket = self.buckets[slot.bucket]
+        lo, hi = bucket.rank_range((slot.offset - bucket.offset) // bucket.shard_numel(self.world_size), self.world_size)
+        return lo <= slot.offset and slot.offset + slot.numel <= hi
+
     def pieces(self, rank: int) -> list[ShardPiece]:
         """Every non-empty intersection of a param with ``rank``'s slices, in flat order.
 

@@ -79,11 +79,7 @@ class ShardGrads:
             pieces_of[piece.param].append(piece)
         n = len(layout.slots)
         version = flat_grad._version if flat_grad is not None else 0
-        whole = []
-        for slot in layout.slots:
-            bucket = layout.buckets[slot.bucket]
-            lo, hi = bucket.rank_range((slot.offset - bucket.offset) // bucket.shard_numel(layout.world_size), layout.world_size)
-            whole.append(lo <= slot.offset and slot.offset + slot.numel <= hi)
+        whole = [layout.within_one_slice(i) for i in range(n)]
         return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n, comm,
                    whole, landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n)
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from zeroshard.compat import DisableTorchFunctionSubclass, make_subclass
+from zeroshard.compat import DisableTorchFunctionSubclass, foreach_norm, make_subclass
 from zeroshard.partial_norm import SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_order
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ class ShardedGrad(Tensor):
         if pieces:  # this rank holds the whole gradient (values of the param dtype: reduced in it)
             whole = pieces[0].view(tuple(self.shape)).to(self.dtype)
             with DisableTorchFunctionSubclass():
-                value = torch._foreach_norm([whole], ord, dtype=dtype)[0] if foreach else torch.linalg.vector_norm(whole, ord, dtype=dtype)
+                value = foreach_norm([whole], ord, dtype=dtype)[0] if foreach else torch.linalg.vector_norm(whole, ord, dtype=dtype)
             local[0] = value.to(torch.float64)
         return PartialNorm.make(local, torch.zeros_like(local), [SHARDED], ord, self.home.comm, dtype or self.dtype, self.device,
                                 exact=[True])
