@@ -34,8 +34,8 @@ from torch import nn
 import zeroshard
 from bench import gpt
 from bench.harness import RATIO_LEGEND, Table, Timing, progress, run_ranks
-from zeroshard import collectives
-from zeroshard.chunk import chunks_of
+from zeroshard.comm import collectives
+from zeroshard.layout.chunk import chunks_of
 
 METHODS = ("torch_muon", "zeroshard_muon", "all_gather", "zeroshard_adamw")
 WORLD_SIZE = 2

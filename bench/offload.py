@@ -27,7 +27,7 @@ runs between two of its steps, as a forward and backward do in training. Fairnes
   zeroshard's ran behind a backward and the copies (alone, the baseline step was 1.3-2x faster
   there than after other work); and on a loaded machine whichever phase ran while it was quiet won;
 * zeroshard's step() leaves the guard of its in-flight all-gathers (a TorchFunctionMode, see
-  ``zeroshard/param_gather.py``) on the mode stack until a module or zeroshard call pops it, so
+  ``zeroshard/gather/param_gather.py``) on the mode stack until a module or zeroshard call pops it, so
   the baseline's steps, run after zeroshard's, paid its Python call on every torch function
   (~65 µs a step); each zeroshard subject now waits for its all-gathers after its step (untimed).
 
@@ -65,9 +65,9 @@ from torch import nn
 import zeroshard
 from bench import gpt
 from bench.harness import RATIO_LEGEND, Table, Timing, progress, ratio, run_ranks
-from zeroshard.chunk import chunks_of
-from zeroshard.offload import CPU_ADAM_RANGE
-from zeroshard.placement import MarginMeasurement, chunk_device_bytes
+from zeroshard.layout.chunk import chunks_of
+from zeroshard.offload.pipeline import CPU_ADAM_RANGE
+from zeroshard.offload.placement import MarginMeasurement, chunk_device_bytes
 
 STEP_RANGE = "bench.offload.step"
 SUMMARY = "the CPU-offloaded step vs torch's fused CPU AdamW; training steps offloaded"
@@ -160,7 +160,7 @@ def rank_main(numel: int, repeats: int) -> dict[str, Timing]:
             sum((p * grads[i * p.numel() : (i + 1) * p.numel()]).sum() for i, p in enumerate(params)).backward()
 
         # step() leaves its all-gathers in flight behind a TorchFunctionMode that every torch call
-        # passes through until a module or zeroshard call finds them done (zeroshard/param_gather.py);
+        # passes through until a module or zeroshard call finds them done (zeroshard/gather/param_gather.py);
         # wait_params() after each step, as the next forward would, keeps it off the others' steps.
         subjects[name] = Subject(backward, opt.step, opt.wait_params)
     param = nn.Parameter(torch.randn(numel))
@@ -194,7 +194,7 @@ def training_rank_main(config: gpt.GPTConfig, steps: int) -> dict[str, Timing]:
         margin = contextlib.nullcontext()
         if share:  # the first step places this share of the chunk bytes on the GPU, whatever the GPU has free
             sizes = [chunk_device_bytes(chunk) for chunk in chunks_of(opt._shards)]
-            margin = mock.patch("zeroshard.placement.measure_margin", return_value=MarginMeasurement(int(share * sum(sizes)), 0, 0, 0))
+            margin = mock.patch("zeroshard.offload.placement.measure_margin", return_value=MarginMeasurement(int(share * sum(sizes)), 0, 0, 0))
 
         def train_step(model=model, opt=opt) -> None:
             opt.backward(model(x, y))

@@ -21,7 +21,7 @@ where the host dominates, and "example" (4 x 256: 52 tensors, 3.24M params; 8 x 
 rank). Each zeroshard method gets a process group of its own, as a run training one model has.
 
 Last, for each zeroshard method, the forward that follows ``step()`` is timed alone, with the
-step's param all-gathers in flight (waited for by the guard, ``zeroshard/param_gather.py``)
+step's param all-gathers in flight (waited for by the guard, ``zeroshard/gather/param_gather.py``)
 and, alternating with it, after ``wait_params()`` with nothing in flight (#27 item 3).
 """
 
@@ -130,7 +130,7 @@ def build_method(method: str, config: gpt.GPTConfig, device: torch.device) -> tu
         return DDP(model), torch.optim.AdamW(gpt.decay_groups(model), **ADAMW, **implementation)
     stage = {"zeroshard_stage1": 1, "zeroshard_stage2": 2}[method]
     # A process group of its own: ShardedOptimizers sharing one take turns, and each backward would also
-    # reduce zeros for the other model's params (zeroshard/launch_order.py), a cost no single training run pays.
+    # reduce zeros for the other model's params (zeroshard/reduce/coordinator.py), a cost no single training run pays.
     opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(gpt.decay_groups(model), **ADAMW, fused=True), stage=stage, process_group=dist.new_group())
     return model, opt
 

@@ -90,7 +90,7 @@ def build_method(method: str, config: gpt.GPTConfig, device: torch.device,
         return deepspeed_method(model, int(method[-1]), dtype)
     stage = {"zeroshard_stage1": 1, "zeroshard_stage2": 2}[method]
     # A process group of its own: ShardedOptimizers that share one take turns, and each backward
-    # also reduces the others' buckets with zeros (zeroshard/launch_order.py), which would time
+    # also reduces the others' buckets with zeros (zeroshard/reduce/coordinator.py), which would time
     # both methods' reductions in every step of either.
     return model, zeroshard.ShardedOptimizer(torch.optim.AdamW(gpt.decay_groups(model), **ADAMW), stage=stage, process_group=dist.new_group())
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from llama_text import TextDataset, tiny_llama, tolerance_ratio
 
 import zeroshard
-from zeroshard import collectives
+from zeroshard.comm import collectives
 from zeroshard.integrations.hf import GatherOptimizerOnSave
 
 STEPS, SAVE_STEPS = 8, 4

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
-from zeroshard import collectives
+from zeroshard.comm import collectives
 
 STEPS = 4
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zeroshard import collectives
+from zeroshard.comm import collectives
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

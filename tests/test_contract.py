@@ -390,7 +390,7 @@ def dcp_after_consolidate_worker(directory: str) -> None:
         assert all(torch.equal(ours[key], theirs[key]) for key in ours), "dcp.load after consolidate_state_dict gave other state"
     assert fresh._shard_set.param_steps == opt._shard_set.param_steps
     if dist.get_rank() == 0:  # the consolidation stays pending for the caller's own state_dict()
-        assert opt.state_dict()["zeroshard"]["format"] == zeroshard.checkpoint.FULL_FORMAT
+        assert opt.state_dict()["zeroshard"]["format"] == zeroshard.checkpoint.sharded.FULL_FORMAT
 
 
 def test_dcp_save_after_consolidate_saves_the_shards(pools, tmp_path):

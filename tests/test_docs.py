@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import zeroshard.flat_buffer
+import zeroshard.layout.flat_buffer
 
 ROOT = Path(__file__).parent.parent
 
@@ -24,7 +24,7 @@ def _terms(text: str, bullet: str) -> dict[str, str]:
 def test_the_code_note_and_the_design_glossary_define_the_same_terms_alike():
     design = (ROOT / "docs" / "design.md").read_text()
     glossary = design[design.index("## Glossary") : design.index("## Code map")]
-    note = zeroshard.flat_buffer.__doc__
+    note = zeroshard.layout.flat_buffer.__doc__
     note = note[note.index("[Note: zeroshard buffers]") :]
     in_docs, in_code = _terms(glossary, "-"), _terms(note, "*")
     for needed in ("bucket", "slice", "shard", "piece", "chunk", "run", "virtual parameter"):

@@ -58,7 +58,7 @@ def _hooked_training(stage: int, hook, accumulation: str = "none", overlap_comm:
     step consumes the gradients; the reference zeroes them). ``hook_first``: the hook is
     registered on zeroshard's model before the optimizer is built.
     """
-    from zeroshard import collectives
+    from zeroshard.comm import collectives
 
     rank = dist.get_rank()
     torch.manual_seed(0)

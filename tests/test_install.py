@@ -44,7 +44,7 @@ for adapter in ("accelerate", "hf"):
         print(adapter, error)
     else:
         sys.exit(f"zeroshard.integrations.{adapter} imported without its framework")
-from zeroshard.convert import convert
+from zeroshard.checkpoint.convert import convert
 dcp.save({"model": {"weight": torch.ones(3)}}, checkpoint_id=sys.argv[1])
 try:
     convert(sys.argv[1], sys.argv[1] + ".safetensors")

@@ -2,7 +2,7 @@
 
 Two wrappers over two parts of one model share the default process group. A backward may reach one
 part on some ranks only, or on none: every rank must still issue both wrappers' reduce-scatters in
-one order (zeroshard/launch_order.py). The parts have equal sizes, so collectives issued out of
+one order (zeroshard/reduce/coordinator.py). The parts have equal sizes, so collectives issued out of
 order would be matched with each other and sum one part's gradients into the other's, in silence.
 """
 

@@ -21,10 +21,10 @@ from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolera
 from test_parity import _train_pair
 
 import zeroshard
-from zeroshard.chunk import Chunk, chunks_of
-from zeroshard.flat_buffer import FlatParamBuffer
-from zeroshard.local_shard import LocalShard
-from zeroshard.placement import MarginMeasurement, chunk_device_bytes, measure_margin, plan_placement
+from zeroshard.layout.chunk import Chunk, chunks_of
+from zeroshard.layout.flat_buffer import FlatParamBuffer
+from zeroshard.layout.local_shard import LocalShard
+from zeroshard.offload.placement import MarginMeasurement, chunk_device_bytes, measure_margin, plan_placement
 
 
 def offload_parity_worker(stage: int, accumulation: str, max_grad_norm: float | None) -> float:
@@ -118,7 +118,7 @@ def test_host_adam_equals_torch_fused_per_param(adamw, maximize):
     """The CPU update as a function: two runs at different step counts in one call, gradients
     divided by grad_scale, against torch's ``fused=True`` optimizer stepping each run as a param
     with the same grad_scale (bitwise: the same kernel)."""
-    from zeroshard.fused_adam import Run, host_adam
+    from zeroshard.step.fused_adam import Run, host_adam
 
     g = torch.Generator().manual_seed(0)
     group = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1, "maximize": maximize}
@@ -165,7 +165,7 @@ def _chunk_bytes(opt: zeroshard.ShardedOptimizer) -> list[int]:
 
 def _margin_of(opt: zeroshard.ShardedOptimizer, keep: int) -> mock._patch:
     """A patch of the first iteration's measured margin: exactly the first ``keep`` chunks (ratio 1)."""
-    return mock.patch("zeroshard.placement.measure_margin", return_value=MarginMeasurement(sum(_chunk_bytes(opt)[:keep]), 0, 0, 0))
+    return mock.patch("zeroshard.offload.placement.measure_margin", return_value=MarginMeasurement(sum(_chunk_bytes(opt)[:keep]), 0, 0, 0))
 
 
 def across_offload_worker(directory: str) -> list[float]:
@@ -290,7 +290,7 @@ def placement_worker(keep: int | None, ratio: float, dtype: torch.dtype) -> tupl
         if offload and keep is not None:
             margin = math.ceil(sum(_chunk_bytes(opt)[:keep]) / ratio)  # ratio x margin: the first ``keep`` chunks, give or take a byte
             # capacity - non-model peak - model data - headroom = margin
-            injected = mock.patch("zeroshard.placement.measure_margin", return_value=MarginMeasurement(margin + 900, 500, 300, 100))
+            injected = mock.patch("zeroshard.offload.placement.measure_margin", return_value=MarginMeasurement(margin + 900, 500, 300, 100))
         with injected:
             for step in range(20):
                 loss_fn(model, *batch(dist.get_rank(), step)).backward()

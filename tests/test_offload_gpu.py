@@ -15,8 +15,8 @@ import torch.distributed as dist
 from models import TinyNet, batch, loss_fn, param_groups, relative_error, tolerance_ratio
 
 import zeroshard
-from zeroshard.chunk import chunks_of
-from zeroshard.placement import MarginMeasurement, chunk_device_bytes
+from zeroshard.layout.chunk import chunks_of
+from zeroshard.offload.placement import MarginMeasurement, chunk_device_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -45,7 +45,7 @@ def _train(dtype: torch.dtype, offload: str | None, ratio: float = 0.0, keep: in
     injected = contextlib.nullcontext()
     if keep is not None:
         sizes = [chunk_device_bytes(chunk) for chunk in chunks_of(opt._shards)]
-        injected = mock.patch("zeroshard.placement.measure_margin", return_value=MarginMeasurement(sum(sizes[:keep]), 0, 0, 0))
+        injected = mock.patch("zeroshard.offload.placement.measure_margin", return_value=MarginMeasurement(sum(sizes[:keep]), 0, 0, 0))
     with injected:
         for step in range(STEPS):
             x, y = (t.cuda() for t in batch(0, step))

@@ -278,7 +278,7 @@ def test_device_mesh_and_sgd(pools):
 
 def overlap_worker(stage: int, overlap_comm: bool) -> tuple[list[str], list[int | None]]:
     """Order of bucket reduce-scatters against the last gradient hook of backward; bytes of each .grad after backward."""
-    from zeroshard import grad_reducer
+    from zeroshard.reduce import grad_reducer
 
     model = TinyNet()
     opt = zeroshard.ShardedOptimizer(_adamw(model), stage=stage, overlap_comm=overlap_comm, bucket_size_mb=100 * 4 / 2**20)
@@ -345,7 +345,7 @@ def staging_bound_worker() -> tuple[int, int, int]:
 
 
 def test_stage2_gradient_buffers_stay_bounded_during_backward(pools):
-    from zeroshard.grad_reducer import MAX_BUCKETS_IN_FLIGHT
+    from zeroshard.reduce.grad_reducer import MAX_BUCKETS_IN_FLIGHT
 
     for peak, bucket, everything in pools[2].run(staging_bound_worker):
         assert peak <= (MAX_BUCKETS_IN_FLIGHT + 1) * bucket < everything, (peak, bucket, everything)

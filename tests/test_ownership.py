@@ -1,4 +1,4 @@
-"""Whole-param ownership (``zeroshard/ownership.py``): the same on every rank and balanced, against the list-scheduling bound."""
+"""Whole-param ownership (``zeroshard/layout/ownership.py``): the same on every rank and balanced, against the list-scheduling bound."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroshard.ownership import ParamCost, assign_owners, elementwise_cost, muon_cost
+from zeroshard.layout.ownership import ParamCost, assign_owners, elementwise_cost, muon_cost
 
 shapes = st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=0, max_size=40)
 

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 
 import zeroshard
 from tests.models import TinyNet, batch, loss_fn, param_groups
-from zeroshard import collectives, compat, param_gather
+from zeroshard import compat
+from zeroshard.comm import collectives
+from zeroshard.gather import param_gather
 
 DELAY_S = 0.5
 SMALL_BUCKETS_MB = 0.0005  # ~130 fp32 elements: TinyNet's params span several buckets

@@ -181,7 +181,7 @@ def test_bf16_error_at_most_twice_ddp(pools, stage):
 
 def reduce_dtype_worker(stage: int) -> tuple[float, float, set]:
     """bf16 params reduced in fp32: the collective's dtype, and the error against fp32 DDP + AdamW."""
-    from zeroshard import grad_reducer
+    from zeroshard.reduce import grad_reducer
 
     dtypes = set()
     original = grad_reducer.collectives.reduce_scatter
@@ -216,7 +216,7 @@ def bf16_communication_worker(stage: int, accumulation: str) -> tuple[float, flo
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import _compress_hook
 
-    from zeroshard import grad_reducer
+    from zeroshard.reduce import grad_reducer
 
     def bf16_hook(process_group, bucket):  # DDP checks for NCCL by the hook's name
         return _compress_hook(torch.bfloat16, process_group, bucket)
@@ -250,7 +250,7 @@ def delayed_collectives_worker(stage: int) -> float:
     (ranks then run out of step), results still match DDP + AdamW."""
     import time
 
-    from zeroshard import collectives
+    from zeroshard.comm import collectives
 
     originals = collectives.reduce_scatter, collectives.all_gather
 
@@ -261,7 +261,7 @@ def delayed_collectives_worker(stage: int) -> float:
             return fn(*args, **kwargs)
         return wrapper
 
-    # Every module calls the collectives through zeroshard.collectives, so patching it reaches them all.
+    # Every module calls the collectives through zeroshard.comm.collectives, so patching it reaches them all.
     collectives.reduce_scatter, collectives.all_gather = late(originals[0]), late(originals[1])
     try:
         worst = 0.0

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from zeroshard.flat_buffer import FlatParamBuffer
-from zeroshard.local_shard import LocalShard
-from zeroshard.partition import build_layout
+from zeroshard.layout.flat_buffer import FlatParamBuffer
+from zeroshard.layout.local_shard import LocalShard
+from zeroshard.layout.partition import build_layout
 
 numels = st.lists(st.integers(1, 300), min_size=1, max_size=12)
 
@@ -143,7 +143,7 @@ def test_large_param_gets_own_bucket_and_padding_goes_last():
 @given(data=st.data(), numels=numels, bucket_numel=st.integers(1, 700), world_size=st.integers(1, 4), owned=st.booleans())
 def test_staging_bucket_equals_zeros_plus_every_gradient(data, numels, bucket_numel, world_size, owned):
     """Stage 2's staging (copy on first write, zero only what was not written) equals zero-fill + add, reused buffers included."""
-    from zeroshard.staging import StagingBuckets
+    from zeroshard.reduce.staging import StagingBuckets
 
     owners = data.draw(st.lists(st.integers(0, world_size - 1), min_size=len(numels), max_size=len(numels))) if owned else None
     layout = build_layout(numels, bucket_numel, world_size, owners)

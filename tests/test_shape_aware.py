@@ -211,7 +211,7 @@ def parity_worker(configs: list[tuple]) -> list[dict]:
 
 # (recipe, stage, accumulation, overlap_comm, uneven). The Muon recipe's two wrappers share one
 # process group: with overlap_comm and the branch unused on one rank only, they must still issue their
-# collectives in one order (zeroshard/launch_order.py; test_two_wrappers_issue_reduce_scatters_in_one_order).
+# collectives in one order (zeroshard/reduce/coordinator.py; test_two_wrappers_issue_reduce_scatters_in_one_order).
 CONFIGS_2 = ([("muon", stage, accumulation, True, True) for stage in (1, 2) for accumulation in ("none", "backward", "no_sync")]
              + [("muon", 2, "none", False, True), ("muon", 1, "backward", False, True)]
              + [("adafactor", stage, accumulation, True, True) for stage in (1, 2) for accumulation in ("none", "backward", "no_sync")])
@@ -398,7 +398,7 @@ def reduce_order_worker() -> list[int]:
     overlap_comm and the branch unused on rank 0 only (steps 5-6). Each is replaced by a local
     copy, so that ranks issuing different collectives cannot abort gloo (as they do for real:
     "Received data size doesn't match expected size. 756 vs 484")."""
-    from zeroshard import collectives
+    from zeroshard.comm import collectives
 
     sizes = []
 

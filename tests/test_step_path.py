@@ -194,7 +194,7 @@ def test_device_adam_equals_torch_per_param(adamw, flags):
     """The device update's math, called as a function: two runs at different step counts, with a
     gradient multiplier and a 16-bit param_out, against torch.optim's own Adam/AdamW stepping each
     run as a param (bitwise: the same implementation, the gradient multiplied the same way)."""
-    from zeroshard.fused_adam import Run, device_adam
+    from zeroshard.step.fused_adam import Run, device_adam
 
     g = torch.Generator().manual_seed(0)
     group = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1, "maximize": False, **flags}

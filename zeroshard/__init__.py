@@ -4,14 +4,14 @@ Replace ``torch.optim.AdamW(...)`` with ``zeroshard.ShardedOptimizer(torch.optim
 and launch with ``torchrun``. See ``docs/`` for the design and API reference.
 """
 
-from zeroshard.checkpoint_dir import latest_checkpoint, verify_checkpoint
+from zeroshard.checkpoint.dirs import latest_checkpoint, verify_checkpoint
 from zeroshard.clip import clip_grad_norm_
-from zeroshard.groups import hybrid_mesh
-from zeroshard.loss_scaler import DynamicLossScaler
+from zeroshard.comm.groups import hybrid_mesh
 from zeroshard.memory import MemoryUsage, estimate_memory
-from zeroshard.memory_tracer import MemoryTracer
+from zeroshard.offload.placement import MarginMeasurement, Placement
+from zeroshard.offload.tracer import MemoryTracer
 from zeroshard.optimizer import ShardedOptimizer
-from zeroshard.placement import MarginMeasurement, Placement
+from zeroshard.step.loss_scaler import DynamicLossScaler
 
 __all__ = [
     "DynamicLossScaler", "MarginMeasurement", "MemoryTracer", "MemoryUsage", "Placement", "ShardedOptimizer",

@@ -9,8 +9,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from zeroshard import overflow
 from zeroshard.optimizer import ShardedOptimizer
+from zeroshard.step import overflow
 
 
 def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -64,6 +64,6 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
             raise RuntimeError("internal error: clip_grad_norm_ left no gradient statistics")
         dtypes.add(stats.dtype)
         joint = total * opt._gradient_scale()
-        # After a GradScaler's unscale_ its own overflow decides the skip (zeroshard/amp.py); the joint norm only clips.
+        # After a GradScaler's unscale_ its own overflow decides the skip (zeroshard/grad/amp.py); the joint norm only clips.
         opt._stats = replace(stats, clip_norm=joint) if opt._shard_set.amp.unscaled else replace(stats, norm=joint)
     return torch.tensor(total, dtype=torch.float64 if torch.float64 in dtypes else torch.float32)

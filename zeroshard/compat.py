@@ -3,7 +3,7 @@
 ``tests/test_compat.py`` checks every one against the installed torch and fails naming the torch
 version when one is gone or behaves otherwise; ``pyproject.toml`` states the torch releases the suite
 ran on. ``DistributedDataParallel``'s private members, which zeroshard needs to switch DDP's own
-reduction off, stay with that surgery in ``zeroshard/ddp_wrapper.py``, whose ``check_supported``
+reduction off, stay with that surgery in ``zeroshard/reduce/ddp.py``, whose ``check_supported``
 raises naming the torch version before anything is changed.
 """
 

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from zeroshard.chunk import chunks_of
-from zeroshard.local_shard import LocalShard
-from zeroshard.ownership import assign_owners, default_cost
-from zeroshard.partition import build_layout
+from zeroshard.layout.chunk import chunks_of
+from zeroshard.layout.local_shard import LocalShard
+from zeroshard.layout.ownership import assign_owners, default_cost
+from zeroshard.layout.partition import build_layout
 from zeroshard.sharding import bucket_numel
-from zeroshard.validation import is_subclass_state
+from zeroshard.step.wrapped import is_subclass_state
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def estimate_memory(
     take the param dtype (``b`` bytes); the wrapped optimizer's own step runs (no fused update,
     also for fp32 params), and its state covers its pieces, not the padding. torchao's classes (``optimizer_class`` ``"AdamW8bit"``, ``"AdamW4bit"``,
     ``"AdamWFp8"``, their Adam twins, or ``"_AdamW"``) run with ``partition="param"``: each param
-    is owned whole by one rank (:func:`~zeroshard.ownership.assign_owners`), so the state is that
+    is owned whole by one rank (:func:`~zeroshard.layout.ownership.assign_owners`), so the state is that
     of the params a rank owns (:func:`whole_param_state_bytes`: 8-bit moments cost about 2 bytes
     per element, 4-bit about 1) and the kinds are given for the rank that owns the most state
     (summed over the dtypes of a mixed model, each dtype's such rank: then an upper bound). Owners
@@ -173,7 +173,7 @@ def estimate_memory(
     Ψ_pad is Ψ with padding: params are laid out in reverse registration order, one flat buffer per
     dtype, and cut into buckets of at most ``bucket_size_mb`` MiB of the param dtype (a larger
     param gets a bucket of its own); each bucket is padded to a multiple of N, so Ψ_pad - Ψ is
-    below N elements per bucket (see ``zeroshard/partition.py``). A model is laid out exactly as
+    below N elements per bucket (see ``zeroshard/layout/partition.py``). A model is laid out exactly as
     the optimizer lays it out when it is built on ``model.parameters()`` in one param group; each
     more param group adds its own buckets' padding. An ``int`` counts as one param of that many
     elements.

@@ -1,6 +1,6 @@
 """``ShardedOptimizer``: ZeRO stage 1/2 around any ``torch.optim.Optimizer``. Orchestration only.
 
-See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py`` for the buffers named here.
+See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for the buffers named here.
 """
 
 from __future__ import annotations
@@ -18,20 +18,20 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from zeroshard import overflow
 from zeroshard.delegating import DelegatingOptimizer
-from zeroshard.fused_adam import FusedAdam, fused_adam_kind
-from zeroshard.grad_norm import NORM_TYPES, GradStats, gather_grad_stats
-from zeroshard.grad_reducer import GradReducer
-from zeroshard.local_shard import LocalShard
-from zeroshard.loss_scaler import DynamicLossScaler, choose_loss_scale
+from zeroshard.gather.param_gather import ParamGather, pop_guard_if_done
+from zeroshard.layout.local_shard import LocalShard
 from zeroshard.memory import MemoryUsage, owned_memory
-from zeroshard.memory_tracer import MemoryTracer
-from zeroshard.param_gather import ParamGather, pop_guard_if_done
-from zeroshard.placement import Placement
+from zeroshard.offload.placement import Placement
+from zeroshard.offload.tracer import MemoryTracer
+from zeroshard.reduce.grad_reducer import GradReducer
 from zeroshard.shard_set import ShardSet
-from zeroshard.state_dict_api import StateDictMixin
-from zeroshard.step_path import grad_multiplier, wrapped_step
+from zeroshard.state_dict import StateDictMixin
+from zeroshard.step import overflow
+from zeroshard.step.fused_adam import FusedAdam, fused_adam_kind
+from zeroshard.step.grad_norm import NORM_TYPES, GradStats, gather_grad_stats
+from zeroshard.step.loss_scaler import DynamicLossScaler, choose_loss_scale
+from zeroshard.step.wrapped import grad_multiplier, wrapped_step
 from zeroshard.validation import check_construction
 
 logger = logging.getLogger("zeroshard")
@@ -87,7 +87,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             from construction to the first ``step()``) that offloaded state may take back: that
             many bytes of chunks move to the device at the first step and take the device kernel
             from then on (PatrickStar; ColossalAI's ``ShardedOptimizerV2``). 0.0 is full offload.
-            :attr:`placement` reports the result (see ``zeroshard/placement.py``). On CUDA the
+            :attr:`placement` reports the result (see ``zeroshard/offload/placement.py``). On CUDA the
             tracer resets the allocator's peak statistics.
         loss_scale: ``"dynamic"`` (a :class:`~zeroshard.DynamicLossScaler`), a fixed positive
             number, a ``DynamicLossScaler`` instance, or ``None``: dynamic when any trainable
@@ -236,7 +236,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         return self._reducer.no_sync()
 
     # GradScaler.step() sets grad_scale and found_inf on this optimizer and calls step(), which
-    # unscales and checks the gradients over every rank (zeroshard/amp.py).
+    # unscales and checks the gradients over every rank (zeroshard/grad/amp.py).
     _step_supports_amp_scaling = True
 
     @property
@@ -374,7 +374,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         """Wait for the last :meth:`step`'s param all-gathers (CUDA: order the current stream after them).
 
         Torch code needs no call: any torch function given a param (the forward, ``state_dict()``,
-        an EMA copy) waits for its bucket (``zeroshard/param_gather.py``). Call it before other
+        an EMA copy) waits for its bucket (``zeroshard/gather/param_gather.py``). Call it before other
         reads: a C++ extension bound without torch's dispatcher, or a param alias made before the
         step. No collective.
 

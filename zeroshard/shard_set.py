@@ -3,7 +3,7 @@
 A ``ShardedOptimizer`` shards its param groups at construction, a group added later with
 ``add_param_group``, and params frozen at construction once they become trainable (gradual
 unfreezing). This file keeps that bookkeeping, and the per-param step counts, out of the
-optimizer's orchestration. Each :class:`~zeroshard.local_shard.LocalShard` records its param
+optimizer's orchestration. Each :class:`~zeroshard.layout.local_shard.LocalShard` records its param
 group and its params' ``torch.optim`` indices itself, so there are no parallel lists.
 """
 
@@ -16,18 +16,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zeroshard.amp import GradScalerLink
+from zeroshard.comm.groups import ShardingGroups
 from zeroshard.compat import DisableTorchFunction
-from zeroshard.groups import ShardingGroups
-from zeroshard.local_shard import LocalShard
+from zeroshard.grad.amp import GradScalerLink
+from zeroshard.grad.sharded_grad import link_amp
+from zeroshard.layout.flat_buffer import is_sharded
+from zeroshard.layout.local_shard import LocalShard
 from zeroshard.sharding import shard_param_groups
-from zeroshard.validation import is_sharded
 
 logger = logging.getLogger("zeroshard")
 
 
 class ShardSet:
-    """This rank's :class:`~zeroshard.local_shard.LocalShard` s of every sharded param group.
+    """This rank's :class:`~zeroshard.layout.local_shard.LocalShard` s of every sharded param group.
 
     Args:
         optimizer: the wrapped optimizer.
@@ -99,7 +100,7 @@ class ShardSet:
 
     def _extend(self, shards: list[LocalShard]) -> None:
         for shard in shards:
-            shard.link_amp(self.amp)
+            link_amp(shard, self.amp)
         self.shards.extend(shards)
 
     def add_param_group(self, param_group: dict[str, Any]) -> list[LocalShard]:

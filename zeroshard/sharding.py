@@ -1,6 +1,6 @@
 """Turning param groups into sharded flat buffers: check, compare across ranks, flatten, broadcast.
 
-See [Note: zeroshard buffers] in ``zeroshard/flat_buffer.py``.
+See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py``.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard import collectives
-from zeroshard.flat_buffer import FlatParamBuffer
-from zeroshard.groups import ShardingGroups
-from zeroshard.local_shard import LocalShard
-from zeroshard.ownership import assign_owners, param_costs
-from zeroshard.param_owners import take_over
-from zeroshard.validation import check_params, check_whole_param_steps, is_sharded, param_name
+from zeroshard.comm import collectives
+from zeroshard.comm.groups import ShardingGroups
+from zeroshard.layout.flat_buffer import FlatParamBuffer, is_sharded, param_name
+from zeroshard.layout.local_shard import LocalShard
+from zeroshard.layout.ownership import assign_owners, param_costs
+from zeroshard.reduce.coordinator import take_over
+from zeroshard.validation import check_params, check_whole_param_steps
 
 
 @dataclass
@@ -79,8 +79,8 @@ def shard_param_groups(
         already_sharded: ids of params in flat buffers already: left out (params frozen at
             construction and trainable now are sharded this way, see ``ShardedOptimizer``).
         partition: ``"flat"`` (each rank owns ``1/N`` of every bucket) or ``"param"`` (each param
-            owned whole by one rank, chosen by :func:`~zeroshard.ownership.assign_owners`).
-        master_weights: keep fp32 master weights for 16-bit params (see :class:`~zeroshard.local_shard.LocalShard`).
+            owned whole by one rank, chosen by :func:`~zeroshard.layout.ownership.assign_owners`).
+        master_weights: keep fp32 master weights for 16-bit params (see :class:`~zeroshard.layout.local_shard.LocalShard`).
 
     Raises:
         ValueError: from :func:`~zeroshard.validation.check_params`, or params that differ

@@ -7,24 +7,20 @@ mistakes, with the values added).
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from zeroshard import collectives, overflow
-from zeroshard.chunk import is_virtual_param
-from zeroshard.fused_adam import fused_adam_kind
-from zeroshard.groups import ShardingGroups, resolve_groups
-from zeroshard.loss_scaler import DynamicLossScaler
-
-
-def param_name(group: int, index: int) -> str:
-    """How errors and checkpoints name param ``index`` of param group ``group``: ``param_groups[g]['params'][j]``."""
-    return f"param_groups[{group}]['params'][{index}]"
-
+from zeroshard.comm import collectives
+from zeroshard.comm.groups import ShardingGroups, resolve_groups
+from zeroshard.layout.chunk import is_virtual_param
+from zeroshard.layout.flat_buffer import is_sharded, param_name
+from zeroshard.step import overflow
+from zeroshard.step.fused_adam import fused_adam_kind
+from zeroshard.step.loss_scaler import DynamicLossScaler
+from zeroshard.step.wrapped import is_subclass_state, throwaway_state
 
 # torch.optim classes whose update is element-wise: each element's new value depends only on that
 # element's param, gradient and state, and on per-param scalars (the step count, NAdam's
@@ -89,11 +85,6 @@ def choose_partition(optimizer: torch.optim.Optimizer, partition: Any, assume_el
     if chosen == "flat" and cls not in ELEMENTWISE:
         _refuse_subclass_state(optimizer)
     return chosen
-
-
-def is_subclass_state(value: Any) -> bool:
-    """Whether ``value`` is a tensor subclass that follows PyTorch's flatten/unflatten protocol (torchao's ``OptimState8bit``)."""
-    return isinstance(value, Tensor) and type(value) not in (Tensor, nn.Parameter) and hasattr(type(value), "__tensor_flatten__")
 
 
 def _refuse_subclass_state(optimizer: torch.optim.Optimizer) -> None:
@@ -218,7 +209,7 @@ def options_fingerprint(optimizer: torch.optim.Optimizer, stage: int, bucket_siz
                         max_grad_norm: float | None, loss_scale: Any, offload: str | None, partition: str = "flat",
                         master_weights: bool = True) -> list[tuple[Any, ...]]:
     """The options every rank must share, as ``(name, value)`` entries for
-    :func:`~zeroshard.collectives.check_same_on_all_ranks`.
+    :func:`~zeroshard.comm.collectives.check_same_on_all_ranks`.
 
     They decide the layout and the collectives (``stage``, ``bucket_size_mb``, ``overlap_comm``,
     ``reduce_dtype``, ``offload``, ``master_weights``) or the numbers every rank must compute alike (the optimizer
@@ -258,7 +249,7 @@ def check_construction(optimizer: Any, process_group: Any, *, stage: Any, bucket
         The partition (``"flat"`` or ``"param"``) and the resolved process groups.
 
     Raises:
-        TypeError, ValueError: from those checks and from :func:`~zeroshard.groups.resolve_groups`;
+        TypeError, ValueError: from those checks and from :func:`~zeroshard.comm.groups.resolve_groups`;
             on every rank when ranks pass different options.
     """
     check_arguments(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype)
@@ -270,36 +261,6 @@ def check_construction(optimizer: Any, process_group: Any, *, stage: Any, bucket
     for group in groups.all():
         collectives.check_same_on_all_ranks("option", options, group)
     return chosen, groups
-
-
-def is_sharded(param: nn.Parameter) -> bool:
-    """Whether ``param`` goes into a flat buffer: it is trainable and has elements.
-
-    A zero-element param has nothing to update or reduce; like a frozen one it stays in its
-    param group (and the ``torch.optim`` param numbering) but outside every buffer, as
-    ``torch.optim`` leaves it unchanged.
-    """
-    return param.requires_grad and param.numel() > 0
-
-
-def constructor_kwargs(cls: type, hyperparameters: dict[str, Any]) -> dict[str, Any]:
-    """The entries of a param group's ``hyperparameters`` that ``cls(params, **kwargs)`` takes: those its
-    ``__init__`` names, or all of them (``"params"`` aside) when it takes ``**kwargs`` (a subclass
-    that forwards its arguments to its base class)."""
-    accepted = inspect.signature(cls).parameters
-    forwards = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    return {k: v for k, v in hyperparameters.items() if k != "params" and (forwards or k in accepted)}
-
-
-def throwaway_state(cls: type, hyperparameters: dict[str, Any], shape: Any, dtype: torch.dtype, device: Any) -> dict[str, Any]:
-    """The state an instance of optimizer class ``cls``, built with a param group's ``hyperparameters``
-    (:func:`constructor_kwargs`), keeps after one step of a zero param of ``shape``, ``dtype`` and
-    ``device`` with a zero gradient. Raises whatever the class raises."""
-    probe = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
-    probe.grad = torch.zeros_like(probe)
-    throwaway = cls([probe], **constructor_kwargs(cls, hyperparameters))
-    throwaway.step()
-    return throwaway.state[probe]
 
 
 def check_whole_param_steps(optimizer: torch.optim.Optimizer, groups: range, params_of: list[list[nn.Parameter]]) -> None:

@@ -7,7 +7,7 @@ What the ``Trainer`` does around the optimizer, all followed with no adapter:
   follows ``no_sync`` during gradient accumulation) and follows the move (``docs/design.md``).
 * It clips (``max_grad_norm``) and logs ``grad_norm`` through ``accelerator.clip_grad_norm_``,
   i.e. ``torch.nn.utils.clip_grad_norm_`` on the model's ``.grad``: ``ShardedGrad`` s, which
-  answer as DDP's averaged gradients (``zeroshard/sharded_grad.py``).
+  answer as DDP's averaged gradients (``zeroshard/grad/sharded_grad.py``).
 
 The one thing it gives no other way into: it saves ``optimizer.pt`` from rank 0 only, as
 ``optimizer.state_dict()``, which for a ``ShardedOptimizer`` is rank 0's shard. The callback

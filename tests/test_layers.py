@@ -1,0 +1,90 @@
+"""The package's import structure: each folder imports only the folders below it, and no module imports itself back.
+
+Folders from the bottom: ``compat`` (torch internals), ``comm``, ``layout``, ``grad``, ``offload``,
+``step``, ``reduce``, ``gather``, ``checkpoint``, the optimizer's own modules at the top level, then
+``integrations``. Every import counts, those under ``TYPE_CHECKING`` and inside functions too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import zeroshard
+
+ROOT = Path(zeroshard.__file__).parent
+LAYERS = ["kernels", "compat", "comm", "layout", "grad", "offload", "step", "reduce", "gather", "checkpoint", "", "integrations"]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(("zeroshard", *parts[:-1])) if parts[-1] == "__init__" else ".".join(("zeroshard", *parts))
+
+
+def imports_of(path: Path, name: str) -> set[str]:
+    """Every ``zeroshard`` module ``path`` imports, at any depth of its code."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("zeroshard"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *([base] if base else [])])
+            if base.startswith("zeroshard"):
+                modules = {f"{base}.{a.name}" for a in node.names}
+                known = {m for m in modules if (ROOT.parent / (m.replace(".", "/") + ".py")).exists()
+                         or (ROOT.parent / m.replace(".", "/")).is_dir()}
+                found.update(known or {base})
+    return {m for m in found if m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
+    return {name: {m for m in imports_of(path, name) if m in modules} for name, path in modules.items()}
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    folder = parts[1] if len(parts) > 2 or (len(parts) == 2 and (ROOT / parts[1]).is_dir()) else ""
+    if module in ("zeroshard", "zeroshard.kernels._backend") or folder == "kernels":
+        folder = "kernels" if folder == "kernels" else ""
+    if len(parts) == 2 and parts[1] == "compat":
+        folder = "compat"
+    return LAYERS.index(folder)
+
+
+def test_no_module_imports_a_folder_above_its_own() -> None:
+    upward = [f"{m} (layer {LAYERS[layer_of(m)] or 'top'}) imports {d} (layer {LAYERS[layer_of(d)] or 'top'})"
+              for m, deps in graph().items() for d in deps if m != "zeroshard" and layer_of(d) > layer_of(m)]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle() -> None:
+    edges = graph()
+    edges["zeroshard"] = set()  # the package root re-exports the API; nothing imports it for code
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_checker_sees_folders_and_top_level_modules() -> None:
+    edges = graph()
+    assert "zeroshard.comm.collectives" in edges["zeroshard.comm.groups"]
+    assert layer_of("zeroshard.optimizer") == LAYERS.index("") > layer_of("zeroshard.checkpoint.sharded") > layer_of("zeroshard.comm.groups")
+    assert layer_of("zeroshard.compat") < layer_of("zeroshard.comm.collectives")
+    assert layer_of("zeroshard.integrations.hf") == len(LAYERS) - 1

@@ -1,0 +1,1 @@
+"""Optimizer checkpoints: the sharded (DCP) and full formats of both partitions, directories, offline conversion."""

@@ -1,0 +1,98 @@
+"""Checkpoint directories on disk: is one complete and readable, and which is the latest good one.
+
+``torch.distributed.checkpoint`` writes every rank's data files first and the ``.metadata`` file
+last (atomically, through a rename), so a save killed midway leaves a directory without
+``.metadata``. Save each checkpoint to a new directory (e.g. ``ckpt/step_000500``) and resume from
+:func:`latest_checkpoint`: an interrupted save is then never mistaken for a good one, and the
+previous checkpoint is untouched.
+
+Both functions only read files and run no collective: called on every rank, they raise the same
+error on every rank, so no rank is left waiting in ``dcp.load``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeroshard.checkpoint.sharded import check_layout
+
+METADATA = ".metadata"
+
+
+def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, key: str = "optim") -> None:
+    """Check that a DCP checkpoint directory is complete, every entry in it can be read, and (given
+    ``optimizer``) that its optimizer state was saved for the same params and shapes.
+
+    Reads the whole checkpoint once (each entry is deserialized and dropped), so it costs about
+    as much as a load. ``dcp.load`` itself refuses a bucket whose size changed with DCP's own
+    "Size mismatch" naming the bucket; called first, this names the param with both shapes.
+
+    Args:
+        checkpoint_id: the directory given to ``dcp.save``.
+        optimizer: a ``ShardedOptimizer`` about to load the checkpoint, or ``None``.
+        key: the key the optimizer was saved under (``dcp.save({key: optimizer, ...})``).
+
+    Raises:
+        ValueError: naming the first bad file: ``.metadata`` missing (the save did not finish)
+            or unreadable; a data file missing, shorter than its entries (truncated), or holding
+            an entry that cannot be deserialized (corrupted); or, with ``optimizer``, the first
+            param saved with another shape, or no zeroshard optimizer state under ``key``.
+    """
+    from torch.distributed.checkpoint import FileSystemReader  # on use: `import zeroshard` stays free of DCP (and sympy)
+
+    path = Path(checkpoint_id)
+    metadata_file = path / METADATA
+    if not metadata_file.is_file():
+        raise ValueError(f"{metadata_file} is missing: {path} is an incomplete checkpoint (its save did not finish) or not a checkpoint")
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as error:
+        raise ValueError(f"{metadata_file} cannot be read ({error}): the checkpoint is corrupted") from error
+    saved_layout = None
+    entries = defaultdict(list)
+    for index, info in metadata.storage_data.items():
+        entries[info.relative_path].append((index, info))
+    for name, items in sorted(entries.items()):
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"{file} is missing from the checkpoint in {path}")
+        size, needed = file.stat().st_size, max(info.offset + info.length for _, info in items)
+        if size < needed:
+            raise ValueError(f"{file} is truncated: it has {size} bytes, its entries need {needed}")
+        with open(file, "rb") as stream:
+            for index, info in sorted(items, key=lambda item: item[1].offset):
+                if info.transform_descriptors:  # compressed or otherwise transformed: DCP decodes those
+                    continue
+                stream.seek(info.offset)
+                try:
+                    value = torch.load(io.BytesIO(stream.read(info.length)), map_location="cpu", weights_only=False)
+                except Exception as error:
+                    raise ValueError(f"{file} is corrupted: entry {index.fqn!r} at byte {info.offset} cannot be read ({error})") from error
+                if index.fqn == f"{key}.zeroshard.layout":
+                    saved_layout = value
+    if optimizer is not None:
+        if saved_layout is None:
+            raise ValueError(f"{path} holds no zeroshard optimizer state under {key!r} (no {key}.zeroshard.layout entry)")
+        try:
+            check_layout(optimizer._checkpoint_view(), saved_layout)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
+
+
+def latest_checkpoint(parent: str | os.PathLike) -> Path | None:
+    """The most recently completed checkpoint directory directly under ``parent``, or ``None``.
+
+    Complete means it has ``.metadata``; the newest is the one whose ``.metadata`` was written
+    last. Directories of saves that did not finish are skipped.
+    """
+    root = Path(parent)
+    if not root.is_dir():
+        return None
+    complete = [d for d in root.iterdir() if (d / METADATA).is_file()]
+    return max(complete, key=lambda d: (d / METADATA).stat().st_mtime_ns, default=None)

@@ -1,0 +1,115 @@
+"""Which ranks shard together and which replicate: flat sharding, subgroups and hybrid (MiCS) meshes.
+
+Hybrid sharding follows MiCS (Zhang et al., "MiCS: Near-linear Scaling for Training Gigantic
+Model on Public Cloud", VLDB 2022, §3) and SageMaker's ``sharded_data_parallel_degree``: the
+data-parallel ranks form a 2-D grid ("replicate", "shard"); state is sharded within a row and
+replicated across rows. Gradients are reduce-scattered within the shard group, then all-reduced
+across the replicate group; params are all-gathered within the shard group only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from zeroshard.comm import collectives
+
+HYBRID_DIMS = ("replicate", "shard")
+
+
+@dataclass(frozen=True)
+class ShardingGroups:
+    """The process groups one rank takes part in.
+
+    Attributes:
+        shard: the ranks that split the optimizer state among them (size N, the sharding degree).
+        replicate: the ranks holding the same shard in other replicas, or ``None`` for flat sharding.
+        mesh: a ``DeviceMesh`` over the same ranks — 1-D (shard) or 2-D (replicate, shard) — on
+            which checkpoint DTensors live.
+    """
+
+    shard: ProcessGroup
+    replicate: ProcessGroup | None
+    mesh: DeviceMesh
+
+    @property
+    def shard_size(self) -> int:
+        """N: ranks sharing one copy of the optimizer state."""
+        return dist.get_world_size(self.shard)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks whose gradients are averaged: shard size times the number of replicas."""
+        return self.shard_size * (dist.get_world_size(self.replicate) if self.replicate is not None else 1)
+
+    def all(self) -> list[ProcessGroup]:
+        """The groups in the order collectives span them: shard first, then replicate."""
+        return [self.shard] + ([self.replicate] if self.replicate is not None else [])
+
+
+def hybrid_mesh(shard_size: int, device_type: str | None = None) -> DeviceMesh:
+    """A 2-D ``DeviceMesh`` ("replicate", "shard") over the whole world, for ``process_group=``.
+
+    Consecutive ranks shard together (ranks ``[0, shard_size)`` form the first shard group), so
+    with one node per shard group the all-gather and reduce-scatter stay inside a node.
+
+    Args:
+        shard_size: ranks per shard group; must divide the world size. ``world_size`` gives flat
+            sharding, 1 plain replication (DDP with a local optimizer).
+        device_type: the mesh's device type; default ``"cuda"`` when the default process group
+            runs NCCL, else ``"cpu"`` (gloo on a machine with GPUs keeps its tensors on the CPU).
+
+    Raises:
+        ValueError: torch.distributed is not initialized, or ``shard_size`` does not divide the
+            world size (raised before any collective; the message lists the valid sizes).
+    """
+    if not dist.is_initialized():
+        raise ValueError("hybrid_mesh: torch.distributed is not initialized; call torch.distributed.init_process_group() first")
+    world = dist.get_world_size()
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1 or world % shard_size:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"shard_size={shard_size!r} must divide the world size {world}: one of {divisors}")
+    device_type = device_type or collectives.collective_device(None).type
+    return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=HYBRID_DIMS)
+
+
+def resolve_groups(process_group: ProcessGroup | DeviceMesh | None) -> ShardingGroups:
+    """The :class:`ShardingGroups` for a ``process_group`` argument of ``ShardedOptimizer``.
+
+    Args:
+        process_group: ``None`` (the world), a ``ProcessGroup`` (e.g. a subgroup; ranks outside
+            it run their own), a 1-D ``DeviceMesh``, or a 2-D ``DeviceMesh`` with dims
+            ("replicate", "shard") as :func:`hybrid_mesh` builds.
+
+    Raises:
+        ValueError: torch.distributed not initialized; a mesh with other dims; this rank not in the group.
+        TypeError: anything else.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("process_group: torch.distributed is not initialized; call torch.distributed.init_process_group() first (torchrun sets up "
+                         "its environment)")
+    replicate, mesh = None, None
+    if process_group is None:
+        shard = cast(ProcessGroup, dist.group.WORLD)  # not None: initialized above
+    elif isinstance(process_group, ProcessGroup):
+        shard = process_group
+    elif isinstance(process_group, DeviceMesh):
+        names, mesh = process_group.mesh_dim_names, process_group
+        if process_group.ndim == 1:
+            shard = process_group.get_group()
+        elif process_group.ndim == 2 and names is not None and tuple(names) == HYBRID_DIMS:
+            shard, replicate = process_group.get_group("shard"), process_group.get_group("replicate")
+        else:
+            raise ValueError(f"process_group is a {process_group.ndim}-D DeviceMesh with dims {names}; use a 1-D mesh or a 2-D mesh with dims "
+                             f"{HYBRID_DIMS} (zeroshard.hybrid_mesh builds one)")
+    else:
+        raise TypeError(f"process_group must be a ProcessGroup, a DeviceMesh or None, got {type(process_group).__name__}")
+    if dist.get_rank(shard) < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of process_group")
+    if mesh is None:  # no collective: the mesh wraps the existing group
+        mesh = DeviceMesh.from_group(shard, collectives.collective_device(shard).type)
+    return ShardingGroups(shard, replicate, mesh)

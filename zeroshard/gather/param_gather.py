@@ -1,0 +1,335 @@
+"""The all-gather of updated params, overlapped with whatever runs next (the next forward).
+
+``step()`` ends by launching one all-gather per bucket (this rank's updated slice into every
+rank's copy of the bucket in the flat param buffer) and, with ``overlap_param_gather=True``,
+returns without waiting for them: the next forward's first layers start while the later
+buckets are still on the wire, as Megatron-LM's ``overlap_param_gather`` does. The buckets are
+launched in forward order (the reverse of the layout, which follows backward order), so the
+first module that runs waits only for its own bucket; each bucket is waited for just before the
+first torch function that reads or writes one of its params.
+
+Why a ``TorchFunctionMode`` rather than forward pre-hooks on the modules (Megatron's way): the
+optimizer is given params, not modules, and a param can be read outside any forward — an EMA
+copy, ``model.state_dict()``, ``torch.save``, ``p.clone()``, evaluation code that indexes a weight.
+Every one of them goes through a torch function that takes the param (or something made from it
+after the step), and :class:`_ParamGuard` sees that call first. So nothing can read a param
+half-gathered: a stale read would be a silent wrong number. Covered: every torch function and
+``Tensor`` method, ``torch.ops`` custom ops, and ``torch.compile`` (Dynamo honours active modes).
+A ``torch.jit`` scripted or traced module reads its params in C++, past the mode, so the module
+forward pre-hook that is registered while the guard is pushed waits for a ``ScriptModule``'s
+params before it runs. Not covered: a C++ extension bound without the dispatcher that is handed a
+param directly (also ``torch.utils.dlpack.to_dlpack``, and a ``torch.jit.script`` function, not
+module, called with a param), an alias of a param made *before* ``step()`` and read after it, and
+reads from another thread than the one that called ``step()`` (mode stacks are per thread); call
+:meth:`~zeroshard.ShardedOptimizer.wait_params` first there.
+
+The guard is pushed on the torch-function mode stack only when the stack is empty (so it never
+sits between another mode's enter and exit); otherwise, and with ``overlap_param_gather=False``,
+``step()`` waits for its all-gathers before it returns, as before. It is popped as soon as no
+gather is pending, at the next module call or zeroshard call that finds it on top of the stack.
+(On gloo the gathers are point-to-point works, which report completion only once waited for: there
+the guard goes once every param was read, by the next forward, or after ``wait_params()``.)
+Its cost while pushed is one Python call per torch function (a dictionary lookup per tensor
+argument).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.overrides import TorchFunctionMode
+
+from zeroshard.comm import collectives
+from zeroshard.compat import function_mode_stack, pop_function_mode, push_function_mode
+from zeroshard.layout.chunk import Chunk
+from zeroshard.layout.local_shard import LocalShard
+
+WHAT = "the all-gather of the updated params"
+# Point to point (gloo), a bucket's gather goes in pieces, forward-first: the first piece holds this
+# many bytes of the bucket (its slice of every rank's slot), each later piece twice the one before.
+FIRST_PIECE_BYTES = 1 << 20
+HINT = "call step() on every rank"
+
+
+@dataclass(eq=False)
+class BucketGather:
+    """One bucket's all-gather in flight.
+
+    Attributes:
+        work: the async handle.
+        params: the model params whose values the gather completes (the bucket's params).
+        stream: on CUDA, the stream current when it was launched (``step()``'s, which the next
+            forward runs on); ``None`` elsewhere.
+    """
+
+    work: collectives.AsyncWork
+    params: tuple[nn.Parameter, ...]
+    stream: torch.cuda.Stream | None = None
+
+
+def _current_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The current CUDA stream of ``device``; ``None`` off CUDA (waits there block the host)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+class ParamGather:
+    """One optimizer's param all-gathers: launched at the end of ``step()``, waited for in launch order.
+
+    Args:
+        group: the shard group the slices are gathered over.
+        timeout: the bound on each wait (see :func:`zeroshard.comm.collectives.wait`), or ``None``.
+        overlap: leave the gathers in flight when ``step()`` returns, guarded (see the module
+            docstring); ``False`` waits for them inside :meth:`launch`.
+    """
+
+    def __init__(self, group: ProcessGroup, timeout: datetime.timedelta | None, overlap: bool) -> None:
+        self.group = group
+        self.timeout = timeout
+        self.overlap = overlap
+        self._pending: list[BucketGather] = []  # in launch order; earlier ones complete first
+        # Waited for on another CUDA stream than their launch stream only: still guarded (see _settled).
+        self._unsettled: list[BucketGather] = []
+        # Per chunk (gathered in pieces): its pieces, and the params each completes (fixed by the layout).
+        self._plans: weakref.WeakKeyDictionary[Chunk, list[tuple[tuple[int, int], tuple[nn.Parameter, ...]]]] = weakref.WeakKeyDictionary()
+
+    @property
+    def pending(self) -> int:
+        """How many bucket all-gathers are in flight, or not yet waited for on their launch stream."""
+        return len(self._pending) + len(self._unsettled)
+
+    def launch(self, shards: list[LocalShard]) -> None:
+        """Start the all-gather of every bucket of ``shards``, last bucket of the layout first (forward order).
+
+        Each chunk's ``params`` (this rank's updated slice) is gathered into its ``bucket_params``.
+
+        Waits for the gathers before returning unless ``overlap`` is on and the guard could be
+        pushed (see the module docstring).
+        """
+        self.wait()  # a param is written only after every earlier gather into it is done
+        if dist.get_world_size(self.group) == 1:
+            return  # a shard group of one: the params are already complete, nothing to guard
+        in_layout_order = [(shard, chunk) for shard in shards for chunk in shard.chunks]
+        for owner, chunk in reversed(in_layout_order):
+            stream = _current_stream(chunk.params.device)
+            if not collectives.point_to_point(chunk.params, self.group):
+                work = collectives.all_gather(chunk.bucket_params, chunk.params, self.group)
+                self._pending.append(BucketGather(work, _bucket_params(owner, chunk), stream))
+                continue
+            for (start, end), params in self._plan(owner, chunk):
+                self._pending.append(BucketGather(collectives.all_gather_piece(chunk.bucket_params, start, end, self.group), params, stream))
+        if not (self.overlap and _GUARD.watch(self)):
+            self.wait()
+
+    def _plan(self, owner: LocalShard, chunk: Chunk) -> list[tuple[tuple[int, int], tuple[nn.Parameter, ...]]]:
+        """``chunk``'s gather pieces with the params each completes (computed at its first gather)."""
+        plan = self._plans.get(chunk)
+        if plan is None:
+            first = max(1, FIRST_PIECE_BYTES // (dist.get_world_size(self.group) * chunk.params.element_size()))
+            pieces = forward_first_pieces(chunk.numel, first)
+            plan = self._plans[chunk] = list(zip(pieces, _params_by_piece(owner, chunk, pieces)))
+        return plan
+
+    def drop_completed(self) -> None:
+        """Retire the gathers at the front that have completed by themselves (never blocks)."""
+        while self._pending and self._pending[0].work.is_completed():
+            self.wait(upto=self._pending[0])
+        for gather in [g for g in self._unsettled if g.work.is_completed()]:
+            self._unsettled.remove(gather)
+            _GUARD.forget(gather)
+
+    def wait(self, upto: BucketGather | None = None) -> None:
+        """Wait for the pending gathers in launch order, through ``upto`` (``None``: all of them).
+
+        On CUDA a wait orders the *current* stream after the gather (NCCL's ``work.wait()`` does not
+        block the host). A gather waited for on another stream than its launch stream (an EMA under
+        ``torch.cuda.stream(s)``) stays guarded until a wait on its launch stream or its completion,
+        so the next forward waits too. ``upto=None`` also waits for those on the current stream.
+
+        Raises:
+            RuntimeError: with a ``timeout``, a gather some rank did not join in time (named).
+        """
+        if upto is not None and any(g is upto for g in self._unsettled):
+            self._settle(upto)
+            return
+        while self._pending:
+            gather = self._pending.pop(0)
+            self._unsettled.append(gather)
+            self._settle(gather)
+            if gather is upto:
+                return
+        for gather in list(self._unsettled):
+            self._settle(gather)
+
+    def _settle(self, gather: BucketGather) -> None:
+        """Wait for an unsettled gather on the current stream; drop it from the guard if that settles it."""
+        # The params must hold every rank's update before anything reads or writes them.
+        collectives.wait(gather.work, self.timeout, f"{WHAT} (waited for before a param was read)", HINT)
+        if _settled(gather):
+            self._unsettled.remove(gather)
+            _GUARD.forget(gather)
+
+
+def _settled(gather: BucketGather) -> bool:
+    """Whether a waited-for gather needs no more waits: off CUDA, completed, or waited for on its launch stream."""
+    return gather.stream is None or gather.work.is_completed() or _current_stream(gather.stream.device) == gather.stream
+
+
+def _bucket_params(shard: LocalShard, chunk: Chunk) -> tuple[nn.Parameter, ...]:
+    buffer = shard.buffer
+    return tuple(buffer.params[i] for i in buffer.layout.buckets[chunk.bucket].params)
+
+
+def forward_first_pieces(slot_numel: int, first_numel: int) -> list[tuple[int, int]]:
+    """``[start, end)`` pieces of a slot of ``slot_numel`` elements: from its end backwards, each twice the one before.
+
+    The end of a slot is where the next forward begins (the layout follows backward order), so the
+    first piece is small and the first layers wait for little; doubling keeps the pieces few
+    (``log2`` of the slot over ``first_numel``), as DDP's small first bucket does for backward.
+    """
+    pieces, end, size = [], slot_numel, first_numel
+    while end > 0:
+        start = max(0, end - size)
+        pieces.append((start, end))
+        end, size = start, 2 * size
+    return pieces
+
+
+def _params_by_piece(shard: LocalShard, chunk: Chunk, pieces: list[tuple[int, int]]) -> list[tuple[nn.Parameter, ...]]:
+    """Per piece, the params of the bucket that it completes: those whose last piece (in launch order) it is.
+
+    A param's elements may lie in several ranks' slots; in each, the piece holding its first
+    element is its latest there, pieces going from the end of a slot backwards.
+    """
+    layout, slot_numel = shard.buffer.layout, chunk.numel
+    bucket = layout.buckets[chunk.bucket]
+    completes: list[list[nn.Parameter]] = [[] for _ in pieces]
+    for i in bucket.params:
+        start = layout.slots[i].offset - bucket.offset
+        end = start + layout.slots[i].numel
+        last = 0
+        for rank in range(start // slot_numel, max(start, end - 1) // slot_numel + 1):
+            first = max(start, rank * slot_numel) - rank * slot_numel
+            last = max(last, next(j for j, (lo, _) in enumerate(pieces) if first >= lo))
+        completes[last].append(shard.buffer.params[i])
+    return [tuple(params) for params in completes]
+
+
+class _ParamGuard(TorchFunctionMode):
+    """The mode that waits for a param's pending all-gather before any torch function touches it.
+
+    One per process: every optimizer's pending gathers are registered here (param id → its
+    gather), so several optimizers (Muon + AdamW) share one mode on the stack.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._waiting: dict[int, tuple[ParamGather, BucketGather]] = {}  # id(param) -> (its optimizer's gathers, its bucket's)
+        self._gathers: dict[int, ParamGather] = {}  # id -> the optimizers' gathers with buckets in _waiting
+        self._pop_hook: torch.utils.hooks.RemovableHandle | None = None
+
+    def watch(self, gathers: ParamGather) -> bool:
+        """Register ``gathers``' pending buckets and push the guard on this thread's mode stack; ``False`` where it cannot be pushed.
+
+        Mode stacks are per thread, so the guard is looked for on the calling thread's own stack
+        (a thread that stepped before may have ended with the guard on its stack, and thread ids
+        are reused): already there, it stays; an empty stack gets it; another mode on the stack
+        means no push (pushing now would break that mode's exit, a stack pop).
+        """
+        stack = function_mode_stack()
+        if self not in stack:
+            if stack:
+                return False
+            push_function_mode(self)
+            if self._pop_hook is None:
+                self._pop_hook = nn.modules.module.register_module_forward_pre_hook(self._before_module_call)
+        self._gathers[id(gathers)] = gathers
+        for gather in gathers._pending:
+            for param in gather.params:
+                self._waiting[id(param)] = (gathers, gather)
+        return True
+
+    def forget(self, gather: BucketGather) -> None:
+        """Drop a completed bucket's params from the watch list."""
+        for param in gather.params:
+            entry = self._waiting.get(id(param))
+            if entry is not None and entry[1] is gather:
+                del self._waiting[id(param)]
+
+    def pop_if_done(self) -> None:
+        """Leave this thread's mode stack once nothing is pending, if the guard is on top of it.
+
+        Gathers that completed by themselves are retired first, so the guard goes as soon as the
+        wire is done, whether or not their params were touched.
+        """
+        for key, gathers in list(self._gathers.items()):
+            gathers.drop_completed()
+            if not gathers.pending:
+                del self._gathers[key]
+        if self._waiting:
+            return
+        stack = function_mode_stack()
+        if stack and stack[-1] is self:
+            pop_function_mode()
+            if self._pop_hook is not None:
+                self._pop_hook.remove()
+                self._pop_hook = None
+
+    def _before_module_call(self, module: nn.Module, args: object) -> None:
+        """Global module forward pre-hook while pushed: wait for a ScriptModule's params, then pop if done."""
+        if isinstance(module, torch.jit.ScriptModule):
+            # A scripted or traced module reads its params in C++, past this mode: wait for them now.
+            for param in module.parameters():
+                entry = self._waiting.get(id(param))
+                if entry is not None:
+                    entry[0].wait(upto=entry[1])
+        self.pop_if_done()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self._waiting and func not in _METADATA:
+            for value in itertools.chain(args, kwargs.values() if kwargs else ()):
+                # A param, or a list of them (``_foreach_*``); any other value's id is not in _waiting.
+                for item in value if isinstance(value, (list, tuple)) else (value,):
+                    entry = self._waiting.get(id(item))
+                    if entry is not None:
+                        entry[0].wait(upto=entry[1])
+        return func(*args, **(kwargs or {}))
+
+
+def _metadata_functions() -> frozenset:
+    """The torch functions that read or set a tensor's metadata, never its values, nor make an alias of it.
+
+    ``model.zero_grad()`` (``p.grad = None``), ``p.shape``, ``p.numel()``, a dict keyed by params:
+    these need no wait, so the gathers keep overlapping whatever comes between ``step()`` and the
+    forward. Views and ``.data`` are not here: an alias made now could be read after the gather
+    without passing through the guard again.
+    """
+    getters = ("grad", "_grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "_version", "layout", "ndim", "is_cuda",
+               "is_sparse", "is_meta", "is_quantized", "grad_fn", "names")
+    setters = ("grad", "_grad", "requires_grad")
+    methods = ("numel", "nelement", "dim", "size", "stride", "storage_offset", "data_ptr", "element_size", "is_contiguous",
+               "get_device", "is_floating_point", "is_complex", "requires_grad_", "retain_grad", "register_hook",
+               "register_post_accumulate_grad_hook", "__hash__", "__len__")
+    found = [getattr(Tensor, name, None) for name in getters + setters + methods]
+    return frozenset(
+        [d.__get__ for d in found[: len(getters)] if d is not None]
+        + [d.__set__ for d in found[len(getters) : len(getters) + len(setters)] if d is not None]
+        + [f for f in found[len(getters) + len(setters) :] if f is not None]
+    )
+
+
+_METADATA = _metadata_functions()
+
+
+_GUARD = _ParamGuard()
+
+
+def pop_guard_if_done() -> None:
+    """Take the guard off the mode stack if no gather is pending (called at zeroshard's entry points)."""
+    _GUARD.pop_if_done()

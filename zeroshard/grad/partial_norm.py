@@ -1,0 +1,331 @@
+"""Gradient norms whose cross-rank reduction waits until a value is read: ``PartialNorm``.
+
+A gradient norm over sharded gradients needs one collective: each rank holds a part of every
+gradient (``ShardedGrad``, a model param's) or a part of the param list (``VirtualGrad`` s, the
+wrapped optimizer's). ``torch.nn.utils.clip_grad_norm_`` takes one norm per gradient, stacks them
+and takes the norm of the stack; a ``PartialNorm`` keeps this rank's sum of ``|x| ** ord`` (the
+largest ``|x|`` for ``inf``) through ``torch.stack``, ``.to(device)`` and that outer norm, and
+reduces over the ranks at the first read of a value (arithmetic, ``.item()``, printing). So a whole
+clip costs one all-reduce, foreach or not, as FSDP2's DTensor norms with a partial placement do
+(``torch/distributed/tensor/_ops/_math_ops.py``).
+
+What a norm means follows what the gradient is:
+
+* a ``ShardedGrad`` (a model param's gradient): the norm of the whole param's gradient over every
+  rank: its value is reduced whenever it is read;
+* a ``VirtualGrad`` (a virtual param's, this rank's piece of a param): the piece is this rank's own
+  tensor, so its norm alone is local; a norm over several of them (the stack's) spans the optimizer's
+  params on every rank, which is what clipping ``opt.param_groups`` means: it is reduced.
+
+Reading a value is a collective over the shard group (``collective_timeout_s`` bounds it): every
+rank must read the same norms in the same order (see ``docs/design.md``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from zeroshard.comm import collectives
+from zeroshard.compat import DisableTorchFunctionSubclass, make_subclass
+
+_HINT = "read the same gradient values alike (a norm, a clip or full_tensor() of a param's .grad is a collective over the data-parallel ranks)"
+
+
+@dataclass(frozen=True)
+class GradComm:
+    """Where the pieces of one optimizer's gradients are: its shard group, and the bound on each wait.
+
+    The grad shards are the same in every replica of hybrid sharding, so the shard group covers them.
+    """
+
+    group: ProcessGroup
+    timeout: datetime.timedelta | None
+
+    @property
+    def size(self) -> int:
+        """The number of ranks the pieces are spread over."""
+        return dist.get_world_size(self.group)
+
+    def sum_(self, tensor: Tensor, what: str) -> Tensor:
+        """All-reduce ``tensor`` in place (SUM) over the group and return it (no collective for a group of one).
+
+        Raises:
+            RuntimeError: with a timeout, a rank did not join in time (names ``what``).
+        """
+        if self.size > 1:
+            collectives.wait(collectives.all_reduce(tensor, self.group), self.timeout, what, _HINT)
+        return tensor
+
+    def max(self, tensor: Tensor, what: str) -> Tensor:
+        """Elementwise maximum of ``tensor`` over the group, NaN-propagating (gloo's MAX drops a NaN unless rank 0 holds it).
+
+        Raises:
+            RuntimeError: with a timeout, a rank did not join in time (names ``what``).
+        """
+        if self.size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        collectives.wait(dist.all_gather(parts, tensor, group=self.group, async_op=True), self.timeout, what, _HINT)
+        return torch.stack(parts).amax(dim=0)
+
+
+def norm_order(ord: Any) -> float:
+    """``ord`` of a vector norm as a float (``"fro"`` is 2).
+
+    Raises:
+        ValueError: an order whose parts cannot be summed over ranks (``<= 0``, ``-inf``, a string other than ``"fro"``).
+    """
+    value = 2.0 if ord is None or ord == "fro" else ord
+    if isinstance(value, str) or not float(value) > 0:
+        raise ValueError(f"ord={ord!r}: a norm of a sharded gradient takes a positive order or inf (its parts are summed over ranks)")
+    return float(value)
+
+
+def local_power_sum(pieces: Sequence[Tensor], ord: float) -> Tensor:
+    """This rank's part of a norm: ``sum |x| ** ord`` over ``pieces`` (``max |x|`` for ``inf``), 0-dim fp64."""
+    parts = [torch.linalg.vector_norm(p, ord, dtype=torch.float64) for p in pieces if p.numel()]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=pieces[0].device if pieces else None)
+    norms = torch.stack(parts)
+    return norms.amax() if math.isinf(ord) else norms.pow(ord).sum()
+
+
+SHARDED, VIRTUAL, PLAIN = "sharded", "virtual", "plain"  # what one element of a PartialNorm is the norm of
+
+
+class ParamSpace:
+    """The params of one ``ShardedOptimizer`` as its ``torch.optim`` indices number them: ``size`` of them (grows with ``add_param_group``)."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+
+class PartialNorm(Tensor):
+    """A norm (0-dim, or 1-D after ``torch.stack``) whose cross-rank reduction is pending.
+
+    Made by the norms of ``ShardedGrad`` and ``VirtualGrad`` (``zeroshard/grad/sharded_grad.py``), never
+    directly. Each element is the norm of one gradient: a ``ShardedGrad``'s (:data:`SHARDED`: its
+    power sum is summed over the ranks when read), a ``VirtualGrad``'s (:data:`VIRTUAL`: local when
+    read alone) or a plain tensor stacked in (:data:`PLAIN`: counted once). ``torch.stack`` of 0-dim
+    norms, ``.to(device)`` and a norm of a stack with the same ``ord`` (an *aggregate*) stay
+    pending; any other use resolves the value (one collective, then cached) and runs on plain tensors.
+
+    An aggregate is resolved as torch computes it over DDP's gradients: each gradient's norm, exact
+    (fp64 power sums), rounded to the norm's dtype, then ``torch.linalg.vector_norm`` of those in
+    stack order (the ``VirtualGrad`` s' gathered per param first, after the others).
+
+    Attributes:
+        local: fp64, one per element: this rank's ``sum |x| ** ord`` (``max |x|`` for inf); 0 for plain ones.
+        plain: fp64, one per element: a plain element's norm; 0 for the others.
+        kinds: per element, :data:`SHARDED`, :data:`VIRTUAL` or :data:`PLAIN`.
+        slots, spaces: per virtual element, its param's index in its optimizer and that optimizer's :class:`ParamSpace` (else -1, ``None``).
+        aggregate: whether this 0-dim tensor is the norm of its elements (else it is the elements themselves).
+        ord: the order of every pending element.
+        comm: the group the pending elements reduce over.
+        exact: per element: its ``local`` is the norm itself, taken by the one rank that holds the whole
+            gradient (0 on the others), not a power sum.
+        dtypes: per element, the dtype of the norm it was before ``torch.stack`` promoted them to one:
+            each is rounded to its own first, as torch's own stack of DDP's norms holds them.
+    """
+
+    local: Tensor
+    plain: Tensor
+    kinds: tuple[str, ...]
+    slots: tuple[int, ...]
+    spaces: tuple[ParamSpace | None, ...]
+    aggregate: bool
+    ord: float
+    comm: GradComm
+    dtypes: tuple[torch.dtype, ...]
+    exact: tuple[bool, ...]
+    _value: Tensor | None
+
+    @staticmethod
+    def make(local: Tensor, plain: Tensor, kinds: Sequence[str], ord: float, comm: GradComm, dtype: torch.dtype, device: torch.device,
+             *, shape: Sequence[int] = (), aggregate: bool = False, slots: Sequence[int] = (-1,),
+             spaces: Sequence[ParamSpace | None] = (None,), dtypes: Sequence[torch.dtype] = (), exact: Sequence[bool] = ()) -> PartialNorm:
+        """A pending norm of ``dtype`` on ``device``, of ``shape`` (elements: ``local`` and ``plain``, 1-D fp64; ``dtypes``: each
+        one's own, default ``dtype``)."""
+        out = make_subclass(PartialNorm, torch.full(tuple(shape), math.nan, dtype=dtype, device=device))
+        out.local, out.plain, out.kinds, out.aggregate, out.ord, out.comm, out._value = local, plain, tuple(kinds), aggregate, ord, comm, None
+        out.slots, out.spaces, out.dtypes = tuple(slots), tuple(spaces), tuple(dtypes) or (dtype,) * len(out.kinds)
+        out.exact = tuple(exact) or (False,) * len(out.kinds)
+        return out
+
+    def _like(self, **changes: Any) -> PartialNorm:
+        """This pending norm with some of :meth:`make`'s arguments changed."""
+        args: dict[str, Any] = dict(shape=self.shape, aggregate=self.aggregate, slots=self.slots, spaces=self.spaces, dtype=self.dtype,
+                                    device=self.device, dtypes=self.dtypes, exact=self.exact)
+        args.update(changes)
+        return PartialNorm.make(self.local, self.plain, self.kinds, self.ord, self.comm, **args)
+
+    def resolve(self) -> Tensor:
+        """The norm's value as a plain tensor (reduced over the ranks once; cached).
+
+        Raises:
+            RuntimeError: with ``collective_timeout_s``, a rank did not join the reduction in time.
+        """
+        if self._value is None:
+            value = self._aggregate_value() if self.aggregate else self._element_values()
+            with DisableTorchFunctionSubclass():
+                self._value = value.to(device=self.device, dtype=self.dtype).reshape(self.shape)
+                self.copy_(self._value)  # reads that bypass torch functions see the value too
+        return self._value
+
+    def _root(self, power_sums: Tensor) -> Tensor:
+        return power_sums if math.isinf(self.ord) else power_sums.pow(1.0 / self.ord)
+
+    def _reduce(self, vector: Tensor) -> Tensor:
+        what = "reading a gradient norm (its reduction over the ranks)"
+        return self.comm.max(vector, what) if math.isinf(self.ord) else self.comm.sum_(vector, what)
+
+    def _norms(self, sharded: list[int], reduced: Tensor) -> Tensor:
+        """Per element its norm (fp64), rounded to its own dtype: the ``sharded`` ones from their ``reduced`` power sums, plain
+        ones as given, virtual ones local."""
+        norms = self._root(self.local.clone())
+        norms[sharded] = self._root(reduced)
+        exact = [j for j, i in enumerate(sharded) if self.exact[i]]  # their reduced value is the norm itself
+        norms[[sharded[j] for j in exact]] = reduced[exact]
+        plain = [i for i, kind in enumerate(self.kinds) if kind == PLAIN]
+        norms[plain] = self.plain[plain]
+        for dtype in set(self.dtypes) - {torch.float64}:  # a bf16 gradient's norm is a bf16 number, also in an fp32 stack
+            own = [i for i, d in enumerate(self.dtypes) if d == dtype]
+            norms[own] = norms[own].to(dtype).to(torch.float64)
+        return norms
+
+    def _element_values(self) -> Tensor:
+        """Per element its norm: sharded ones reduced over the ranks (one collective), virtual ones local (a virtual param's own)."""
+        sharded = [i for i, kind in enumerate(self.kinds) if kind == SHARDED]
+        return self._norms(sharded, self._reduce(self.local[sharded]) if sharded else self.local[:0])
+
+    def _aggregate_value(self) -> Tensor:
+        """The norm of the elements, as ``torch.linalg.vector_norm`` of DDP's per-param norms computes it (one collective).
+
+        Virtual elements are this rank's pieces of params: their power sums go into one vector
+        indexed by param (``VirtualGrad.slot``, the param's ``torch.optim`` index), the same length
+        on every rank, reduced with the sharded elements' and a count of pieces per param; each
+        param's norm is then rounded to the norm's dtype as DDP's is. Virtual elements of several
+        optimizers are summed into one entry instead.
+        """
+        sharded = [i for i, kind in enumerate(self.kinds) if kind == SHARDED]
+        virtual = [i for i, kind in enumerate(self.kinds) if kind == VIRTUAL]
+        spaces = {id(space): space for i, space in enumerate(self.spaces) if i in virtual and space is not None}
+        one = len(spaces) == 1
+        size = next(iter(spaces.values())).size if one else 1
+        device = self.local.device
+        slots = torch.tensor([self.slots[i] if one else 0 for i in virtual], dtype=torch.long, device=device)
+        zeros = torch.zeros(size, dtype=torch.float64, device=device)
+        per_param = zeros.scatter_reduce(0, slots, self.local[virtual], "amax" if math.isinf(self.ord) else "sum")
+        pieces = zeros.index_add(0, slots, torch.ones(len(virtual), dtype=torch.float64, device=device))
+        vector = torch.cat([self.local[sharded], per_param, pieces])
+        if sharded or virtual:
+            vector = self._reduce(vector)
+        per_param, pieces = vector[len(sharded) : len(sharded) + size], vector[len(sharded) + size :]
+        kept = self._norms(sharded, vector[: len(sharded)])[[i for i in range(len(self.kinds)) if i not in virtual]]
+        values = torch.cat([kept, self._root(per_param[pieces > 0])])
+        with DisableTorchFunctionSubclass():
+            return torch.linalg.vector_norm(values.to(self.dtype), self.ord)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"PartialNorm({self.resolve()!r})"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__" or name in ("dim", "size", "numel", "is_floating_point", "element_size", "__len__"):
+            with DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if name == "stack" and _stackable(args, kwargs):
+            return _stack(args[0])
+        if name in ("to", "cpu", "cuda") and isinstance(args[0], PartialNorm):
+            moved = _moved(args[0], func, args[1:], kwargs)
+            if moved is not None:
+                return moved
+        if name in ("linalg_vector_norm", "norm", "linalg_norm") and isinstance(args[0], PartialNorm):
+            total = _aggregate(args[0], args[1:], kwargs)
+            if total is not None:
+                return total
+        return _run_resolved(func, args, kwargs)
+
+
+def _resolved(value: Any) -> Any:
+    if isinstance(value, PartialNorm):
+        return value.resolve()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_resolved(v) for v in value)
+    return value
+
+
+def _run_resolved(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    with DisableTorchFunctionSubclass():
+        return func(*_resolved(args), **{k: _resolved(v) for k, v in kwargs.items()})
+
+
+def _stackable(args: Any, kwargs: dict[str, Any]) -> bool:
+    """``torch.stack`` of 0-dim norms along dim 0, the pending ones single norms of one ord and group."""
+    tensors = args[0] if args else None
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if not isinstance(tensors, (list, tuple)) or dim != 0 or "out" in kwargs:
+        return False
+    partial = [t for t in tensors if isinstance(t, PartialNorm)]
+    return (all(t.dim() == 0 for t in tensors) and not any(t.aggregate for t in partial) and len({t.ord for t in partial}) == 1
+            and len({id(t.comm.group) for t in partial}) == 1)
+
+
+def _stack(tensors: Sequence[Tensor]) -> PartialNorm:
+    first = next(t for t in tensors if isinstance(t, PartialNorm))
+    device = first.local.device
+    with DisableTorchFunctionSubclass():
+        zero = torch.zeros(1, dtype=torch.float64, device=device)
+        local = torch.cat([t.local if isinstance(t, PartialNorm) else zero for t in tensors])
+        plain = torch.cat([t.plain if isinstance(t, PartialNorm) else t.detach().to(device, torch.float64).reshape(1) for t in tensors])
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+    kinds = [t.kinds[0] if isinstance(t, PartialNorm) else PLAIN for t in tensors]
+    slots = [t.slots[0] if isinstance(t, PartialNorm) else -1 for t in tensors]
+    spaces = [t.spaces[0] if isinstance(t, PartialNorm) else None for t in tensors]
+    return PartialNorm.make(local, plain, kinds, first.ord, first.comm, dtype, first.device, shape=(len(tensors),), slots=slots, spaces=spaces,
+                            dtypes=[t.dtype for t in tensors], exact=[t.exact[0] if isinstance(t, PartialNorm) else False for t in tensors])
+
+
+def _moved(norm: PartialNorm, func: Any, args: Any, kwargs: dict[str, Any]) -> PartialNorm | None:
+    """``norm.to(device)`` still pending; ``None`` for any other conversion (a dtype: resolved first)."""
+    with DisableTorchFunctionSubclass():
+        probe = func(torch.empty(0, dtype=norm.dtype, device=norm.device), *args, **kwargs)
+    if probe.dtype != norm.dtype:
+        return None
+    if probe.device == norm.device:
+        return norm
+    return norm._like(device=probe.device)
+
+
+def _aggregate(norms: PartialNorm, args: Any, kwargs: dict[str, Any]) -> PartialNorm | None:
+    """The norm of a stack of norms (same ``ord``), still pending; ``None`` if the call is not that.
+
+    Raises:
+        ValueError: another ``ord`` over norms of ``VirtualGrad`` s, which cannot be combined across ranks.
+    """
+    ord = kwargs.get("ord", kwargs.get("p", args[0] if args else 2.0))
+    if norms.aggregate or kwargs.get("dim", args[1] if len(args) > 1 else None) is not None or kwargs.get("dtype") is not None \
+            or kwargs.get("out") is not None:
+        return None
+    try:
+        same = norm_order(ord) == norms.ord
+    except ValueError:
+        same = False
+    if not same:
+        if VIRTUAL in norms.kinds:
+            raise ValueError(f"the norm (ord={ord!r}) of norms of a ShardedOptimizer's param_groups gradients (ord={norms.ord}) cannot be "
+                             "reduced over the ranks: take both norms with the same ord")
+        return None
+    return norms._like(shape=(), aggregate=True)

@@ -1,0 +1,315 @@
+"""``ShardGrads``: what the gradient reducer tracks for one local shard, in one record.
+
+See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for the flat grad buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from zeroshard.compat import DisableTorchFunctionSubclass, post_accumulate_grad_hook_ids
+from zeroshard.grad.partial_norm import GradComm
+from zeroshard.grad.sharded_grad import ShardedGrad, make_sharded_grad
+from zeroshard.layout.local_shard import LocalShard
+from zeroshard.layout.partition import ShardPiece
+
+
+@dataclass
+class ShardGrads:
+    """The gradient bookkeeping of one :class:`~zeroshard.layout.local_shard.LocalShard` (``GradReducer``'s, per shard).
+
+    Attributes:
+        shard: the local shard (its params, grad shard and names).
+        flat: stage 1: 1-D, param dtype, the flat param buffer's layout: the params' ``.grad`` are
+            views of it. ``None`` under stage 2.
+        flat_version: ``flat._version`` when zeroshard last wrote it (a later version means user
+            code wrote the gradients: ``model.zero_grad(set_to_none=False)``, a clip).
+        pieces_of: per param (layout order), this rank's pieces of it.
+        whole: per param: it lies whole in one rank's slice (this one's or another's), so that rank
+            can take its norm as torch takes DDP's (``ShardedGrad``'s norms).
+        ready: per param: its gradients of the current backward pass were taken (all that are expected).
+        ready_count: per bucket: how many of its params are ready.
+        arrivals: per param: how many gradients were taken in the current backward pass (more than
+            one: a param used in several reentrant checkpoints; see ``zeroshard/reduce/nested_backward.py``).
+        expected: per param: the most gradients taken in one backward pass so far (at least 1);
+            the param is ready once that many arrived, or at the end of the pass.
+        used: per param: it got a gradient on this rank since the last reset.
+        continued: per param: an earlier backward of this step reduced the gradient it holds, so a
+            hook in this backward sees this rank's gradient, where DDP shows the all-reduced sum.
+        comm: the shard group the grad shard's pieces are spread over (for the ``ShardedGrad`` s' reads).
+        live: a reduction left gradients in the grad shard that no ``step()`` has consumed yet (``reset``).
+        edited: a ``ShardedGrad`` of this shard was edited in place (not zeroed) since the last reset.
+        hook_ids: per param, the handle id of zeroshard's post-accumulate-grad hook on it.
+        landed: per bucket: a reduction has been launched into its slice of the grad shard since
+            the last reset (stage 2's next one adds to it; see ``zeroshard/reduce/bucket.py``).
+        reduced, reduced_versions: per param, the ``ShardedGrad`` left in its ``.grad`` once reduced
+            (made once) and its version when left (absent: none left since).
+    """
+
+    shard: LocalShard
+    flat: Tensor | None
+    flat_version: int
+    pieces_of: list[list[ShardPiece]]
+    ready: list[bool]
+    ready_count: list[int]
+    used: list[bool]
+    continued: list[bool]
+    comm: GradComm
+    whole: list[bool] = field(default_factory=list)
+    live: bool = False
+    edited: bool = False
+    reduced: dict[int, ShardedGrad] = field(default_factory=dict)
+    flat_views: list[Tensor] = field(default_factory=list)  # stage 1, per param: its view of ``flat`` (flat_view)
+    reduced_versions: dict[int, int] = field(default_factory=dict)
+    hook_ids: dict[int, int] = field(default_factory=dict)
+    landed: list[bool] = field(default_factory=list)
+    arrivals: list[int] = field(default_factory=list)
+    expected: list[int] = field(default_factory=list)
+
+    @classmethod
+    def for_shard(cls, shard: LocalShard, flat: bool, comm: GradComm) -> ShardGrads:
+        """Fresh bookkeeping for ``shard``; ``flat``: allocate the stage-1 flat grad buffer (zeros); ``comm``: the shard group."""
+        layout = shard.buffer.layout
+        flat_grad = torch.zeros_like(shard.buffer.data) if flat else None
+        pieces_of: list[list[ShardPiece]] = [[] for _ in layout.slots]
+        for piece in shard.pieces:
+            pieces_of[piece.param].append(piece)
+        n = len(layout.slots)
+        version = flat_grad._version if flat_grad is not None else 0
+        whole = [layout.within_one_slice(i) for i in range(n)]
+        return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n, comm,
+                   whole, landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n)
+
+    def note_flat_version(self) -> None:
+        """Record that zeroshard wrote :attr:`flat` last."""
+        self.flat_version = self.flat._version if self.flat is not None else 0
+
+    def clear_backward(self) -> None:
+        """Forget which params were taken in the current backward pass (learning how many gradients each got)."""
+        self.ready = [False] * len(self.ready)
+        self.ready_count = [0] * len(self.ready_count)
+        self.expected = [max(e, a) for e, a in zip(self.expected, self.arrivals)]
+        self.arrivals = [0] * len(self.arrivals)
+
+    def take(self, i: int, last: bool) -> bool:
+        """Count a gradient of param ``i`` taken (``last``: the end of the pass, none arrived); whether its bucket just became complete."""
+        self.arrivals[i] += not last
+        if self.ready[i] or not (last or self.arrivals[i] >= self.expected[i]):
+            return False
+        self.ready[i] = True
+        bucket = self.shard.buffer.layout.slots[i].bucket
+        self.ready_count[bucket] += 1
+        return self.ready_count[bucket] == len(self.shard.buffer.layout.buckets[bucket].params)
+
+    def reset(self) -> None:
+        """Between steps: zero the flat grad buffer and forget which params were used and which slices were reduced into."""
+        if self.flat is not None:
+            self.flat.zero_()
+        self.used = [False] * len(self.used)
+        self.continued = [False] * len(self.continued)
+        self.landed = [False] * len(self.landed)
+        self.live = False
+        self.edited = False
+
+    def sharded_grad(self, i: int, param: nn.Parameter) -> ShardedGrad:
+        """The ShardedGrad to leave in param ``i``'s ``.grad`` once reduced (made once), its version noted as left."""
+        with DisableTorchFunctionSubclass():  # its attributes without a Python call each (once per param and backward)
+            left = self.reduced.get(i)
+            if left is None or left.device != param.device or left.dtype != param.dtype:
+                left = self.reduced[i] = make_sharded_grad(param, self, i)
+            self.reduced_versions[i] = left._version
+        return left
+
+    def flat_view(self, i: int) -> Tensor:
+        """Stage 1: param ``i``'s view of the flat grad buffer, shaped like the param (its running local gradient; made once)."""
+        if self.flat is None:
+            raise RuntimeError("internal error: stage 2 keeps no flat grad buffer")
+        if not self.flat_views:
+            params = self.shard.buffer.params
+            self.flat_views = [self.shard.buffer.param_view(j, of=self.flat).view_as(params[j]) for j in range(len(params))]
+        return self.flat_views[i]
+
+    def marks(self) -> list[tuple[int, int]]:
+        """The grad shard's and :attr:`flat`'s identity and version: equal marks mean neither was written in between."""
+        return [(id(t), t._version) for t in (self.shard.grad_shard, self.flat) if t is not None]
+
+    def keep_in_flat_grad(self, i: int, param: nn.Parameter) -> None:
+        """Stage 1: make param ``i``'s ``.grad`` its view of :attr:`flat`, copying if autograd made a new one (``None``: zeroes it)."""
+        view = self.flat_view(i)
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad is not view and grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            param.grad = view
+
+    def is_flat_view(self, i: int, param: nn.Parameter) -> bool:
+        """Stage 1: whether param ``i``'s ``.grad`` is its view of :attr:`flat`."""
+        return param.grad is not None and param.grad.data_ptr() == self.flat_view(i).data_ptr()
+
+    def leave_sharded_grads(self) -> None:
+        """After a reduction: every param's ``.grad`` is its ``ShardedGrad`` (DDP's averaged gradient; ``zeroshard/grad/sharded_grad.py``).
+
+        Params that got no gradient on this rank get one too: another rank's may be in the grad
+        shard, and every rank must present the same gradients to a clip. Stage 2 left the others'
+        in ``take`` already; a gradient that arrived after its bucket was reduced stays local until
+        ``step()`` reduces it (``GradReducer._take_grad``).
+        """
+        self.live = True
+        for i, param in enumerate(self.shard.buffer.params):
+            grad = param.grad
+            if grad is None or (self.flat is not None and not isinstance(grad, ShardedGrad)):
+                param.grad = self.sharded_grad(i, param)
+
+    def drop_unused(self, used: list[bool]) -> None:
+        """At ``step()``: params no rank gave a gradient (``used``, per param) keep ``.grad = None``, as under DDP.
+
+        :meth:`leave_sharded_grads` gave them a ``ShardedGrad`` of zeros, which
+        ``zero_grad(set_to_none=False)`` would turn into a zero gradient that a later step applies.
+        """
+        if all(used):
+            return
+        for i, param in enumerate(self.shard.buffer.params):
+            if not used[i] and isinstance(param.grad, ShardedGrad):
+                param.grad = None
+                self.reduced_versions.pop(i, None)
+
+    def drop_pieces(self, i: int) -> None:
+        """Zero this rank's pieces of param ``i`` in the grad shard (if it holds any)."""
+        if self.used[i]:
+            for piece in self.pieces_of[i]:
+                self.shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
+
+    def settle(self, i: int, param: nn.Parameter, take: bool = False) -> None:
+        """Follow what user code did to param ``i``'s ``.grad`` since its gradient was reduced.
+
+        ``.grad`` set to ``None`` drops the gradient (this rank's pieces of it in the grad shard are
+        zeroed, and the param counts as unused, as in ``torch.optim``); zeroed in place
+        (``set_to_none=False``) leaves a zero gradient, which ``torch.optim`` still steps. Stage 1
+        zeroes the param's running local sum in the flat grad buffer too. Replaced by a tensor
+        (``p.grad = p.grad * 0.5``, a full tensor: the ``ShardedGrad`` gathers for it): with
+        ``take`` (at ``step()``) its elements become this rank's pieces and ``.grad`` the
+        ``ShardedGrad`` again; otherwise (another reduction follows, which reduces the new tensor
+        with whatever backward adds to it, as DDP would) the old pieces are dropped.
+        """
+        version = self.reduced_versions.get(i)
+        if version is None:
+            return
+        grad, left = param.grad, self.reduced[i]
+        with DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call
+            unchanged = grad is left and grad._version == version
+        if unchanged:
+            return
+        if grad is left:
+            with DisableTorchFunctionSubclass():
+                if left.data_ptr() != left.placeholder:
+                    raise RuntimeError(f"{self.shard.buffer.names[i]}: Tensor.set_() replaced the storage of its sharded gradient, which "
+                                       "zeroshard cannot follow; assign a new gradient instead (p.grad = t)")
+        if take and grad is not None and grad is not left and not isinstance(grad, ShardedGrad):
+            values = grad.detach().reshape(-1).to(self.shard.grad_shard.dtype)
+            for piece in self.pieces_of[i]:
+                start, end = piece.param_offset, piece.param_offset + piece.numel
+                self.shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(values[start:end])
+            if self.flat is not None:
+                self.flat_view(i).copy_(grad)
+            self.used[i] = True
+            param.grad = left
+            self.reduced_versions[i] = left._version
+            return
+        if self.flat is not None and self.used[i]:  # else untouched since the reset zeroed it
+            self.flat_view(i).zero_()
+        self.drop_pieces(i)
+        if grad is left:
+            self.used[i] = True
+            self.reduced_versions[i] = grad._version
+        else:
+            self.used[i] = False
+            del self.reduced_versions[i]
+
+    def before_accumulate(self, i: int, param: nn.Parameter, reduced: bool, follow: bool) -> None:
+        """Before autograd accumulates a new gradient into param ``i``: note whether it holds one ``reduced`` in this step, swap its ``ShardedGrad`` out.
+
+        ``continued[i]``: it holds a gradient reduced in this step (one not zeroed since; see
+        :meth:`refuse_partial_write`). With ``follow``, what user code did to it is followed
+        (:meth:`settle`). Then autograd stores the new gradient (stage 2: ``.grad`` is ``None``) or
+        adds it to the running local sum (stage 1: ``.grad`` is its flat grad view).
+        """
+        held, left = param.grad, self.reduced.get(i)
+        with DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call
+            self.continued[i] = reduced and held is not None and (
+                self.flat is not None or (left is not None and held is left and self.reduced_versions.get(i) == left._version))
+        if i in self.reduced_versions:
+            if follow:
+                self.settle(i, param)
+            if param.grad is held and isinstance(held, ShardedGrad):
+                param.grad = self.flat_view(i) if self.flat is not None else None
+                del self.reduced_versions[i]
+
+    def refuse_edits_before_rereduction(self) -> None:
+        """Stage 1, at a backward after one that reduced this step: raise if a ``ShardedGrad`` was edited in place since.
+
+        Raises:
+            RuntimeError: stage 1 reduces the running local sums again, which would drop the edit.
+        """
+        if self.flat is not None and self.edited:
+            raise RuntimeError(
+                "the params' .grad were edited in place after zeroshard reduced them, and another backward now adds to them: "
+                "ZeRO stage 1 reduces the running local sum again, which would drop the edit. Edit gradients after the last "
+                "backward of the step (accumulate micro-steps with opt.no_sync()), or use stage=2")
+
+    def refuse_partial_write(self, i: int, changed: bool) -> None:
+        """Raise if a hook ``changed`` param ``i``'s gradient in a backward after one that reduced it in this step.
+
+        Raises:
+            RuntimeError: the hook saw this rank's gradient (stage 2: this backward's only);
+                under DDP it would have seen and changed the all-reduced sum, which no rank holds.
+        """
+        if self.continued[i] and changed:
+            raise RuntimeError(
+                f"{self.shard.buffer.names[i]}: a post-accumulate-grad hook changed its gradient (or, registered before the optimizer, "
+                "may have) in a backward after one that reduced it in this step, so the hook saw this rank's gradient, not the "
+                "all-reduced sum DDP shows it. Accumulate micro-steps with opt.no_sync() (reduced once, at the last)"
+            )
+
+    def hooked_before(self, i: int, param: nn.Parameter) -> bool:
+        """Whether param ``i`` has post-accumulate-grad hooks registered before zeroshard's (they ran before it)."""
+        return any(key < self.hook_ids.get(i, -1) for key in post_accumulate_grad_hook_ids(param))
+
+    @torch.no_grad()
+    def follow_flat_writes(self, reduced: bool) -> None:
+        """Stage 1: follow in-place writes to the params' ``.grad`` since zeroshard last wrote :attr:`flat`.
+
+        Zeroed (``zero_grad(set_to_none=False)``): every param with a ``.grad`` has a zero gradient,
+        which ``torch.optim`` steps, and what was already reduced is dropped. Any other write after
+        the gradients were reduced (``reduced``; ``torch.nn.utils.clip_grad_norm_`` clips by this
+        rank's unreduced norm) cannot be honoured: it raises.
+
+        Raises:
+            RuntimeError: gradients written in place after they were reduced, not to zero.
+        """
+        if self.flat is None or self.flat._version == self.flat_version:
+            return
+        if self.flat.any():
+            if reduced:
+                raise RuntimeError(
+                    "the params' .grad were modified in place after zeroshard reduced them (torch.nn.utils.clip_grad_norm_ or a "
+                    "framework's clipping?): under ZeRO stage 1 .grad holds this rank's own, unreduced gradient, so the change "
+                    "cannot be honoured. Clip with ShardedOptimizer(..., max_grad_norm=...) or opt.clip_grad_norm_(...)"
+                )
+        else:
+            self.shard.grad_shard.zero_()
+            for i, param in enumerate(self.shard.buffer.params):
+                self.used[i] = param.grad is not None
+        self.flat_version = self.flat._version
+
+    def settle_all(self) -> None:
+        """Before a step: follow what was done to every param's gradient (:meth:`settle`; stage 1 also: a flat view set to ``None``)."""
+        for i, param in enumerate(self.shard.buffer.params):
+            if i in self.reduced_versions:
+                self.settle(i, param, take=True)
+            elif self.flat is not None and param.grad is None and self.used[i] and not self.ready[i]:
+                self.drop_pieces(i)  # set to None after its gradient was reduced
+                self.used[i] = False

@@ -1,0 +1,396 @@
+"""The ``.grad`` user code reads once zeroshard has reduced a backward: ``ShardedGrad`` and ``VirtualGrad``.
+
+See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for the grad shard.
+
+After a backward is reduced, a param's averaged gradient exists only as pieces in the grad shards
+of the shard group's ranks. DDP leaves that averaged gradient in ``.grad``; FSDP2 leaves a DTensor.
+zeroshard leaves a ``ShardedGrad``: a tensor of the param's shape and dtype with no storage of its
+own (one element, expanded) that answers torch's gradient code as DDP's averaged gradient would:
+
+* norms (``torch.linalg.vector_norm``, ``torch.norm``, ``Tensor.norm``, ``torch._foreach_norm``)
+  give the whole gradient's norm over every rank, as a :class:`~zeroshard.grad.partial_norm.PartialNorm`
+  reduced at the first read (a whole ``torch.nn.utils.clip_grad_norm_``: one all-reduce);
+* elementwise in-place edits (``mul_``, ``div_``, ``clamp_``, ``zero_``, ``nan_to_num_``, ``add_``,
+  ``copy_``, their ``_foreach`` forms, ...) with scalars, 0-dim tensors or tensors of the param's
+  shape edit this rank's pieces in the grad shard, which the step then uses;
+* ``full_tensor()`` (as DTensor's), and any other torch function that reads values (``isfinite``,
+  ``clone``, ``sum``, ``p.grad[0]``, ...), gathers the whole gradient first: one all-reduce of the
+  param's size, then the function runs on the gathered tensor;
+* ``.data`` and ``.detach()`` are the gradient itself; ``.to()`` to its own device and dtype too
+  (``model.to(...)``); an in-place function not listed raises, naming the param.
+
+Every value read is a collective over the shard group: all ranks must read alike (they do in
+clipping and logging code run on every rank; see ``docs/design.md``). Once ``step()`` has consumed
+the gradients, reads raise until the next backward is reduced; ``zero_()`` and setting ``.grad``
+to ``None`` are always allowed (``model.zero_grad()``), and the reducer follows both.
+
+A virtual param's ``.grad`` between steps is a ``VirtualGrad``: its piece of the grad shard itself,
+a plain local tensor for every torch function but norms (pending, summed over the ranks when norms
+of several are combined: clipping ``opt.param_groups``, as Lightning and Fabric do) and
+``GradScaler.unscale_`` (unscaled in place; the overflow is decided over every rank in ``step()``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import torch
+from torch import Tensor, nn
+
+from zeroshard.compat import DisableTorchFunctionSubclass, foreach_norm, make_subclass
+from zeroshard.grad.partial_norm import SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_order
+
+if TYPE_CHECKING:
+    from zeroshard.grad.amp import GradScalerLink
+    from zeroshard.layout.local_shard import LocalShard
+    from zeroshard.layout.partition import ShardPiece
+
+class GradHome(Protocol):
+    """What a ``ShardedGrad`` reads of the record that made it (:class:`~zeroshard.grad.shard_grads.ShardGrads`)."""
+
+    shard: LocalShard  # whose grad shard holds the reduced gradient
+    live: bool  # False once the optimizer stepped (or was closed): the gradient is stale
+    pieces_of: list[list[ShardPiece]]  # per param, its pieces on this rank
+    whole: list[bool]  # per param, whether this rank holds it whole
+    comm: GradComm  # where the other ranks' pieces are
+    edited: bool  # set when user code writes a ShardedGrad in place
+
+
+# Torch functions that read only metadata, or that nn.Module.zero_grad and printing call.
+_METADATA = frozenset({
+    "__set__", "size", "dim", "numel", "nelement", "stride", "element_size", "is_floating_point", "is_complex",
+    "requires_grad_", "detach_", "_is_view", "_has_compatible_shallow_copy_type", "data_ptr", "storage_offset", "__len__",
+    "get_device", "is_sparse", "is_pinned",
+})
+# Properties that return a tensor: these would read the expanded placeholder's values.
+_VALUE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+_CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type", "type_as"})
+_NORMS = frozenset({"linalg_vector_norm", "norm", "linalg_norm"})  # linalg_norm: only ord=None / "fro" (of a matrix: Frobenius)
+# Elementwise in-place functions done on this rank's pieces (other tensor arguments: scalars or the param's shape).
+_INPLACE = frozenset({
+    "mul_", "div_", "clamp_", "clamp_min_", "clamp_max_", "clip_", "zero_", "nan_to_num_", "fill_", "add_", "sub_", "copy_",
+    "neg_", "abs_", "sign_", "sqrt_", "pow_", "addcmul_", "addcdiv_", "lerp_", "__imul__", "__itruediv__", "__iadd__", "__isub__",
+})
+_FOREACH_INPLACE = frozenset({
+    "_foreach_mul_", "_foreach_div_", "_foreach_clamp_min_", "_foreach_clamp_max_", "_foreach_zero_", "_foreach_add_",
+    "_foreach_sub_", "_foreach_neg_", "_foreach_abs_", "_foreach_sqrt_", "_foreach_pow_", "_foreach_lerp_", "_foreach_copy_",
+    "_foreach_maximum_", "_foreach_minimum_", "_foreach_addcmul_", "_foreach_addcdiv_", "_foreach_sign_",
+})
+
+
+def _disabled(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+class ShardedGrad(Tensor):
+    """A model param's ``.grad`` after zeroshard reduced it: DDP's averaged gradient, held as pieces across the ranks.
+
+    Shape and dtype of the param, one element of storage (stride 0, NaN). Made once per param by
+    :meth:`zeroshard.grad.shard_grads.ShardGrads.sharded_grad` and reused; see the module docstring for
+    what it answers and which calls are collectives.
+
+    Attributes:
+        home: the reducer's record of the shard (its grad shard, this param's pieces, whether they are live).
+        param_index: the param's index in its flat buffer (layout order).
+    """
+
+    home: GradHome
+    param_index: int
+    placeholder: int  # the data pointer of its one element: ``Tensor.set_`` (which no torch function sees) changes it
+
+    @property
+    def param_name(self) -> str:
+        """How errors name the param: ``param_groups[g]['params'][j]``."""
+        return self.home.shard.buffer.names[self.param_index]
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # no values: printing is not a collective
+        state = "consumed by step()" if self.consumed else "reduced"
+        return f"ShardedGrad({self.param_name}, shape={tuple(self.shape)}, dtype={self.dtype}, {state}; .full_tensor() gathers it)"
+
+    @property
+    def consumed(self) -> bool:
+        """Whether ``step()`` used this gradient since it was reduced (its values are gone)."""
+        return not self.home.live
+
+    def local_pieces(self) -> list[tuple[int, Tensor]]:
+        """This rank's pieces: ``(offset in the flattened param, 1-D view of the grad shard)`` each (master dtype)."""
+        grad_shard = self.home.shard.grad_shard
+        return [(p.param_offset, grad_shard[p.shard_offset : p.shard_offset + p.numel]) for p in self.home.pieces_of[self.param_index]]
+
+    def _check_live(self, what: str) -> None:
+        if self.consumed:
+            raise RuntimeError(f"{self.param_name}: its gradient was consumed by ShardedOptimizer.step() (torch.{what} was called on it); "
+                               "read or edit gradients between backward and step(), as the clip before step() does")
+
+    @torch.no_grad()
+    def full_tensor(self) -> Tensor:
+        """The whole averaged gradient as a plain tensor of the param's shape and dtype (DTensor's name).
+
+        A collective over the shard group: one all-reduce of the param's size (each rank adds its
+        pieces into zeros). Call it on every rank.
+
+        Raises:
+            RuntimeError: the gradient was consumed by ``step()``; with ``collective_timeout_s``, a
+                rank did not join in time.
+        """
+        self._check_live("full_tensor")
+        grad_shard = self.home.shard.grad_shard
+        full = torch.zeros(self.numel(), dtype=grad_shard.dtype, device=grad_shard.device)
+        for offset, piece in self.local_pieces():
+            full[offset : offset + piece.numel()] = piece
+        self.home.comm.sum_(full, f"{self.param_name}: gathering its gradient (full_tensor(), or a torch function reading its values)")
+        return _disabled(full.view, tuple(self.shape)).to(self.dtype)
+
+    def _norm(self, ord: float, dtype: torch.dtype | None, foreach: bool = False) -> PartialNorm:
+        """This gradient's norm, pending. A param whole in one rank's slice gets the norm torch computes of DDP's gradient
+        there (``vector_norm`` or, for ``foreach``, ``_foreach_norm`` of it in the param dtype; 0 on the other ranks), so a
+        clip sees DDP's numbers bit for bit; a param spread over slices, this rank's power sum of its pieces."""
+        self._check_live("norm")
+        pieces = [piece for _, piece in self.local_pieces()]
+        if not self.home.whole[self.param_index]:
+            local = local_power_sum(pieces or [self.home.shard.grad_shard[:0]], ord).reshape(1)
+            return PartialNorm.make(local, torch.zeros_like(local), [SHARDED], ord, self.home.comm, dtype or self.dtype, self.device)
+        local = torch.zeros(1, dtype=torch.float64, device=self.home.shard.grad_shard.device)
+        if pieces:  # this rank holds the whole gradient (values of the param dtype: reduced in it)
+            whole = pieces[0].view(tuple(self.shape)).to(self.dtype)
+            with DisableTorchFunctionSubclass():
+                value = foreach_norm([whole], ord, dtype=dtype)[0] if foreach else torch.linalg.vector_norm(whole, ord, dtype=dtype)
+            local[0] = value.to(torch.float64)
+        return PartialNorm.make(local, torch.zeros_like(local), [SHARDED], ord, self.home.comm, dtype or self.dtype, self.device,
+                                exact=[True])
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):
+            prop = getattr(getattr(func, "__self__", None), "__name__", "")
+            if prop == "data" and isinstance(args[0], ShardedGrad):  # .data is the gradient itself; .data = t writes t's values
+                if name == "__get__" or args[1] is args[0]:  # nn.Module._apply sets grad.data to what .to() returned: itself
+                    return args[0] if name == "__get__" else None
+                return args[0]._edit(Tensor.copy_, "copy_", (args[1],), {})
+            if prop not in _VALUE_PROPERTIES:
+                return _disabled(func, *args, **kwargs)
+        elif name == "is_contiguous":
+            return True  # the gradient it stands for is (its one-element placeholder is not)
+        elif name in _METADATA or (name == "type" and len(args) == 1 and not kwargs):  # type(): the type's name
+            return _disabled(func, *args, **kwargs)
+        out = kwargs.get("out")
+        if isinstance(out, ShardedGrad):  # torch.mul(g, 0.5, out=g): computed on the gathered values, written into the pieces
+            result = _disabled(func, *_gathered(args), **{k: _gathered(v) for k, v in kwargs.items() if k != "out"})
+            return out._edit(Tensor.copy_, "copy_", (result,), {})
+        self = args[0] if args and isinstance(args[0], ShardedGrad) else None
+        if self is not None:
+            if name == "detach" or (name in _CONVERSIONS and _converts_to_itself(self, func, args[1:], kwargs)):
+                return self
+            if name in _NORMS:
+                ord, dim, dtype = _norm_arguments(args[1:], kwargs)
+                if dim is None and not kwargs.get("keepdim", args[3] if len(args) > 3 else False) and _vector_norm(name, ord, self):
+                    return self._norm(norm_order(ord), dtype)
+            elif name in _INPLACE:
+                return self._edit(func, name, args[1:], kwargs)
+        if name == "_foreach_norm" and args:
+            return _foreach_norm(args[0], *args[1:], **kwargs)
+        if name in _FOREACH_INPLACE and args:
+            _foreach_edit(func, args[0], args[1:], kwargs)
+            return None
+        if name.startswith("_foreach_") and name.endswith("_") and args and isinstance(args[0], (list, tuple)):
+            self = next((t for t in args[0] if isinstance(t, ShardedGrad)), None)
+        if self is not None and (name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))):
+            raise RuntimeError(f"{self.param_name}: torch.{name} cannot edit a gradient held as pieces on several ranks (ZeRO); "
+                               "elementwise edits (mul_, div_, clamp_, add_, copy_, zero_, nan_to_num_, their _foreach forms) work, "
+                               "or gather it with p.grad.full_tensor()")
+        return _disabled(func, *_gathered(args), **{k: _gathered(v) for k, v in kwargs.items()})
+
+    def _edit(self, func: Any, name: str, args: Any, kwargs: dict[str, Any]) -> ShardedGrad:
+        """An elementwise in-place function on this rank's pieces (``zero_`` also moves the version: the reducer follows it)."""
+        if name == "zero_":
+            if not self.consumed:
+                for _, piece in self.local_pieces():
+                    piece.zero_()
+            _disabled(Tensor.fill_, self, math.nan)  # moves the version, which the reducer reads (settle)
+            return self
+        self._check_live(name)
+        args, kwargs = _gathered(args, self), {k: _gathered(v, self) for k, v in kwargs.items()}  # once, on every rank, whatever its pieces
+        for offset, piece in self.local_pieces():
+            n = piece.numel()
+            _disabled(func, piece, *[_sliced(a, self, offset, n) for a in args], **{k: _sliced(v, self, offset, n) for k, v in kwargs.items()})
+        self.home.edited = True
+        return self
+
+
+class VirtualGrad(Tensor):
+    """A virtual param's ``.grad`` between steps: its piece of the grad shard, with norms reduced over the ranks when combined.
+
+    Shares storage with the grad shard (1-D master dtype, or shaped like the param with
+    ``partition="param"``): every torch function runs on it as on a plain tensor, except norms
+    (:class:`~zeroshard.grad.partial_norm.PartialNorm`: local alone, reduced when norms of several are
+    combined, as clipping ``opt.param_groups`` does) and ``GradScaler.unscale_`` (unscaled in
+    place; its ``found_inf`` flags get every rank's answer at ``step()``).
+
+    Attributes:
+        comm: where the other ranks' pieces are.
+        amp_link: the optimizer's :class:`~zeroshard.grad.amp.GradScalerLink`.
+    """
+
+    comm: GradComm
+    space: ParamSpace
+    slot: int  # its param's torch.optim index in ``space``
+    amp_link: GradScalerLink | None = None
+    elsewhere: str = ""  # the param's name when the piece is on another device than the virtual param (offload on CUDA)
+
+    @staticmethod
+    def of(piece: Tensor, comm: GradComm, space: ParamSpace, slot: int, vparam: Tensor, name: str) -> VirtualGrad:
+        """A ``VirtualGrad`` sharing ``piece`` 's storage, for ``vparam`` (param ``name``, index ``slot`` of the optimizer's ``space``).
+
+        A virtual param in host memory (offload) with its piece on the GPU gets a placeholder of its
+        device that refuses every torch function but metadata instead: ``.grad`` must be on the param's device.
+        """
+        if piece.device == vparam.device:
+            grad = make_subclass(VirtualGrad, piece)
+        else:
+            grad = make_subclass(VirtualGrad, torch.zeros((), dtype=piece.dtype, device=vparam.device).expand(piece.shape))
+            grad.elsewhere = name
+        grad.comm, grad.space, grad.slot = comm, space, slot
+        return grad
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        placeholder = next((a.elsewhere for a in args if isinstance(a, VirtualGrad) and a.elsewhere), "") if name not in _METADATA | {"__get__"} else ""
+        if placeholder:
+            raise RuntimeError(f"{placeholder}: a virtual param in host memory (offload='cpu') has its gradient piece on the GPU, so torch.{name} "
+                               "cannot run on its .grad; clip with ShardedOptimizer(..., max_grad_norm=...) or torch.nn.utils.clip_grad_norm_ "
+                               "over the model's params")
+        if name in _NORMS and args and isinstance(args[0], VirtualGrad):
+            ord, dim, dtype = _norm_arguments(args[1:], kwargs)
+            if dim is None and _vector_norm(name, ord, args[0]):
+                return _virtual_norm(args[0], norm_order(ord), dtype)
+        if name == "_foreach_norm" and args:
+            return _foreach_norm(args[0], *args[1:], **kwargs)
+        if name == "_amp_foreach_non_finite_check_and_unscale_" and args:
+            for link in {id(g.amp_link): g.amp_link for g in args[0] if isinstance(g, VirtualGrad) and g.amp_link is not None}.values():
+                link.note_unscale(args[1])
+        return _disabled(func, *args, **kwargs)
+
+
+def _virtual_norm(grad: VirtualGrad, ord: float, dtype: torch.dtype | None) -> PartialNorm:
+    local = _disabled(local_power_sum, [grad], ord).reshape(1)
+    return PartialNorm.make(local, torch.zeros_like(local), [VIRTUAL], ord, grad.comm, dtype or grad.dtype, grad.device, slots=[grad.slot],
+                            spaces=[grad.space])
+
+
+def _foreach_norm(tensors: Sequence[Tensor], ord: Any = 2, dtype: torch.dtype | None = None) -> list[Tensor]:
+    """``torch._foreach_norm`` over a mix of sharded, virtual and plain gradients: pending norms for the first two."""
+    order = norm_order(ord)
+    out: list[Tensor] = []
+    for t in tensors:
+        if isinstance(t, ShardedGrad):
+            out.append(t._norm(order, dtype, foreach=True))
+        elif isinstance(t, VirtualGrad):
+            out.append(_virtual_norm(t, order, dtype))
+        else:
+            out.append(_disabled(torch.linalg.vector_norm, t, ord, dtype=dtype))
+    return out
+
+
+def _foreach_edit(func: Any, tensors: Sequence[Tensor], args: Any, kwargs: dict[str, Any]) -> None:
+    """A ``torch._foreach_*_`` edit: each ``ShardedGrad`` replaced by its pieces, per-tensor arguments repeated or sliced alike."""
+    targets: list[Tensor] = []
+    args = _gathered(args)  # another gradient as an argument: gathered once, on every rank
+    lists = [a for a in args if isinstance(a, (list, tuple))]
+    per_tensor: list[list[Any]] = [[] for _ in lists]
+    for j, t in enumerate(tensors):
+        if isinstance(t, ShardedGrad):
+            t._check_live(getattr(func, "__name__", "_foreach edit"))
+            t.home.edited = True
+            for offset, piece in t.local_pieces():
+                targets.append(piece)
+                for k, values in enumerate(lists):
+                    per_tensor[k].append(_sliced(values[j], t, offset, piece.numel()))
+        else:
+            targets.append(t)
+            for k, values in enumerate(lists):
+                per_tensor[k].append(values[j])
+    if not targets:
+        return
+    lists_left = iter(per_tensor)
+    call_args = [next(lists_left) if isinstance(a, (list, tuple)) else a for a in args]
+    _disabled(func, targets, *call_args, **kwargs)
+
+
+def _sliced(value: Any, grad: ShardedGrad, offset: int, numel: int) -> Any:
+    """An argument of an edit of ``grad``'s piece at ``offset``: a tensor of the param's shape sliced alike; anything else as is."""
+    if isinstance(value, Tensor) and value.dim() > 0 and value.numel() > 1:
+        if tuple(value.shape) != tuple(grad.shape):
+            raise RuntimeError(f"{grad.param_name}: an in-place edit of its sharded gradient {tuple(grad.shape)} takes scalars or tensors of "
+                               f"its shape, got {tuple(value.shape)}; gather it with p.grad.full_tensor() first")
+        return _disabled(value.reshape, -1)[offset : offset + numel]
+    return value
+
+
+def _gathered(value: Any, edited: ShardedGrad | None = None) -> Any:
+    """``value`` with every ``ShardedGrad`` (also inside lists) replaced by its gathered full tensor (a collective each).
+
+    Raises:
+        RuntimeError: ``value`` holds ``edited`` itself: an in-place edit reading the gradient it edits.
+    """
+    if edited is not None and value is edited:
+        raise RuntimeError(f"{edited.param_name}: an in-place edit reading the gradient itself is not supported on sharded gradients; "
+                           "gather it with p.grad.full_tensor()")
+    if isinstance(value, ShardedGrad):
+        return value.full_tensor()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_gathered(v, edited) for v in value)
+    return value
+
+
+def _norm_arguments(args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, torch.dtype | None]:
+    """``(ord, dim, dtype)`` of ``vector_norm(x, ord, dim, keepdim, dtype=)``, ``norm(x, p, dim, keepdim, dtype=)`` or ``Tensor.norm``."""
+    ord = kwargs.get("ord", kwargs.get("p", args[0] if args else 2.0))
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    return ord, dim, kwargs.get("dtype")
+
+
+def _vector_norm(name: str, ord: Any, grad: Tensor) -> bool:
+    """Whether a norm call is the vector norm of all elements (``linalg_norm`` with an ``ord`` of a matrix is a matrix norm)."""
+    return name != "linalg_norm" or ord in (None, "fro") or grad.dim() < 2
+
+
+def _converts_to_itself(grad: Tensor, func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a conversion (``to``, ``cpu``, ``float``, ...) of ``grad`` keeps its device and dtype."""
+    probe = _disabled(func, torch.empty(0, dtype=grad.dtype, device=grad.device), *args, **kwargs)
+    return isinstance(probe, Tensor) and probe.dtype == grad.dtype and probe.device == grad.device
+
+
+def make_sharded_grad(param: nn.Parameter, home: GradHome, index: int) -> ShardedGrad:
+    """A new ``ShardedGrad`` for ``param`` (its shape, dtype and device; one element of storage)."""
+    # NaN: a read that bypasses torch functions (torch.tensor(p.grad), a C++ extension) shows it is not the gradient
+    grad = make_subclass(ShardedGrad, torch.full((), math.nan, dtype=param.dtype, device=param.device).expand(param.shape))
+    grad.home, grad.param_index = home, index
+    grad.placeholder = _disabled(grad.data_ptr)
+    return grad
+
+
+def bind_virtual_grads(shard: LocalShard, comm: GradComm, space: ParamSpace) -> None:
+    """Give each virtual param of ``shard`` its between-step ``.grad``: a ``VirtualGrad`` over its piece of the grad shard, norms reduced over ``comm``.
+
+    ``space`` numbers the optimizer's params (the shard's ``param_indices``); it grows to hold them.
+    """
+    space.size = max([space.size, *(i + 1 for i in shard.param_indices)])
+    shard.idle_grads = [VirtualGrad.of(shard.grad_shard[p.shard_offset : p.shard_offset + p.numel].view(v.shape), comm, space,
+                                       shard.param_indices[p.param], v, shard.buffer.names[p.param])
+                        for p, v in zip(shard.pieces, shard.virtual_params)]
+    link_amp(shard, cast("GradScalerLink | None", shard.amp_link))
+    shard.detach_grads()
+
+
+def link_amp(shard: LocalShard, link: GradScalerLink | None) -> None:
+    """Send a ``torch.amp.GradScaler``'s unscale of ``shard``'s virtual params' gradients to ``link`` (``zeroshard/grad/amp.py``)."""
+    shard.amp_link = link
+    for idle in shard.idle_grads:
+        cast(VirtualGrad, idle).amp_link = link

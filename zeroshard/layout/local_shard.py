@@ -1,0 +1,158 @@
+"""This rank's part of one flat param buffer: its chunks, grad shard and virtual params.
+
+See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from zeroshard.layout.chunk import Chunk, master_dtype_for
+from zeroshard.layout.flat_buffer import FlatParamBuffer
+from zeroshard.layout.partition import ShardPiece
+
+
+class LocalShard:
+    """Rank ``rank``'s chunks, gradient shard and virtual params for one flat buffer.
+
+    Each bucket's slice is a :class:`~zeroshard.layout.chunk.Chunk`, which owns that slice's master
+    weights and optimizer state and moves them as a whole (``gpu_margin_mem_ratio``). The shard
+    holds what spans its chunks: the grad shard, the list of pieces and virtual params in flat
+    order, and the versions of the params (to refresh masters after outside writes).
+
+    Args:
+        buffer: the flat param buffer this shard belongs to.
+        rank: this rank's index in the sharding group.
+        host_master: start every chunk in host memory with a master of its own, whatever the
+            param dtype (CPU offload; see ``zeroshard/offload/pipeline.py`` for which buffers are pinned).
+        group: the index of the wrapped optimizer's param group the params belong to.
+        param_indices: per param of ``buffer`` (layout order), its ``torch.optim`` index (params
+            numbered across param groups in order, as ``state_dict()`` numbers them); default
+            ``0, 1, ...``.
+        master_weights: keep fp32 master weights for 16-bit params (``False``: the params are
+            the master weights, and the grad shard and virtual params take their dtype).
+
+    Attributes:
+        group, param_indices: as passed.
+        pieces: the (param ∩ slice) pieces this rank owns, in flat order.
+        chunks: one :class:`~zeroshard.layout.chunk.Chunk` per bucket, in layout order (``chunks[b]``
+            is bucket ``b``'s).
+        grad_shard: 1-D master dtype, ``layout.shard_numel`` elements: this rank's reduced,
+            averaged gradient (padding positions stay zero).
+        virtual_params: one ``nn.Parameter`` per piece (its chunk's), a view of the master
+            weights; what the wrapped optimizer steps. 1-D, or shaped like the param where the
+            buffer holds whole params (``partition="param"``).
+    """
+
+    def __init__(
+        self, buffer: FlatParamBuffer, rank: int, host_master: bool = False, group: int = 0, param_indices: list[int] | None = None,
+        master_weights: bool = True,
+    ) -> None:
+        self.buffer = buffer
+        self.rank = rank
+        self.group = group
+        self.param_indices = list(range(len(buffer.params))) if param_indices is None else param_indices
+        layout = buffer.layout
+        self.pieces: list[ShardPiece] = layout.pieces(rank)
+        self.master_dtype = master_dtype_for(buffer.dtype, master_weights)
+        self._bucket_starts = [b.shard_offset for b in layout.buckets]
+        self.grad_shard: Tensor = torch.zeros(layout.shard_numel, dtype=self.master_dtype, device=buffer.device)
+        pieces_of: list[list[ShardPiece]] = [[] for _ in layout.buckets]
+        for piece in self.pieces:
+            pieces_of[self.bucket_of(piece)].append(piece)
+        self.chunks: list[Chunk] = [Chunk(buffer, rank, b.index, self.grad_shard, pieces_of[b.index], on_host=host_master) for b in layout.buckets]
+        self.virtual_params: list[nn.Parameter] = [vparam for chunk in self.chunks for vparam in chunk.virtual_params]
+        # Between steps each virtual param's .grad is a VirtualGrad (zeroshard.grad.sharded_grad.bind_virtual_grads):
+        # a framework clipping the optimizer's param_groups would take None for "nothing to clip".
+        self.idle_grads: list[Tensor] = []
+        self.amp_link: object | None = None  # the optimizer's GradScalerLink, handed to each idle grad
+        self._seen_versions = [p._version for p in buffer.params]
+
+    @property
+    def has_master(self) -> bool:
+        """Whether any chunk keeps master weights apart from the flat param buffer."""
+        return any(chunk.master is not None for chunk in self.chunks)
+
+    def bucket_of(self, piece: ShardPiece) -> int:
+        """The bucket (chunk) holding ``piece``."""
+        return self.buffer.layout.slots[piece.param].bucket
+
+    def master_slice(self, bucket: int) -> Tensor:
+        """1-D view of this rank's master weights for bucket ``bucket`` (its chunk's :attr:`~zeroshard.layout.chunk.Chunk.weights`)."""
+        return self.chunks[bucket].weights
+
+    def master_view(self, offset: int, numel: int) -> Tensor:
+        """1-D view of master elements ``[offset, offset + numel)`` of the shard, which must lie in one chunk."""
+        chunk = self.chunks[bisect.bisect_right(self._bucket_starts, offset) - 1]
+        start = offset - chunk.shard_offset
+        return chunk.weights[start : start + numel]
+
+    def grad_slice(self, bucket: int) -> Tensor:
+        """1-D view of the grad shard for this rank's slice of bucket ``bucket`` (its chunk's :attr:`~zeroshard.layout.chunk.Chunk.grad`)."""
+        return self.chunks[bucket].grad
+
+    def follow(self, index: int) -> None:
+        """Re-bind param ``index`` if its storage was replaced (:meth:`FlatParamBuffer.follow`); its master is then refreshed at the next step."""
+        if self.buffer.follow(index):
+            self._seen_versions[index] = -1
+
+    def follow_all(self) -> None:
+        """:meth:`follow` for every param of the buffer."""
+        for index in range(len(self.buffer.params)):
+            self.follow(index)
+
+    @torch.no_grad()
+    def refresh_master(self) -> None:
+        """Re-copy master elements of params written outside the optimizer (e.g. ``load_state_dict``).
+
+        A param's version counter moves on every in-place write to it (``p.copy_``, ``p.mul_``),
+        while the optimizer writes only to the flat buffer, which has its own counter. Only chunks
+        with a separate master (16-bit params, offload) need it, and of those only the elements
+        whose value no longer equals the master rounded to the param dtype are refreshed, so
+        loading a checkpoint's params and its fp32 master (in either order) keeps the master's
+        precision.
+        """
+        if not self.has_master:
+            return
+        params = self.buffer.params
+        changed = {i for i, p in enumerate(params) if p._version != self._seen_versions[i]}
+        if not changed:
+            return
+        for chunk in self.chunks:
+            if chunk.master is None:
+                continue
+            for piece in chunk.pieces:
+                if piece.param in changed:
+                    master = chunk.view(piece)
+                    current = chunk.view(piece, chunk.params).to(master.device)
+                    stale = current != master.to(current.dtype)
+                    master[stale] = current[stale].to(master.dtype)
+        for i in changed:
+            self._seen_versions[i] = params[i]._version
+
+    def attach_grads(self, used: Sequence[bool]) -> None:
+        """Point each virtual param's ``.grad`` at its grad-shard piece, or ``None`` where unused.
+
+        ``used[i]`` says whether param ``i`` got a gradient on any rank since the last step; as in
+        ``torch.optim``, a param without one is skipped, its state untouched.
+        """
+        for piece, vparam in zip(self.pieces, self.virtual_params):
+            if used[piece.param]:
+                vparam.grad = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape)
+            else:
+                vparam.grad = None
+
+    def detach_grads(self) -> None:
+        """Give the virtual params their between-step ``.grad`` s (:attr:`idle_grads`) again (after ``attach_grads``)."""
+        for vparam, idle in zip(self.virtual_params, self.idle_grads):
+            vparam.grad = idle
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Cast the updated master slices into this rank's slices of the flat param buffer."""
+        for chunk in self.chunks:
+            chunk.write_back()

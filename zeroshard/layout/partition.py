@@ -1,0 +1,288 @@
+"""Pure index math for flat, bucketed, rank-partitioned parameter storage.
+
+Nothing here touches ``torch.distributed``, so every function is a plain function of
+integers and can be property-tested on its own. See [Note: zeroshard buffers] in
+``zeroshard/layout/flat_buffer.py`` for what the offsets index into.
+
+Layout rules (Rajbhandari et al., "ZeRO", SC'20, §5.2 and §5.3):
+
+* Params are laid out one after another in the order given (the caller passes reverse
+  registration order, which approximates the order gradients become ready in backward).
+* They are cut into buckets of at most ``bucket_numel`` elements. A param never straddles two
+  buckets; a param larger than ``bucket_numel`` gets a bucket of its own.
+* Each bucket is padded to a multiple of ``world_size``; rank ``r`` owns the contiguous slice
+  ``[r * shard_numel, (r + 1) * shard_numel)`` of every bucket. A rank's *shard* is the
+  concatenation of its slices of all buckets, in bucket order.
+
+With ``owners`` (``partition="param"``, for optimizers that need each param whole: issue #14),
+each param lies whole in its owner's slice instead. Each bucket takes, for every rank, the next
+of that rank's params in the order given, up to ``bucket_numel / N`` elements (or the largest
+param at the head of a rank's queue, if that is larger; a smaller limit, down to half of it, where
+that leaves less padding); every slice is padded to the fullest one, ``S``. The slices stay
+equal, so the same reduce-scatter and all-gather serve both modes, and a rank's pieces are its
+whole params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in the flat buffer.
+
+    Attributes:
+        index: position of the param in the sequence given to :func:`build_layout`.
+        offset: first element of the param in the flat buffer (elements).
+        numel: number of elements of the param.
+        bucket: index of the bucket holding the param.
+    """
+
+    index: int
+    offset: int
+    numel: int
+    bucket: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A run of whole params, reduced and gathered as one collective.
+
+    Attributes:
+        index: position of the bucket in the flat buffer.
+        offset: first element of the bucket in the flat buffer (elements).
+        numel: elements used by params, without padding.
+        padded_numel: the world size times the slice size: ``numel`` rounded up to a multiple of
+            the world size, or with ``owners`` every slice padded to the largest.
+        params: indices of the params in the bucket, in layout (flat) order.
+        shard_offset: first element of this bucket's slice within a rank's shard.
+    """
+
+    index: int
+    offset: int
+    numel: int
+    padded_numel: int
+    params: tuple[int, ...]
+    shard_offset: int
+
+    def shard_numel(self, world_size: int) -> int:
+        """Elements of this bucket owned by each rank (``padded_numel // world_size``)."""
+        return self.padded_numel // world_size
+
+    def rank_range(self, rank: int, world_size: int) -> tuple[int, int]:
+        """``[start, end)`` in flat-buffer elements of the slice owned by ``rank``."""
+        size = self.shard_numel(world_size)
+        start = self.offset + rank * size
+        return start, start + size
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The intersection of one param with one rank's slice of its bucket.
+
+    Attributes:
+        param: index of the param (as in :attr:`ParamSlot.index`).
+        param_offset: first element of the piece within the flattened param.
+        numel: elements in the piece (> 0).
+        flat_offset: first element of the piece in the flat buffer.
+        shard_offset: first element of the piece within the rank's shard.
+    """
+
+    param: int
+    param_offset: int
+    numel: int
+    flat_offset: int
+    shard_offset: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """The full layout of one flat buffer for a given world size.
+
+    Attributes:
+        slots: one :class:`ParamSlot` per param, in the order given.
+        buckets: the buckets in flat-buffer order.
+        world_size: number of ranks that share the buffer.
+        numel: total elements of the flat buffer, padding included.
+        shard_numel: elements of each rank's shard (sum of its slices of all buckets).
+        owners: per param, the rank whose slice holds it whole (``partition="param"``), or
+            ``None`` when params are laid out flat and may span slices.
+    """
+
+    slots: tuple[ParamSlot, ...]
+    buckets: tuple[Bucket, ...]
+    world_size: int
+    numel: int
+    shard_numel: int
+    owners: tuple[int, ...] | None = None
+
+    @property
+    def whole_params(self) -> bool:
+        """Whether every param lies whole in one rank's slice (built with ``owners``)."""
+        return self.owners is not None
+
+    def within_one_slice(self, index: int) -> bool:
+        """Whether param ``index`` lies whole in one rank's slice of its bucket (always, with ``owners``)."""
+        slot = self.slots[index]
+        bucket = self.buckets[slot.bucket]
+        lo, hi = bucket.rank_range((slot.offset - bucket.offset) // bucket.shard_numel(self.world_size), self.world_size)
+        return lo <= slot.offset and slot.offset + slot.numel <= hi
+
+    def pieces(self, rank: int) -> list[ShardPiece]:
+        """Every non-empty intersection of a param with ``rank``'s slices, in flat order.
+
+        Raises:
+            ValueError: if ``rank`` is not in ``[0, world_size)``.
+        """
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside [0, world_size={self.world_size})")
+        pieces = []
+        for bucket in self.buckets:
+            lo, hi = bucket.rank_range(rank, self.world_size)
+            for index in bucket.params:
+                slot = self.slots[index]
+                start = max(lo, slot.offset)
+                end = min(hi, slot.offset + slot.numel)
+                if start < end:
+                    pieces.append(
+                        ShardPiece(
+                            param=index,
+                            param_offset=start - slot.offset,
+                            numel=end - start,
+                            flat_offset=start,
+                            shard_offset=bucket.shard_offset + (start - lo),
+                        )
+                    )
+        return pieces
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owners: Sequence[int] | None = None) -> FlatLayout:
+    """Cut params of the given sizes into padded buckets shared by ``world_size`` ranks.
+
+    Args:
+        numels: element count of each param, in layout order (each >= 1).
+        bucket_numel: soft cap on elements per bucket (>= 1); a larger param gets its own bucket
+            (with ``owners``: its own slice, and the bucket's other slices are filled up to its size).
+        world_size: number of ranks (>= 1).
+        owners: per param, the rank in ``[0, world_size)`` that must hold it whole; ``None``
+            lays params out flat (see the module docstring for both rules).
+
+    Returns:
+        The :class:`FlatLayout`. Without ``owners`` padding is at the end of each bucket only;
+        with them, at the end of each slice.
+
+    Raises:
+        ValueError: on an empty ``numels``, a param with fewer than one element, a
+            ``bucket_numel`` / ``world_size`` below one, or ``owners`` of another length or
+            naming a rank outside ``[0, world_size)``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
+    if len(numels) == 0:
+        raise ValueError("numels is empty: a flat buffer needs at least one param")
+    bad = [(i, n) for i, n in enumerate(numels) if n < 1]
+    if bad:
+        raise ValueError(f"params must have at least one element; got (index, numel) {bad[:5]}")
+    if owners is not None:
+        return _build_owned_layout(numels, bucket_numel, world_size, owners)
+
+    groups: list[list[int]] = []
+    group_numel = 0
+    for index, numel in enumerate(numels):
+        if groups and group_numel + numel <= bucket_numel:
+            groups[-1].append(index)
+            group_numel += numel
+        else:
+            groups.append([index])
+            group_numel = numel
+
+    slots: list[ParamSlot] = []
+    buckets: list[Bucket] = []
+    offset = shard_offset = 0
+    for bucket_index, members in enumerate(groups):
+        start = offset
+        for index in members:
+            slots.append(ParamSlot(index, offset, numels[index], bucket_index))
+            offset += numels[index]
+        used = offset - start
+        padded = _round_up(used, world_size)
+        buckets.append(Bucket(bucket_index, start, used, padded, tuple(members), shard_offset))
+        offset = start + padded
+        shard_offset += padded // world_size
+    return FlatLayout(tuple(slots), tuple(buckets), world_size, offset, shard_offset)
+
+
+def _fill(queues: list[list[int]], heads: list[int], numels: Sequence[int], limit: int) -> list[list[int]]:
+    """Per rank, the next params of its queue that fit in ``limit`` elements together."""
+    taken = []
+    for rank, queue in enumerate(queues):
+        members, filled, head = [], 0, heads[rank]
+        while head < len(queue) and filled + numels[queue[head]] <= limit:
+            members.append(queue[head])
+            filled += numels[queue[head]]
+            head += 1
+        taken.append(members)
+    return taken
+
+
+def _slice_sizes(queues: list[list[int]], heads: list[int], numels: Sequence[int], limit: int, largest: int) -> list[int]:
+    """Slice sizes worth trying for the next bucket: ``limit``, and every size in ``[max(limit / 2, largest), limit)`` at
+    which some rank's slice would end exactly (a sum of the next params of its queue)."""
+    sizes = {limit}
+    floor = max(limit // 2, largest)
+    for rank, queue in enumerate(queues):
+        total = 0
+        for index in queue[heads[rank]:]:
+            total += numels[index]
+            if total > limit:
+                break
+            if total >= floor:
+                sizes.add(total)
+    return sorted(sizes, reverse=True)  # the largest first: min() keeps the first of equal waste
+
+
+def _waste(taken: list[list[int]], numels: Sequence[int]) -> float:
+    """The share of a bucket that is padding, if its slices take ``taken``."""
+    fills = [sum(numels[i] for i in members) for members in taken]
+    return 1.0 - sum(fills) / (len(fills) * max(fills))
+
+
+def _build_owned_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owners: Sequence[int]) -> FlatLayout:
+    """:func:`build_layout` with each param whole in its owner's slice (arguments checked there but ``owners``)."""
+    if len(owners) != len(numels):
+        raise ValueError(f"owners has {len(owners)} entries for {len(numels)} params")
+    bad = [(i, r) for i, r in enumerate(owners) if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"owners must be ranks in [0, world_size={world_size}); got (index, owner) {bad[:5]}")
+    queues = [[i for i in range(len(numels)) if owners[i] == rank] for rank in range(world_size)]
+    heads = [0] * world_size  # next param of each rank's queue
+    cap = -(-bucket_numel // world_size)
+    slots: dict[int, ParamSlot] = {}
+    buckets: list[Bucket] = []
+    offset = shard_offset = 0
+    while any(head < len(queue) for head, queue in zip(heads, queues)):
+        largest = max(numels[queue[head]] for head, queue in zip(heads, queues) if head < len(queue))
+        limit = max(cap, largest)
+        taken = min((_fill(queues, heads, numels, candidate) for candidate in _slice_sizes(queues, heads, numels, limit, largest)),
+                    key=lambda members: _waste(members, numels))
+        for rank, members in enumerate(taken):
+            heads[rank] += len(members)
+        size = max(sum(numels[i] for i in members) for members in taken)  # the fullest slice; the others are padded to it
+        for rank, members in enumerate(taken):
+            start = offset + rank * size
+            for index in members:
+                slots[index] = ParamSlot(index, start, numels[index], len(buckets))
+                start += numels[index]
+        used = sum(numels[i] for members in taken for i in members)
+        buckets.append(Bucket(len(buckets), offset, used, size * world_size, tuple(i for members in taken for i in members), shard_offset))
+        offset += size * world_size
+        shard_offset += size
+    return FlatLayout(tuple(slots[i] for i in range(len(numels))), tuple(buckets), world_size, offset, shard_offset, tuple(owners))

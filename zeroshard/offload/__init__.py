@@ -1,0 +1,1 @@
+"""``offload="cpu"``: the host update pipeline, the measured GPU margin and the chunks placed in it."""

@@ -1,0 +1,183 @@
+"""``gpu_margin_mem_ratio``: the measured GPU margin, and which offloaded chunks move into it.
+
+With ``offload="cpu"`` every chunk (:class:`~zeroshard.layout.chunk.Chunk`: this rank's slice of one
+bucket, with its master, ``exp_avg`` and ``exp_avg_sq``) starts in host memory.
+``gpu_margin_mem_ratio`` > 0 keeps part of it on the device, as PatrickStar (Fang et al., 2021,
+§5) and ColossalAI's ``ShardedOptimizerV2`` do:
+
+1. a :class:`~zeroshard.MemoryTracer` runs from the optimizer's construction to the first
+   ``step()``, the first training iteration, and measures its peak device memory;
+2. the margin is what that iteration leaves unused: device capacity − peak non-model memory
+   (activations, temporaries) − model data (params, gradients, grad shards) − a fragmentation
+   headroom of :data:`FRAGMENTATION_HEADROOM` of the capacity (:func:`measure_margin`);
+3. ``ratio × margin`` bytes of chunks move to the device, whole chunks, first fit in layout order
+   (:func:`plan_placement`); they take the fused device kernel from then on, the rest the CPU.
+
+:func:`place_chunks` does 2 and 3 and returns a :class:`Placement`, which the optimizer keeps as
+``opt.placement``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from zeroshard.layout.chunk import Chunk
+from zeroshard.offload.tracer import MemoryTracer
+
+FRAGMENTATION_HEADROOM = 0.05  # fraction of the device capacity left free for the allocator's fragmentation
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class MarginMeasurement:
+    """What the first iteration left free on the device (bytes).
+
+    Attributes:
+        capacity_bytes: memory this process can use on the device (CUDA: free + already reserved
+            by torch's caching allocator; CPU-only: available + this process's RSS).
+        non_model_peak_bytes: peak memory not taken by model data (activations, temporaries).
+        model_data_bytes: params, gradient buffers, grad shards, masters and state on the device.
+        headroom_bytes: left free for fragmentation.
+    """
+
+    capacity_bytes: int
+    non_model_peak_bytes: int
+    model_data_bytes: int
+    headroom_bytes: int
+
+    @property
+    def margin_bytes(self) -> int:
+        """``capacity − non-model peak − model data − headroom``, at least 0."""
+        return max(0, self.capacity_bytes - self.non_model_peak_bytes - self.model_data_bytes - self.headroom_bytes)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where ``gpu_margin_mem_ratio`` put this rank's chunks, once, at the first ``step()``.
+
+    Chunks are listed in layout order: the optimizer's flat buffers (param group by param group,
+    dtype by dtype) and, in each, bucket by bucket; a chunk is this rank's slice of one bucket
+    (``bucket_size_mb`` of params divided by the shard size). Bytes are bytes.
+
+    Attributes:
+        ratio: the ``gpu_margin_mem_ratio`` (0.0 to 1.0) the plan was made with.
+        measurement: the first iteration's margin and its terms (bytes).
+        chunk_bytes: per chunk, the device bytes its state takes there: ``exp_avg`` and
+            ``exp_avg_sq`` in the master dtype and, for 16-bit params, the fp32 master (12 bytes
+            per element for 16-bit params, 8 for fp32, whose flat param buffer is the master).
+        planned: per chunk, whether the plan put it on the device (first fit within
+            ``ratio × measurement.margin_bytes``).
+        on_device: per chunk, whether it is on the device now: the planned ones, unless the
+            device ran out of memory while they moved (that chunk and those after it stay in
+            host memory).
+        device: the params' device.
+    """
+
+    ratio: float
+    measurement: MarginMeasurement
+    chunk_bytes: tuple[int, ...]
+    planned: tuple[bool, ...]
+    on_device: tuple[bool, ...]
+    device: torch.device
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the chunks on the device."""
+        return sum(size for size, here in zip(self.chunk_bytes, self.on_device) if here)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the chunks in host memory."""
+        return sum(self.chunk_bytes) - self.device_bytes
+
+    @property
+    def ran_out_of_memory(self) -> bool:
+        """Whether some planned chunk stayed in host memory because the device had no room for it."""
+        return self.on_device != self.planned
+
+    def summary(self) -> str:
+        """One line: the margin's terms, and the chunks (count, MiB) on each side (what rank 0 logs)."""
+        m = self.measurement
+        line = (
+            f"zeroshard: gpu_margin_mem_ratio={self.ratio} of a {m.margin_bytes / MIB:,.0f} MiB margin "
+            f"(capacity {m.capacity_bytes / MIB:,.0f} - non-model peak {m.non_model_peak_bytes / MIB:,.0f} "
+            f"- model data {m.model_data_bytes / MIB:,.0f} - headroom {m.headroom_bytes / MIB:,.0f} MiB): "
+            f"{sum(self.on_device)} of {len(self.chunk_bytes)} chunks ({self.device_bytes / MIB:,.1f} MiB of optimizer state) on {self.device}, "
+            f"{len(self.chunk_bytes) - sum(self.on_device)} ({self.host_bytes / MIB:,.1f} MiB) in host memory"
+        )
+        if self.ran_out_of_memory:
+            line += f" (the device ran out of memory after {sum(self.on_device)} of the {sum(self.planned)} planned)"
+        return line
+
+
+def measure_margin(tracer: MemoryTracer, model_data_bytes: int, headroom: float = FRAGMENTATION_HEADROOM) -> MarginMeasurement:
+    """The margin from a finished ``tracer`` and the model data on the device now (bytes)."""
+    capacity = tracer.device_available_bytes
+    return MarginMeasurement(capacity, tracer.non_model_peak_bytes(model_data_bytes), model_data_bytes, int(headroom * capacity))
+
+
+def chunk_device_bytes(chunk: Chunk) -> int:
+    """Device bytes ``chunk`` takes when kept on the device: its ``exp_avg`` and ``exp_avg_sq``
+    in the master dtype and, for 16-bit params, its fp32 master."""
+    master = chunk.master_dtype.itemsize if chunk.master_dtype != chunk.params.dtype else 0
+    return chunk.numel * (2 * chunk.master_dtype.itemsize + master)
+
+
+def plan_placement(chunk_bytes: Sequence[int], margin_bytes: int, ratio: float) -> list[bool]:
+    """Which chunks stay on the device: first fit, in order, within ``ratio × margin_bytes``.
+
+    Args:
+        chunk_bytes: device bytes each chunk would take there (see :func:`chunk_device_bytes`).
+        margin_bytes: the measured margin (:attr:`MarginMeasurement.margin_bytes`).
+        ratio: ``gpu_margin_mem_ratio``, 0.0 (everything on the host) to 1.0 (the whole margin).
+
+    Returns:
+        One flag per chunk, ``True`` for the device. A chunk larger than what is left of the
+        budget stays on the host (a later, smaller one may still fit); the chosen chunks never
+        sum to more than ``ratio × margin_bytes``.
+
+    Raises:
+        ValueError: ``ratio`` outside [0, 1] or a negative size.
+    """
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"gpu_margin_mem_ratio={ratio!r} must be between 0.0 and 1.0")
+    if margin_bytes < 0 or any(size < 0 for size in chunk_bytes):
+        raise ValueError(f"plan_placement: sizes must be >= 0, got margin {margin_bytes} and chunks {list(chunk_bytes)[:8]}")
+    budget = int(ratio * margin_bytes)
+    plan = []
+    for size in chunk_bytes:
+        fits = size <= budget
+        budget -= size if fits else 0
+        plan.append(fits)
+    return plan
+
+
+def place_chunks(chunks: Sequence[Chunk], tracer: MemoryTracer, model_data_bytes: int, ratio: float, device: torch.device) -> Placement:
+    """Measure the margin, plan, and move the planned ``chunks`` (layout order) to the device.
+
+    Args:
+        chunks: every chunk of the optimizer, in layout order, all in host memory, their masters
+            current and their moments allocated (they move as they are).
+        tracer: the first iteration's tracer, stopped.
+        model_data_bytes: the optimizer's device bytes now (``memory_usage().device_bytes``).
+        ratio: ``gpu_margin_mem_ratio``.
+        device: the params' device.
+
+    Returns:
+        The :class:`Placement`. Moving stops at the first chunk the device has no room for
+        (``torch.cuda.OutOfMemoryError``), leaving it and the rest in host memory: placing never
+        fails a step.
+    """
+    measurement = measure_margin(tracer, model_data_bytes)
+    sizes = tuple(chunk_device_bytes(chunk) for chunk in chunks)
+    plan = tuple(plan_placement(sizes, measurement.margin_bytes, ratio))
+    for chunk, keep in zip(chunks, plan):
+        if keep:
+            try:
+                chunk.move_to_device()
+            except torch.cuda.OutOfMemoryError:
+                break
+    return Placement(ratio, measurement, sizes, plan, tuple(not chunk.on_host for chunk in chunks), device)

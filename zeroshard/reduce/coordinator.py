@@ -1,0 +1,216 @@
+"""One coordinator per process group: the order of its reducers' gradient collectives, and which reducer owns each param.
+
+Launch order.
+
+A ``GradReducer`` launches its buckets in a fixed order, the same on every rank, each as soon as
+its gradients are ready (``overlap_comm``) or at the end of backward. Two reducers on one process
+group (two ``ShardedOptimizer`` s over one model: Muon on the matrices and AdamW on the rest)
+would interleave their launches by when gradients become ready, and that differs between ranks
+when a param is unused on some ranks only: ranks would issue different collectives, and gloo
+aborts on a size mismatch (equal sizes would mix gradients in silence).
+
+So reducers on one process group take turns, in the order they were built (the same on every
+rank, construction being a collective): in a backward pass a reducer launches nothing until every
+earlier one has launched all its buckets, and before its first launch it completes theirs (so the
+all-reduces across replicas of hybrid sharding keep one order too). A reducer that has launched
+everything lets the later ones launch what is ready. At the end of backward, the first reducer
+whose callback runs reduces every reducer of the group, in order (``flush``), those that got no
+gradient on this rank too; their own callbacks then have nothing left to do. A reducer under
+``no_sync`` launches nothing and holds no one back. The one place this costs: optimizers of two
+models trained in turn (a GAN's) on one process group reduce zeros for the model a backward did
+not reach. The one order costs overlap: a later reducer's buckets wait for the earlier reducers'
+last bucket. Give a wrapper a process group of its own (``dist.new_group``) to overlap both.
+
+Ownership. A param carries the hooks of one reducer at most: two optimizers hooked on one param
+would both take its gradient (stage 2: the newer one would never see one; stage 1: every backward
+reduced twice). Rebuilding an optimizer on the same params (``opt = ShardedOptimizer(...)`` while
+the old ``opt`` is still bound) is ordinary PyTorch, so the newer one takes them over
+(:func:`take_over`) and the older one raises if it is stepped again.
+
+A coordinator drives its reducers only through :class:`Reducer`, the part of ``GradReducer``'s
+interface it needs; both hold each other weakly, so a dropped optimizer is freed at once.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+from torch import nn
+
+from zeroshard.reduce.ddp import DDPWrappers
+
+
+class Reducer(Protocol):
+    """What a :class:`ReduceCoordinator` reads and calls of a ``GradReducer``."""
+
+    callback_queued: bool  # its end-of-backward callback is queued: it takes part in this backward pass
+    flushed: bool  # another reducer's end of backward reduced this pass for it
+
+    @property
+    def closed(self) -> bool: ...  # taken over or closed: its hooks do nothing
+
+    @property
+    def accumulating(self) -> bool: ...  # under no_sync (its own, or DDP's): this backward reduces nothing
+
+    @property
+    def launched_all(self) -> bool: ...  # it launches nothing more in this backward pass
+
+    @property
+    def ddp_wrappers(self) -> DDPWrappers: ...
+
+    def close(self, reason: str) -> None: ...
+
+    def drain(self) -> None: ...  # complete its reductions in flight
+
+    def take_deferred(self) -> None: ...  # take the gradient it deferred (see ArrivedGrad)
+
+    def launch_complete_buckets(self) -> None: ...
+
+    def settle_all(self) -> None: ...  # follow what user code did to its params' .grad
+
+    def reduce_everything(self) -> None: ...  # reduce every bucket of this pass (zeros where no gradient came)
+
+
+class ReduceCoordinator:
+    """The reducers of one process group, in the order they were built, and the params they own.
+
+    Get it with :func:`coordinator_of`; a reducer joins with :meth:`register` at construction
+    (a collective point, the same on every rank).
+    """
+
+    def __init__(self) -> None:
+        self._reducers: list[weakref.ref] = []  # in the order they were built
+        self._owned: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, reducer), both weak
+
+    def register(self, reducer: Reducer) -> None:
+        """Add ``reducer`` after those built before.
+
+        Garbage is collected first, if another open reducer is registered: a reducer dropped in a
+        reference cycle (an optimizer kept by an exception's traceback) would otherwise hold the
+        later ones back until the collector runs, which happens at different times on different
+        ranks. Construction runs at the same point of the program on every rank, so every rank sees
+        the same reducers from then on (an optimizer dropped without a cycle is freed at once, by
+        reference counting).
+        """
+        if any((r := ref()) is not None and not r.closed for ref in self._reducers):
+            gc.collect()  # only when another open reducer is registered: a full collection takes 50-150 ms
+        self._reducers[:] = [ref for ref in self._reducers if ref() is not None]
+        self._reducers.append(weakref.ref(reducer))
+
+    def own(self, param: nn.Parameter, reducer: Reducer) -> None:
+        """Record that ``reducer``'s hooks are on ``param`` (both held weakly)."""
+        self._owned[id(param)] = (weakref.ref(param), weakref.ref(reducer))
+
+    def owner_of(self, param: nn.Parameter) -> Reducer | None:
+        """The live, open reducer of this group whose hooks are on ``param``, or ``None``."""
+        entry = self._owned.get(id(param))
+        if entry is None:
+            return None
+        held, reducer = entry[0](), entry[1]()
+        if held is not param or reducer is None or reducer.closed:
+            del self._owned[id(param)]
+            return None
+        return reducer
+
+    def _alone(self) -> bool:
+        """Whether a single reducer is registered: then it is the caller (open, or its hooks would not have run).
+
+        The common case, one optimizer per process group, takes this one length check per gradient
+        instead of a pass over weak references.
+        """
+        return len(self._reducers) == 1
+
+    def _live(self) -> list[Reducer]:
+        found = [ref() for ref in self._reducers]
+        return [r for r in found if r is not None and not r.closed]
+
+    def _earlier(self, reducer: Reducer) -> list[Reducer]:
+        live = self._live()
+        return live[: live.index(reducer)] if reducer in live else []
+
+    def _later(self, reducer: Reducer) -> list[Reducer]:
+        live = self._live()
+        return live[live.index(reducer) + 1 :] if reducer in live else []
+
+    def turn_has_come(self, reducer: Reducer) -> bool:
+        """Whether every earlier reducer has launched all it launches in this backward pass."""
+        return self._alone() or all(r.launched_all for r in self._earlier(reducer))
+
+    def drain_earlier(self, reducer: Reducer) -> None:
+        """Complete the earlier reducers' reductions in flight, before ``reducer`` launches (one order across replicas too)."""
+        if not self._alone():
+            for r in self._earlier(reducer):
+                r.drain()
+
+    def take_deferred(self, reducer: Reducer) -> None:
+        """A gradient is about to be accumulated into a param of ``reducer``: every reducer takes the one it deferred (see ``ArrivedGrad``)."""
+        for r in [reducer] if self._alone() else self._live():
+            r.take_deferred()
+
+    def let_later_launch(self, reducer: Reducer) -> None:
+        """``reducer`` launched everything: the later reducers taking part in this pass launch their complete buckets."""
+        if not self._alone():
+            for r in self._later(reducer):
+                if r.callback_queued:
+                    r.launch_complete_buckets()
+
+    def flush(self, reducer: Reducer) -> None:
+        """At ``reducer``'s end of backward, the first of the pass: every reducer reduces, in the order they were built.
+
+        Those that took part in the pass reduce what they got; their own end-of-backward callbacks,
+        still queued, then return at once. Those that got no gradient on this rank reduce zeros for
+        all their params, as they do on a rank where they took part: which optimizers a backward
+        reaches may differ between ranks (an optimizer's params used on some ranks only), and every
+        rank must still issue every collective in one order (otherwise equal-sized buckets of two
+        optimizers would be summed together, in silence). Reducers under ``no_sync`` reduce nothing,
+        and queue this callback all the same when the group has others, for the others' sake.
+        """
+        for r in self._live():
+            if r.accumulating:  # accumulates locally (its callback, if queued, has nothing to do)
+                if r is reducer:
+                    r.callback_queued = False
+                elif r.callback_queued:
+                    r.flushed = True
+            elif r is reducer:
+                r.reduce_everything()
+            elif r.callback_queued:
+                if not r.flushed:
+                    r.reduce_everything()
+                    r.flushed = True
+            else:  # got no gradient here: reduce zeros, after following what was done to its gradients
+                r.settle_all()
+                r.reduce_everything()
+
+    def shared(self) -> bool:
+        """Whether the group has more than one open reducer (a reducer under ``no_sync`` then still ends each backward: :meth:`flush`)."""
+        return len(self._live()) > 1
+
+
+_COORDINATORS: dict[int, ReduceCoordinator] = {}  # id of a process group -> its coordinator
+
+
+def coordinator_of(group: Any) -> ReduceCoordinator:
+    """The coordinator of process group ``group`` (made on first use)."""
+    return _COORDINATORS.setdefault(id(group), ReduceCoordinator())
+
+
+def owners_of(params: Iterable[nn.Parameter]) -> list[Reducer]:
+    """The live reducers, on any process group, that own one of ``params`` (each once)."""
+    found = {id(owner): owner for p in params for c in list(_COORDINATORS.values()) if (owner := c.owner_of(p)) is not None}
+    return list(found.values())
+
+
+def take_over(params: Sequence[nn.Parameter], names: Sequence[str]) -> None:
+    """Close every live reducer that hooks one of ``params`` (named ``names``): a new optimizer takes them over."""
+    for param, name in zip(params, names):
+        for owner in owners_of([param]):
+            owner.close(f"{name} (shape {tuple(param.shape)}) was taken over by a ShardedOptimizer built later on the same params: "
+                        "step that one (two optimizers cannot both reduce one param's gradients)")
+
+
+def ddp_wrappers_of_owners(params: Iterable[nn.Parameter]) -> list[DDPWrappers]:
+    """The :class:`DDPWrappers` of every live reducer that owns one of ``params``."""
+    return [owner.ddp_wrappers for owner in owners_of(params)]

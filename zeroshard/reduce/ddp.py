@@ -1,0 +1,407 @@
+"""A ``DistributedDataParallel`` wrapped around params that zeroshard reduces: checked, its reducer released and given back.
+
+HF Trainer, accelerate and Lightning wrap the model in DDP by default. zeroshard reduces the
+gradients itself, so ``GradReducer`` switches DDP's gradient reduction off before each of the
+wrapper's forwards (``require_backward_grad_sync = False``). Switched off, DDP's C++ reducer
+still holds what it built in the constructor (``_ddp_init_helper``): a bucket buffer for every
+trainable param — as many bytes as the params, ``4Ψ`` in fp32 — and an autograd hook on each
+param. On a GPU that is device memory the moment DDP is built; on the CPU pages count once
+written, which happens as soon as DDP reduces one backward (with ``find_unused_parameters=True``,
+HF Trainer's default, DDP never rebuilds its buckets and they stay). That erases most of stage 2's
+saving (``4Ψ + 12Ψ/N`` bytes per rank in fp32 against DDP's ``16Ψ``).
+
+So while zeroshard owns the params, the reducer is released: its autograd hooks removed, and
+``ddp.reducer`` / ``ddp.logger`` (the logger holds the reducer) replaced by the stand-ins below,
+which answer what DDP's forward asks and refuse everything else by name. When the optimizer is
+closed (or garbage-collected, or taken over), DDP gets a new reducer built the way its
+``__setstate__`` builds one after unpickling (``_build_params_for_reducer`` +
+``_ddp_init_helper``), with its static graph and communication hook set again: it then trains
+exactly as DDP alone. Source: ``torch/nn/parallel/distributed.py`` of torch 2.4 to 2.13.
+
+DDP options zeroshard cannot follow raise :class:`RuntimeError` naming the option when the
+wrapper is found (:func:`check_supported`), never a silent second reduction.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import logging
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+# DDP's private methods a reducer is rebuilt with, with the parameters they take (torch >= 2.4).
+_REBUILD_API = {
+    "_build_params_for_reducer": [],
+    "_build_debug_param_to_name_mapping": ["parameters"],
+    "_ddp_init_helper": ["parameters", "expect_sparse_gradient", "param_to_name_mapping", "static_graph"],
+}
+logger = logging.getLogger("zeroshard")
+_WAY_OUT = "or drop the DistributedDataParallel wrapper (zeroshard reduces the gradients itself)"
+
+
+def _released_error(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"DistributedDataParallel.{what}: DDP's reducer is released while a zeroshard ShardedOptimizer reduces the "
+        "gradients of the wrapped params (a second reduction by DDP would send every gradient twice). Call opt.close() "
+        f"first to give DDP its reducer back, {_WAY_OUT}"
+    )
+
+
+class ReleasedReducer:
+    """Stands in for ``ddp.reducer`` while zeroshard reduces the gradients of the wrapped params.
+
+    DDP's forward calls ``_rebuild_buckets()`` (nothing to rebuild: ``False``); Lightning's manual
+    optimization and accelerate's ``trigger_sync_in_backward`` call ``prepare_for_backward`` to have
+    the coming backward reduced even after a ``no_sync()`` forward, which is passed on to zeroshard.
+    Anything else raises a ``RuntimeError`` saying why and what to do.
+
+    Args:
+        comm_hooks: the released reducer's Python communication hooks, ``(hook, state)`` as in
+            DDP's ``_comm_hooks``, registered again on the reducer given back.
+        builtin_hook: the same for a built-in hook (a ``dist.BuiltinCommHookType``), or ``None``.
+
+    Attributes:
+        holders: per ``DDPWrappers`` (by ``id``) that holds the release — one per optimizer whose
+            params the wrapper covers — its ``sync_next_backward`` callback. DDP gets a reducer
+            back when the last one lets go.
+    """
+
+    def __init__(self, comm_hooks: list[tuple[Callable, Any]], builtin_hook: Any) -> None:
+        self.comm_hooks = comm_hooks
+        self.builtin_hook = builtin_hook
+        self.holders: dict[int, Callable[[], None]] = {}
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def prepare_for_backward(self, outputs: Any = None) -> None:
+        for sync_next_backward in list(self.holders.values()):
+            sync_next_backward()
+
+    def _remove_autograd_hooks(self) -> None:  # removed when released
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(("__", "_pybind11")):  # Python's and pybind11's protocols
+            raise AttributeError(name)
+        raise _released_error(f"reducer.{name}")
+
+
+class ReleasedLogger:
+    """Stands in for ``ddp.logger`` (which holds the reducer) while the reducer is released.
+
+    ``_get_ddp_logging_data()`` answers with what DDP's logger held at release (Lightning reads it
+    at teardown); ``set_error_and_log`` does nothing (DDP raises its error right after it).
+    Anything else raises.
+    """
+
+    def __init__(self, logging_data: Any) -> None:
+        self._logging_data = logging_data
+
+    def _get_ddp_logging_data(self) -> Any:
+        return self._logging_data
+
+    def set_error_and_log(self, message: str) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(("__", "_pybind11")):  # Python's and pybind11's protocols
+            raise AttributeError(name)
+        raise _released_error(f"logger.{name}")
+
+
+@dataclass
+class WrappedDDP:
+    """One DDP wrapper around one optimizer's params.
+
+    Attributes:
+        ddp: the wrapper, held weakly.
+        released: whether this optimizer holds the release of ``ddp``'s reducer (a :class:`ReleasedReducer` now).
+    """
+
+    ddp: weakref.ref
+    released: bool = False
+
+
+def _hooks_to_register_again(ddp: nn.Module) -> tuple[list[tuple[Callable, Any]], Any]:
+    """The Python communication hooks (DDP's ``_comm_hooks``) and the built-in one registered on ``ddp``'s reducer.
+
+    Raises:
+        RuntimeError: a hook is registered that is neither (DDP records only its name).
+    """
+    python_hooks = list(getattr(ddp, "_comm_hooks", []))
+    logger_ = getattr(ddp, "logger", None)
+    name = logger_._get_ddp_logging_data().strs_map.get("comm_hook", "") if logger_ is not None else ""
+    if not name or name in {hook.__qualname__ for hook, _ in python_hooks}:
+        return python_hooks, None
+    builtin = getattr(dist.BuiltinCommHookType, name.removeprefix("BuiltinCommHookType."), None) if name.startswith("BuiltinCommHookType.") else None
+    if builtin is None:
+        raise RuntimeError(f"DistributedDataParallel has the communication hook {name!r}, which zeroshard cannot register again "
+                           f"when it gives DDP its reducer back (torch {torch.__version__} does not record it): {_WAY_OUT}")
+    return python_hooks, builtin
+
+
+def check_supported(ddp: nn.Module) -> None:
+    """Check that zeroshard can switch ``ddp``'s reduction off, release its reducer and give it back.
+
+    Raises:
+        RuntimeError: naming the DDP option zeroshard cannot follow: ``mixed_precision`` (DDP
+            casts the params itself), ``delay_all_reduce_named_params`` (those params are reduced
+            by a hook of DDP's own that no switch turns off), compiled autograd's
+            ``optimize_ddp="python_reducer"`` (the same), a communication hook that cannot be
+            registered again, or a torch whose DDP lacks the private methods a reducer is rebuilt with.
+    """
+    if getattr(ddp, "mixed_precision", None) is not None:
+        raise RuntimeError("DistributedDataParallel(mixed_precision=...) casts the params itself, which zeroshard cannot follow: use bf16 params "
+                           f"or autocast, {_WAY_OUT}")
+    if getattr(ddp, "_delay_all_reduce_params", None):
+        raise RuntimeError("DistributedDataParallel(delay_all_reduce_named_params=...) all-reduces those params' gradients in a hook "
+                           f"that zeroshard cannot switch off (a second reduction): leave the option out, {_WAY_OUT}")
+    if getattr(ddp, "_use_python_reducer", False):
+        raise RuntimeError("DistributedDataParallel under torch._dynamo.config.optimize_ddp='python_reducer' all-reduces in hooks "
+                           f"that zeroshard cannot switch off (a second reduction): use another optimize_ddp mode, {_WAY_OUT}")
+    for name, parameters in _REBUILD_API.items():
+        method = getattr(ddp, name, None)
+        if method is None or list(inspect.signature(method).parameters) != parameters:
+            raise RuntimeError(f"zeroshard cannot release and rebuild DDP's reducer on torch {torch.__version__}: "
+                               f"DistributedDataParallel.{name} is missing or takes other arguments than ({', '.join(parameters)}) "
+                               f"as in torch 2.4 to 2.13; {_WAY_OUT}")
+    if not callable(getattr(getattr(ddp, "reducer", None), "_remove_autograd_hooks", None)):  # torch >= 2.1
+        raise RuntimeError(f"zeroshard cannot release DDP's reducer on torch {torch.__version__}: it has no _remove_autograd_hooks; {_WAY_OUT}")
+    _hooks_to_register_again(ddp)
+
+
+def release_reducer(wrapped: WrappedDDP, holder: int, sync_next_backward: Callable[[], None]) -> None:
+    """Free the wrapper's reducer (its bucket buffers, as many bytes as the params, and its autograd hooks); ``holder`` holds the release.
+
+    Call only between backward passes: a reducer mid-backward has queued a callback on itself.
+    ``ddp.reducer`` and ``ddp.logger`` become :class:`ReleasedReducer` / :class:`ReleasedLogger`;
+    with ``static_graph=True`` DDP's first-iteration delayed all-reduce is marked done, so its
+    forward does not queue one on the released reducer. Released already (by another optimizer
+    over other params of the wrapper), ``holder`` joins the holders.
+    """
+    ddp = wrapped.ddp()
+    if ddp is None or wrapped.released:
+        return
+    if not isinstance(ddp.reducer, ReleasedReducer):
+        comm_hooks, builtin_hook = _hooks_to_register_again(ddp)
+        logging_data = ddp.logger._get_ddp_logging_data() if ddp.logger is not None else None
+        ddp.reducer._remove_autograd_hooks()
+        ddp.reducer = ReleasedReducer(comm_hooks, builtin_hook)
+        ddp.logger = ReleasedLogger(logging_data)
+        if ddp.static_graph:
+            ddp._static_graph_delay_allreduce_enqueued = True
+    ddp.reducer.holders[holder] = sync_next_backward
+    wrapped.released = True
+
+
+def give_back_reducer(wrapped: WrappedDDP, holder: int) -> None:
+    """``holder`` lets go of the wrapper's reducer; the last one builds DDP a new reducer, as ``DistributedDataParallel.__setstate__`` does.
+
+    The new one gets the static graph and communication hook of the released one. No collective
+    runs. It starts as a fresh DDP's reducer does (buckets in registration order, rebuilt after
+    its first iteration; a static graph recorded in its first iteration).
+    """
+    ddp = wrapped.ddp()
+    if ddp is None or not wrapped.released:
+        return
+    wrapped.released = False
+    released = ddp.reducer
+    if not isinstance(released, ReleasedReducer):  # replaced by someone else meanwhile
+        return
+    released.holders.pop(holder, None)
+    if released.holders:
+        logger.warning("zeroshard: DDP's reducer stays released while another ShardedOptimizer reduces params of the same "
+                       "DistributedDataParallel: the gradients of this optimizer's params are reduced by no one until it is closed too")
+        return
+    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+    param_to_name_mapping = ddp._build_debug_param_to_name_mapping(parameters)
+    ddp._ddp_init_helper(parameters, expect_sparse_gradient, param_to_name_mapping, ddp.static_graph)
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
+        ddp._static_graph_delay_allreduce_enqueued = False
+    for hook, state in released.comm_hooks:
+        ddp.logger._set_comm_hook_name(hook.__qualname__)
+        dist._register_comm_hook(ddp.reducer, state, hook)
+    if released.builtin_hook is not None:
+        ddp.logger._set_comm_hook_name(str(released.builtin_hook))
+        dist._register_builtin_comm_hook(ddp.reducer, released.builtin_hook)
+    ddp._has_rebuilt_buckets = False
+
+
+def find_wrappers(params: Iterable[nn.Parameter]) -> list[nn.Module]:
+    """Every ``DistributedDataParallel`` alive now whose module has one of ``params`` (one pass over the objects the garbage collector tracks)."""
+    ours = {id(p) for p in params}
+    # type(), not isinstance(), first: isinstance() on a dead weakref.proxy (torch.compile leaves some) raises ReferenceError.
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), DistributedDataParallel) and hasattr(obj, "module")
+            and any(id(p) in ours for p in obj.module.parameters())]
+
+
+def _restore_sync(ddp: Any, args: object, output: object) -> None:  # Any: DDP, with zeroshard's attributes set on it
+    """A forward hook on a DDP wrapper: its switches as DDP alone would have left them after this forward.
+
+    ``require_backward_grad_sync`` gets back the value the forward started with (``ddp.no_sync()``
+    restores its own on exit); ``require_forward_param_sync`` — whether the next forward
+    broadcasts rank 0's module buffers — is set as DDP's ``_post_forward`` sets it with that value.
+    """
+    ddp.require_backward_grad_sync = ddp._zeroshard_sync
+    ddp.require_forward_param_sync = torch.is_grad_enabled() and ddp._zeroshard_sync
+    ddp._zeroshard_in_forward = False
+
+
+class DDPWrappers:
+    """The ``DistributedDataParallel`` wrappers around one ``GradReducer``'s params, switched off while it reduces.
+
+    DDP's ``no_sync`` switch, turned off by a forward pre-hook before every forward of a wrapper
+    (``require_backward_grad_sync = False``) and given back its value after it, stops DDP's
+    reduction from the next forward on, while DDP still broadcasts module buffers as it would
+    alone. The reducer itself is released (:func:`release_reducer`) between backward passes and
+    given back by :meth:`close`.
+
+    Args:
+        on_forward: called before each forward of a wrapper with whether it runs under
+            ``ddp.no_sync()`` (the backward that follows then accumulates without communication).
+        sync_next_backward: called when a framework asks a released reducer to reduce the coming
+            backward (:class:`ReleasedReducer`).
+
+    Both callbacks must hold the ``GradReducer`` weakly: the wrappers' hooks hold this object.
+
+    Attributes:
+        wrapped: the wrappers adopted so far.
+        new: wrappers built since the last backward began, noted by a module registration hook
+            (``GradReducer``), adopted at the next backward.
+    """
+
+    def __init__(self, on_forward: Callable[[bool], None], sync_next_backward: Callable[[], None]) -> None:
+        self._on_forward = on_forward
+        self._sync_next_backward = sync_next_backward
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.wrapped: list[WrappedDDP] = []
+        self.new: list[weakref.ref] = []
+
+    def adopt(self, candidates: Iterable[nn.Module]) -> list[bool]:
+        """Switch off the gradient reduction of each wrapper in ``candidates`` not adopted yet (logged once).
+
+        HF Trainer, accelerate and Lightning wrap the model in DDP by default. Both reducing would
+        send every gradient twice, and DDP's C++ reducer writes its averaged gradients into
+        ``.grad``, where zeroshard keeps its own (a ShardedGrad once reduced).
+        A forward under ``ddp.no_sync()`` makes zeroshard accumulate the backward that follows
+        without communication too, as its own ``no_sync`` does. Wrappers are found at
+        construction (one pass over the objects the garbage collector tracks) and, when built
+        later, by a module registration hook, adopted before its first forward
+        (:meth:`adopt_at_first_forward`): either way DDP reduces nothing. A wrapper that ran a
+        forward before any hook saw it is adopted at the next backward; that backward was prepared
+        by DDP's forward already, so what DDP writes into ``.grad`` until the next step is ignored,
+        and DDP's reducer is released only at the next forward of the wrapper or ``step()``.
+
+        Returns:
+            for each wrapper adopted now, whether its last forward prepared DDP's reducer to reduce
+            the coming backward (``require_forward_param_sync``, which DDP's forward sets so: off
+            for a forward inside ``ddp.no_sync()``).
+
+        Raises:
+            RuntimeError: from :func:`check_supported`, before any wrapper is changed.
+        """
+        known = {id(w.ddp()) for w in self.wrapped}
+        wrappers: list[Any] = list({id(ddp): ddp for ddp in candidates if id(ddp) not in known}.values())
+        for ddp in wrappers:
+            check_supported(ddp)
+        for ddp in wrappers:
+            if not getattr(ddp, "_zeroshard_in_forward", False):  # for _restore_sync, if adopted inside a forward
+                ddp._zeroshard_sync = ddp.require_backward_grad_sync
+            self._hooks.append(ddp.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(ddp.register_forward_hook(_restore_sync, always_call=True))
+            self.wrapped.append(WrappedDDP(weakref.ref(ddp)))
+        if wrappers and dist.get_rank() == 0:
+            logger.info("zeroshard: the model is wrapped in DistributedDataParallel; zeroshard reduces its gradients itself, so DDP's "
+                        "gradient reduction is switched off")
+        return [ddp.require_forward_param_sync for ddp in wrappers]
+
+    def adopt_at_first_forward(self, ddp: nn.Module, args: object) -> None:
+        """Adopt ``ddp``, built after the optimizer, before its first forward prepares DDP's reducer: DDP reduces no backward.
+
+        Raises:
+            RuntimeError: from :func:`check_supported`.
+        """
+        if not any(ref() is ddp for ref in self.new):
+            return
+        self.new[:] = [ref for ref in self.new if ref() is not None and ref() is not ddp]
+        self.adopt([ddp])
+        self._pre_forward(ddp, args)
+
+    def _pre_forward(self, ddp: Any, args: object) -> None:
+        # Under ``ddp.no_sync()`` (gradient accumulation) zeroshard accumulates without
+        # communication too; either way DDP's reducer sits this forward's backward out. The
+        # first of several optimizers' pre-hooks (each over other params) reads the switch.
+        if not getattr(ddp, "_zeroshard_in_forward", False):
+            ddp._zeroshard_sync, ddp._zeroshard_in_forward = ddp.require_backward_grad_sync, True
+        self._on_forward(not ddp._zeroshard_sync)
+        self.release()  # the backward a wrapper found at a backward still reduced is over
+        ddp.require_backward_grad_sync = False
+
+    def release(self) -> None:
+        """Release every adopted wrapper's reducer (:func:`release_reducer`); only between backward passes."""
+        for wrapped in self.wrapped:
+            release_reducer(wrapped, id(self), self._sync_next_backward)
+
+    def close(self) -> None:
+        """Remove the hooks and give every wrapper its reducer back: DDP reduces again from its next forward (idempotent)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        wrapped, self.wrapped = self.wrapped, []
+        self.new.clear()
+        for w in wrapped:
+            give_back_reducer(w, id(self))
+
+
+_WATCHING: list[torch.utils.hooks.RemovableHandle] = []  # the process's one module registration hook
+
+
+def watch_new_wrappers(wrappers_of_owners: Callable[[Iterable[nn.Parameter]], list[DDPWrappers]]) -> None:
+    """Note every ``DistributedDataParallel`` built from now on with the :class:`DDPWrappers` of its params' owners.
+
+    A global module registration hook (``torch.nn.modules.module.register_module_module_registration_hook``,
+    torch >= 2.0), installed once per process: DDP's constructor sets ``self.module`` first, and
+    the wrapper goes into ``new`` of the ``DDPWrappers`` that ``wrappers_of_owners`` returns for
+    the module's params, to be adopted by a one-shot forward pre-hook before its first forward
+    (the constructor has finished by then), so DDP reduces no backward; or, if it runs no
+    forward first, at the next backward. It costs one string comparison per submodule registered anywhere, where looking for
+    wrappers at every backward would cost a pass over every object the garbage collector tracks.
+    """
+    if _WATCHING:
+        return
+
+    def note(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+        if name == "module" and isinstance(module, DistributedDataParallel) and submodule is not None:
+            owners = wrappers_of_owners(submodule.parameters())
+            for wrappers in owners:
+                wrappers.new.append(weakref.ref(module))
+            if owners:  # adopted at its first forward, before DDP's own forward prepares its reducer
+                handle: list[torch.utils.hooks.RemovableHandle] = []
+
+                def adopt(ddp: nn.Module, args: object) -> None:
+                    handle.pop().remove()
+                    for wrappers in wrappers_of_owners(submodule.parameters()):
+                        wrappers.adopt_at_first_forward(ddp, args)
+
+                handle.append(module.register_forward_pre_hook(adopt))
+
+    _WATCHING.append(nn.modules.module.register_module_module_registration_hook(note))
+
+
+def release(handles: list[torch.utils.hooks.RemovableHandle], ddps: DDPWrappers) -> None:
+    """Remove a reducer's hooks and give each DDP wrapper it silenced its reducer and its gradient reduction back."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+    ddps.close()

@@ -1,0 +1,467 @@
+"""Bucketed gradient reduce-scatter driven by post-accumulate-grad hooks.
+
+See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for the buffers named here.
+
+Collective order. gloo and NCCL match collectives by the order each rank issues them, so every
+rank must issue the same reduce-scatters in the same order. Buckets are therefore launched strictly
+in one order, the same on every rank: a complete bucket waits until every bucket before it has been
+launched. The order starts as flat buffers in param-group order, buckets in layout order, and is
+rebuilt once from the first backward (``zeroshard/reduce/bucket_order.py``). At the end of every backward pass (an
+autograd engine callback, queued by the first hook of that pass; the outermost pass, under reentrant
+checkpoints: ``zeroshard/reduce/nested_backward.py``), buckets still incomplete because
+some param got no gradient on this rank are completed with zeros for those params and launched, so
+every backward issues every bucket once on every rank (DDP's ``find_unused_parameters`` semantics:
+a missing gradient counts as zero). Then all reductions of the pass are waited for and added into
+the grad shards, as DDP's reducer finalizes at the end of backward. Reducers that share a process
+group take turns (``zeroshard/reduce/coordinator.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import logging
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.autograd import Variable
+
+from zeroshard.comm import collectives
+from zeroshard.comm.groups import ShardingGroups
+from zeroshard.grad.partial_norm import GradComm, ParamSpace
+from zeroshard.grad.shard_grads import ShardGrads
+from zeroshard.grad.sharded_grad import ShardedGrad, bind_virtual_grads
+from zeroshard.layout.local_shard import LocalShard
+from zeroshard.reduce import bucket
+from zeroshard.reduce.bucket import PendingReduce
+from zeroshard.reduce.bucket_order import BucketOrder
+from zeroshard.reduce.coordinator import coordinator_of, ddp_wrappers_of_owners
+from zeroshard.reduce.ddp import DDPWrappers, find_wrappers, release, watch_new_wrappers
+from zeroshard.reduce.nested_backward import OutermostBackward
+from zeroshard.reduce.records import ArrivedGrad, weak_method
+from zeroshard.reduce.staging import StagingBuckets
+
+# Stage 2 keeps at most this many bucket reductions in flight (double buffering, as DeepSpeed's ZeRO-2):
+# launching one more completes the oldest: staging memory stays about this many buckets plus one.
+MAX_BUCKETS_IN_FLIGHT = 2
+
+
+logger = logging.getLogger("zeroshard")
+
+class GradReducer:
+    """Reduce-scatters gradients, bucket by bucket, into each shard's ``grad_shard``.
+
+    Stage 1: each param's ``.grad`` is a view of a flat grad buffer (param dtype, full gradients
+    kept) holding the running local sum of all micro-steps, so each reduction overwrites the grad
+    shard. Stage 2: a ready gradient is copied into a staging bucket in ``reduce_dtype`` and
+    ``.grad`` is freed; each reduction is added into the grad shard (the first of a step written
+    straight into it, ``zeroshard/reduce/bucket.py``), with at most ``MAX_BUCKETS_IN_FLIGHT`` in
+    flight. Either way the grad shard ends up holding ``sum over data-parallel ranks / their
+    number`` (ZeRO, SC'20, §5.2).
+
+    Args:
+        shards: the local shards whose params get hooks.
+        stage: 1 or 2.
+        groups: the shard group (reduce-scatter) and, for hybrid sharding, the replicate group
+            (all-reduce of the reduced slice across replicas).
+        reduce_dtype: dtype of the reduce-scatter; ``None`` means each param's own dtype.
+        overlap_comm: launch buckets during backward as they complete (``True``) or all at the end
+            of backward (``False``).
+        timeout: the bound on waiting for each reduction (see :func:`zeroshard.comm.collectives.wait`),
+            or ``None`` for the process group's own timeout.
+    """
+
+    def __init__(self, shards: list[LocalShard], *, stage: int, groups: ShardingGroups, reduce_dtype: torch.dtype | None, overlap_comm: bool,
+                 timeout: datetime.timedelta | None = None) -> None:
+        self.stage = stage
+        self.timeout = timeout
+        self.groups = groups
+        self.group = groups.shard
+        self.world_size = groups.shard_size
+        self.reduce_dtype = reduce_dtype
+        self.overlap_comm = overlap_comm
+        self.shards: list[LocalShard] = []
+        self._comm = GradComm(groups.shard, timeout)  # where every gradient's pieces are
+        self._space = ParamSpace()  # the params as torch.optim numbers them (VirtualGrad norms)
+        self._grads: list[ShardGrads] = []  # per shard: its gradient bookkeeping
+        self._order = BucketOrder()  # rebuilt once, from the first reduced backward
+        self._staging = StagingBuckets()  # stage 2
+        self._pending: list[PendingReduce] = []
+        self._deferred: ArrivedGrad | None = None  # the last gradient, not taken yet
+        self._next_launch = 0
+        self.callback_queued = False
+        self._outermost = OutermostBackward(weak_method(self._queue_end_of_backward))  # see zeroshard/reduce/nested_backward.py
+        self.flushed = False  # another reducer's end of backward reduced this pass (coordinator.py)
+        self._no_sync = False
+        self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
+        self._late = False  # a gradient arrived after its bucket was reduced in this step (_take_grad)
+        self._reductions = 0  # backward passes reduced since reset
+        self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset; None: used since
+        self._backward_started = False  # a gradient of the current backward pass has arrived
+        self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
+        self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
+        self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates locally
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        # DDP wrappers around these params: switched off, their reducers released (DDPWrappers.adopt).
+        self._ddps = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))
+        # The hooks hold this reducer weakly, so they go with it (or with close()). Not at exit:
+        # DDP would get a reducer back for nothing, maybe after its process group is destroyed.
+        self._remove_hooks = weakref.finalize(self, release, self._hooks, self._ddps)
+        self._remove_hooks.atexit = False
+        self.closed_because = ""
+        self._coordinator = coordinator_of(self.group)  # the turns of this group's reducers, who owns which param
+        for shard in shards:
+            self.add_shard(shard)
+        self._coordinator.register(self)
+        watch_new_wrappers(ddp_wrappers_of_owners)
+        self._ddps.adopt(find_wrappers(p for shard in self.shards for p in shard.buffer.params))
+        self._ddps.release()  # a model wrapped before the optimizer was built: not in a backward now
+
+    @property
+    def ddp_wrappers(self) -> DDPWrappers:
+        """The ``DistributedDataParallel`` wrappers around these params, their gradient reduction switched off."""
+        return self._ddps
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran: no hooks, no claim on the params."""
+        return not self._remove_hooks.alive
+
+    @property
+    def accumulating(self) -> bool:
+        """Whether this backward accumulates locally: under ``no_sync`` (its own or a DDP wrapper's)."""
+        return self._no_sync or self._ddp_no_sync
+
+    @property
+    def launched_all(self) -> bool:
+        """Whether it launches nothing more in the current backward pass."""
+        return self._next_launch == len(self._order) or self.accumulating or self.flushed
+
+    def close(self, reason: str = "it was closed") -> None:
+        """Remove every hook and give up the params; ``reason`` says why, for later errors (idempotent)."""
+        if not self.closed:
+            self.closed_because = reason
+        self._remove_hooks()
+
+    def add_shard(self, shard: LocalShard) -> None:
+        """Register ``shard``'s params: hooks, launch order, and (stage 1) a flat grad buffer."""
+        k = len(self.shards)
+        self.shards.append(shard)
+        layout = shard.buffer.layout
+        self._grads.append(ShardGrads.for_shard(shard, flat=self.stage == 1, comm=self._comm))
+        bind_virtual_grads(shard, self._comm, self._space)
+        self._order.append(k, len(layout.buckets))
+        for i, param in enumerate(shard.buffer.params):
+            self._hooks.append(param.register_hook(self._make_pre_hook(k, i, param)))
+            self._hooks.append(param.register_post_accumulate_grad_hook(functools.partial(weak_method(self._on_grad_ready), k, i)))
+            self._grads[k].hook_ids[i] = self._hooks[-1].id
+            self._coordinator.own(param, self)
+
+    def _make_pre_hook(self, k: int, i: int, param: nn.Parameter):
+        reducer, param_ref = weakref.ref(self), weakref.ref(param)
+
+        def pre_hook(grad: Tensor) -> None:  # runs before autograd accumulates ``grad`` into ``param.grad``
+            live, held = reducer(), param_ref()
+            if live is not None and held is not None:
+                live._before_accumulate(k, i, held)
+
+        return pre_hook
+
+    def _reduce_dtype(self, k: int) -> torch.dtype:
+        return self.reduce_dtype or self.shards[k].buffer.dtype
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, with no communication, inside the block."""
+        previous = self._no_sync
+        self._no_sync = True
+        self._unreduced = True
+        self._reset_marks = None
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    # -- what user code did to the gradients --
+
+    def _before_accumulate(self, k: int, i: int, param: nn.Parameter) -> None:
+        """Read what was done to the gradients since zeroshard last wrote them; swap a reduced ShardedGrad back for accumulation."""
+        self._reset_marks = None
+        self._coordinator.take_deferred(self)  # before this accumulation bumps the flat grad's version (stage 1)
+        if not self._backward_started:
+            # DDP wrappers built since the last backward; adopting one may raise: nothing changed yet.
+            syncs = self._ddps.adopt([ddp for ref in self._ddps.new if (ddp := ref()) is not None]) if self._ddps.new else []
+            self._ddps.new.clear()
+            self._backward_started = True
+            self._ddp_no_sync, self._ddp_forward = self._ddp_forward and self._ddp_no_sync, False
+            if syncs:
+                self._ddp_reduced = self._ddp_reduced or any(syncs)
+                if not any(syncs):
+                    # Found inside ``ddp.no_sync()``: a framework's first accumulation micro-step
+                    # (HF Trainer and accelerate run its backward in the block). Accumulate
+                    # without communication, as zeroshard does for the later ones.
+                    self._ddp_no_sync = self._unreduced = True
+            self._check_flat_grads()
+            if self._reductions > 0:
+                for grads in self._grads:
+                    grads.refuse_edits_before_rereduction()
+        self._grads[k].before_accumulate(i, param, reduced=self._reductions > 0, follow=not self._ddp_reduced)
+
+    def _on_ddp_forward(self, no_sync: bool) -> None:
+        """Before a forward of an adopted DDP wrapper: under ``ddp.no_sync()`` its backward accumulates without communication."""
+        self._ddp_forward = True
+        self._ddp_no_sync = no_sync
+        self._unreduced = self._unreduced or no_sync
+
+    def _sync_next_backward(self) -> None:
+        """A framework asked DDP's (released) reducer to reduce the coming backward (``prepare_for_backward``): reduce it."""
+        self._ddp_no_sync = False
+
+    def _settle(self, k: int, i: int, param: nn.Parameter) -> None:
+        """Follow what user code did to param ``i`` of shard ``k``'s reduced ``.grad`` (:meth:`ShardGrads.settle`)."""
+        if not self._ddp_reduced:
+            self._grads[k].settle(i, param)
+
+    def _check_flat_grads(self) -> None:
+        """Stage 1: follow in-place writes to the params' ``.grad`` (see :meth:`ShardGrads.follow_flat_writes`).
+
+        Raises:
+            RuntimeError: gradients written in place after they were reduced, not to zero.
+        """
+        if not self._ddp_reduced:
+            for grads in self._grads:
+                grads.follow_flat_writes(reduced=self._reductions > 0 and not self._unreduced)
+
+    def settle_all(self) -> None:
+        """Before a step: follow what was done to every param's gradient."""
+        self._check_flat_grads()
+        if not self._ddp_reduced:
+            for grads in self._grads:
+                grads.settle_all()
+
+    # -- backward --
+
+    def _on_grad_ready(self, k: int, i: int, param: nn.Parameter) -> None:
+        self.shards[k].follow(i)  # the model may have moved since the optimizer was built
+        grad = param.grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            raise RuntimeError(f"param {tuple(param.shape)} got a sparse gradient; zeroshard reduces dense gradients only (use sparse=False in nn.Embedding)")
+        self._grads[k].used[i] = True
+        if self.stage == 1:
+            self._grads[k].keep_in_flat_grad(i, param)
+        if self.accumulating:
+            if self._coordinator.shared():  # the group's other reducers still reduce at this backward's end
+                self._queue_end_of_backward()
+            return
+        if self._grads[k].continued[i]:
+            self._grads[k].refuse_partial_write(i, self._grads[k].hooked_before(i, param))
+        self._queue_end_of_backward()
+        self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this param's pre-hook (_before_accumulate)
+        if self._ddp_reduced:  # DDP's reducer, hooked after, reads .grad as left here: take it now
+            self.take_deferred()
+
+    def take_deferred(self) -> None:
+        """Take the gradient that arrived last, now that the hooks after zeroshard's have run; launch what is complete.
+
+        Raises:
+            RuntimeError: see :meth:`ShardGrads.refuse_partial_write`.
+        """
+        if self._deferred is None:
+            return
+        arrived, self._deferred = self._deferred, None
+        k, i, param = arrived.shard, arrived.index, arrived.param
+        self._grads[k].refuse_partial_write(i, arrived.changed())
+        if param.grad is None:  # a hook dropped it: as in DDP, the param is unused on this rank
+            self._grads[k].used[i] = False
+        if self.stage == 1:
+            self._grads[k].keep_in_flat_grad(i, param)  # a hook may have replaced .grad (None: zeroes this rank's part)
+        self._take_grad(k, i, param)
+        if self.overlap_comm:
+            self.launch_complete_buckets()
+
+    def _take_grad(self, k: int, i: int, param: nn.Parameter, last: bool = False) -> None:
+        """Count a gradient of param ``i`` of shard ``k`` (``last``: at the end of the pass); stage 2 moves it into the staging bucket."""
+        slot = self.shards[k].buffer.layout.slots[i]
+        if self._order.position((k, slot.bucket)) < self._next_launch:
+            # More gradients than any pass had, its bucket reduced (nested_backward.py): kept local until step().
+            self._grads[k].arrivals[i] += 1
+            self._late = True
+            self._order.completed((k, slot.bucket))  # it completes now in the next passes
+            return
+        if self.stage == 2 and param.grad is not None and not isinstance(param.grad, ShardedGrad):
+            self._staging.add((k, slot.bucket), self.shards[k].buffer.layout, i, param.grad, self._reduce_dtype(k))
+            param.grad = None if self._ddp_reduced else self._grads[k].sharded_grad(i, param)
+        if self._grads[k].take(i, last):
+            self._order.completed((k, slot.bucket))
+
+    def launch_complete_buckets(self, in_turn: bool = True) -> None:
+        """Launch the complete buckets in order; ``in_turn``: after the group's earlier reducers (coordinator.py)."""
+        if in_turn and not self._coordinator.turn_has_come(self):
+            return
+        while self._next_launch < len(self._order):
+            k, b = self._order[self._next_launch]
+            if self._grads[k].ready_count[b] < len(self.shards[k].buffer.layout.buckets[b].params):
+                return
+            self._coordinator.drain_earlier(self)
+            self._launch(k, b)
+            self._next_launch += 1
+        self._coordinator.let_later_launch(self)
+
+    def drain(self) -> None:
+        for pending in self._pending:
+            self._complete(pending)
+        self._pending.clear()
+
+    def _queue_end_of_backward(self) -> None:
+        if not self.callback_queued:  # once the backward pass is done: completes and waits for every bucket
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+            self.callback_queued, self.flushed = True, False
+
+    def _on_backward_end(self) -> None:
+        """At the end of backward: every reducer of the process group reduces this pass, this one included (ReduceCoordinator.flush)."""
+        if self._outermost.defer():  # the end of a reentrant checkpoint's nested backward: not yet
+            self.callback_queued = False
+            return
+        if self.flushed:
+            self.flushed = self.callback_queued = False
+            return
+        self._coordinator.flush(self)
+
+    def _launch(self, k: int, b: int) -> None:
+        buffer, grads_of = self.shards[k].buffer, self._grads[k]
+        dtype = self._reduce_dtype(k)
+        if self.stage == 1:
+            grads, frozen = bucket.stage1_input(buffer.bucket_view(b, of=grads_of.flat), dtype, self.world_size)
+        else:
+            staged = self._staging.pop((k, b), buffer.layout)
+            # None: no param of the bucket got a gradient on this rank
+            grads = staged if staged is not None else torch.zeros(buffer.layout.buckets[b].padded_numel, dtype=dtype, device=buffer.device)
+            frozen = True  # a staging bucket: written again only once recycled, after the reduction
+        fresh = self.stage == 1 or not grads_of.landed[b]
+        grads_of.landed[b] = True
+        self._pending.append(bucket.launch(grads, self.shards[k].grad_slice(b), self.groups, k, b, fresh=fresh, input_frozen=frozen))
+        if self.stage == 2 and len(self._pending) > MAX_BUCKETS_IN_FLIGHT:
+            # Bound stage 2's gradient memory: finish the oldest reduction and free its staging buffer.
+            self._complete(self._pending.pop(0))
+
+    def _complete(self, pending: PendingReduce) -> None:
+        """Wait for one reduction, leave it in the grad shard, recycle its staging buffer."""
+        bucket.complete(pending, self.groups, self._wait, overwrite=self.stage == 1)
+        if self.stage == 2:
+            self._staging.recycle(pending.input)
+
+    def _wait(self, work: collectives.AsyncWork | None, what: str) -> None:
+        if work is None:  # a shard group of one: nothing was sent
+            return
+        collectives.wait(work, self.timeout, f"backward or step(): {what}",
+                         "run the same backward passes (outside no_sync()) and step() calls, with the same params used")
+
+    def reduce_everything(self) -> None:
+        """Complete every bucket not yet launched, launch it, and add all results into the grad shards."""
+        self._reset_marks = None
+        self.take_deferred()
+        for k, shard in enumerate(self.shards):
+            for i, param in enumerate(shard.buffer.params):
+                if self._grads[k].ready[i]:
+                    continue
+                self._settle(k, i, param)
+                fresh = param.grad is not None and not isinstance(param.grad, ShardedGrad)
+                if fresh and not (self.stage == 1 and self._grads[k].is_flat_view(i, param)):
+                    self._grads[k].used[i] = True
+                if self.stage == 1 and not isinstance(param.grad, ShardedGrad):  # a ShardedGrad's local sum is in the flat grad already
+                    self._grads[k].keep_in_flat_grad(i, param)
+                self._take_grad(k, i, param, last=True)
+        self.launch_complete_buckets(in_turn=False)
+        self.drain()
+        self._order.rebuild(self.groups, self.timeout)
+        if not self._ddp_reduced:  # else a DDP reduced this backward itself: its .grad stay (ignored)
+            for grads in self._grads:
+                grads.leave_sharded_grads()
+        self._clear_backward_state()
+        self._reductions += 1
+        self._unreduced = False
+        self._note_flat_grad_versions()
+
+    def drop_unused_grads(self, used: list[list[bool]]) -> None:
+        """At ``step()``: params no rank gave a gradient (``used``) keep ``.grad = None`` (:meth:`ShardGrads.drop_unused`)."""
+        for grads, flags in zip(self._grads, used):
+            grads.drop_unused(flags)
+
+    def _note_flat_grad_versions(self) -> None:
+        for grads in self._grads:
+            grads.note_flat_version()
+
+    def _clear_backward_state(self) -> None:
+        """Forget which params were taken in the current backward pass."""
+        self._next_launch = 0
+        self.callback_queued = False
+        self._outermost.clear()
+        self._deferred = None
+        self._backward_started = False
+        for grads in self._grads:
+            grads.clear_backward()
+
+    def reduce_for_step(self) -> None:
+        """Reduce whatever is still local: gradients from ``no_sync``, a late one (``_take_grad``), or a step with no reduced backward.
+
+        These conditions are the same on every rank as long as the ranks run the same training
+        loop, so every rank issues the same collectives here.
+        """
+        self.settle_all()
+        if self._unreduced or self._late or self._reductions == 0:
+            self._late = False
+            self.reduce_everything()
+
+    def reduce_again(self) -> None:
+        """Have the next :meth:`reduce_for_step` reduce every bucket again (after shards were added mid-step).
+
+        Gradients already reduced are not reduced twice: stage 2's ``ShardedGrad`` s add nothing,
+        and stage 1 overwrites each slice of the grad shard with the same sum.
+        """
+        self._unreduced = True
+
+    def local_used(self) -> list[list[bool]]:
+        """Per shard, per param: whether the param got a gradient on this rank since the last reset."""
+        return [list(grads.used) for grads in self._grads]
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Zero the grad shards (and stage 1's flat grad buffers) and forget which params were used.
+
+        Also clears what a backward pass that raised midway left behind, so the next one starts clean,
+        and what a DDP wrapper wrote into ``.grad`` in the backward it still reduced. Returns at once
+        when nothing happened since the last reset (``zero_grad()`` right after ``step()``, which resets).
+        """
+        if self._reset_marks is not None and self._reset_marks == self._marks():
+            return
+        if self._ddp_reduced:
+            self._ddp_reduced = False
+            for shard in self.shards:
+                for param in shard.buffer.params:
+                    param.grad = None
+        self._ddps.release()  # between backward passes: a backward a DDP wrapper reduced is over
+        for pending in self._pending:  # left behind by a backward pass that raised (some write into the grad shard: first)
+            self._wait(pending.work, pending.what)
+        self._pending.clear()
+        for k, shard in enumerate(self.shards):
+            shard.grad_shard.zero_()
+            self._grads[k].reset()
+        self._clear_backward_state()
+        self._staging.clear()  # stage 2 holds no gradient buffers between steps
+        self._reductions = 0
+        self._unreduced = self.flushed = self._late = False
+        self._note_flat_grad_versions()
+        self._reset_marks = self._marks()
+
+    def _marks(self) -> list[tuple[int, int]]:
+        return [m for g in self._grads for m in g.marks()]
+
+    def grad_buffers(self) -> list[Tensor]:
+        """The gradient buffers this reducer owns right now: stage 1 flat grads, stage 2 staging buckets (pooled too)."""
+        in_flight = [p.input for p in self._pending] if self.stage == 2 else []
+        return [g.flat for g in self._grads if g.flat is not None] + self._staging.buffers() + in_flight

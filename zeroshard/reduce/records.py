@@ -1,0 +1,47 @@
+"""What a ``GradReducer`` holds between hooks (a gradient arrived but not taken yet), and the weak calls its hooks make."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+
+@dataclass
+class ArrivedGrad:
+    """The gradient autograd accumulated last into param ``index`` of shard ``shard``, not taken yet.
+
+    A gradient is taken (marked ready, moved into a staging bucket, its bucket launched) before the
+    next gradient is accumulated or at the end of backward, not in zeroshard's own post-accumulate-grad hook:
+    the hooks registered after zeroshard's, the user's, run in between, and DDP, whose reducer
+    hooks the grad accumulator after every such hook, reduces what they leave in ``.grad``.
+    """
+
+    shard: int
+    index: int
+    param: nn.Parameter
+    grad: Tensor | None  # param dtype and shape, ``param.grad`` as zeroshard's hook left it
+    version: int  # ``grad._version`` then
+
+    @classmethod
+    def of(cls, shard: int, index: int, param: nn.Parameter) -> ArrivedGrad:
+        """The record of ``param``'s gradient as it is now."""
+        return cls(shard, index, param, param.grad, param.grad._version if param.grad is not None else 0)
+
+    def changed(self) -> bool:
+        """Whether a hook wrote ``.grad`` in place or replaced it since the record was made."""
+        return self.param.grad is not self.grad or (self.grad is not None and self.grad._version != self.version)
+
+
+def weak_method(method: Callable) -> Callable:
+    """``method`` (bound to a GradReducer) called through a weak reference: a no-op once the reducer is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: object) -> None:
+        live = ref()
+        if live is not None:
+            live(*args)
+
+    return call

@@ -1,0 +1,1 @@
+"""One optimizer step on the local shard: gradient statistics, loss scaling and overflow, the update."""

@@ -1,0 +1,118 @@
+"""The global gradient norm, the overflow check and "which params got a gradient", in one all-reduce.
+
+See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for the grad shard.
+
+Every rank computes the sum of squares of its grad shards (padding is zero, and a tied param
+lives in one flat-buffer slot, so each element of each param counts once) and sends it with one
+flag per param in one SUM all-reduce over the shard group. With hybrid sharding the replicas hold
+identical grad shards, so only replica 0 contributes its sum to the second all-reduce (over the
+replicate group) while every replica contributes its flags. An inf or NaN anywhere makes the sum
+non-finite: that is the overflow check (as in ZeRO's and Megatron's ``found_inf``). The infinity
+norm sends a count of non-finite shards in the sum's place, and takes its value from a MAX
+all-reduce of the largest magnitude: the overflow check never rests on MAX, which gloo computes
+with ``std::max`` and so drops a NaN unless rank 0 holds it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm import collectives
+from zeroshard.comm.groups import ShardingGroups
+from zeroshard.kernels import grad_sumsq
+from zeroshard.layout.local_shard import LocalShard
+
+NORM_TYPES = (2.0, math.inf)
+
+
+@dataclass(frozen=True)
+class GradStats:
+    """What one step needs to know about the reduced gradients of all ranks.
+
+    Attributes:
+        norm: the global norm (of the ``norm_type`` asked for) of the gradients as they sit in
+            the grad shards (still multiplied by the loss scale, if any); inf or NaN on overflow.
+        used: per shard, per param: whether the param got a gradient on some rank.
+        dtype: the norm's dtype, as ``torch.nn.utils.clip_grad_norm_`` returns it: fp64 when any
+            grad shard is fp64 (fp64 params), else fp32.
+        clip_norm: the norm the clip coefficient and ``grad_norm`` take when it is not ``norm``
+            (scaled alike): the norm over several optimizers' params that
+            ``zeroshard.clip_grad_norm_`` gathered for one driven by a ``torch.amp.GradScaler``,
+            while its own ``norm`` decides whether it skips (zeroshard/clip.py).
+    """
+
+    norm: float
+    used: list[list[bool]]
+    dtype: torch.dtype = torch.float32
+    clip_norm: float | None = None
+
+    @property
+    def pre_clip_norm(self) -> float:
+        """The norm the clip coefficient divides by: ``clip_norm``, else ``norm``."""
+        return self.norm if self.clip_norm is None else self.clip_norm
+
+    @property
+    def found_inf(self) -> bool:
+        """Whether any gradient element on any rank is inf or NaN."""
+        return not math.isfinite(self.norm)
+
+
+def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0,
+                      timeout: datetime.timedelta | None = None, caller: str = "step()") -> GradStats:
+    """Reduce this rank's sum of squares (or max magnitude) and used-flags over every data-parallel rank.
+
+    Args:
+        shards: this rank's shards, their grad shards already reduced.
+        local_used: per shard, per param: whether it got a gradient on this rank.
+        groups: the shard group and, for hybrid sharding, the replicate group.
+        norm_type: 2.0 or ``math.inf``.
+        timeout: the bound on each all-reduce (see :func:`zeroshard.comm.collectives.wait`), or ``None``.
+        caller: the public method this runs for, named in a timeout error.
+
+    Raises:
+        ValueError: another ``norm_type``.
+        RuntimeError: an all-reduce did not complete within ``timeout``.
+    """
+    if norm_type not in NORM_TYPES:
+        raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
+    device = shards[0].grad_shard.device
+    # The norm in fp64 for fp64 gradients, as torch.nn.utils.clip_grad_norm_ computes it in their dtype.
+    dtype = torch.float64 if any(s.grad_shard.dtype == torch.float64 for s in shards) else torch.float32
+    flags = torch.tensor([u for used in local_used for u in used], dtype=dtype)
+    # On CUDA from pinned memory: a pageable copy would wait for the device (a second sync per step).
+    flags = flags.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flags.to(device)
+    if norm_type == 2.0:
+        local = sum((grad_sumsq(s.grad_shard) for s in shards), torch.zeros((), device=device))
+    else:
+        local = torch.stack([s.grad_shard.abs().max() if s.grad_shard.numel() else torch.zeros((), device=device) for s in shards]).max()
+    summed = local if norm_type == 2.0 else (~torch.isfinite(local)).float()  # sum of squares, or a non-finite count
+    both = torch.cat([summed.reshape(1).to(dtype), flags])
+    replica_rank = dist.get_rank(groups.replicate) if groups.replicate is not None else 0
+    hint = "run the same backward passes and call clip_grad_norm_() and step() alike"
+    for group in groups.all():
+        if dist.get_world_size(group) == 1:
+            continue
+        if group is groups.replicate and norm_type == 2.0 and replica_rank != 0:
+            both[0] = 0.0  # the replicas' grad shards are identical: count one of them
+        collectives.wait(collectives.all_reduce(both, group), timeout, f"{caller}: the all-reduce of the gradient norm", hint)
+    if norm_type != 2.0:
+        for group in groups.all():
+            if dist.get_world_size(group) > 1:
+                work = collectives.all_reduce(local, group, op=dist.ReduceOp.MAX)
+                collectives.wait(work, timeout, f"{caller}: the all-reduce of the gradient inf-norm", hint)
+    values = both.tolist()  # the one host-device synchronization of the step
+    if norm_type == 2.0:
+        norm = math.sqrt(values[0]) if math.isfinite(values[0]) else values[0]
+    else:
+        norm = float(local) if values[0] == 0 else math.nan
+    flat = values[1:]
+    used, start = [], 0
+    for per_shard in local_used:
+        used.append([v > 0 for v in flat[start : start + len(per_shard)]])
+        start += len(per_shard)
+    return GradStats(norm, used, dtype)
