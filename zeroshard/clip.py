@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -52,18 +51,11 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
         raise ValueError(f"optimizers must be one or more distinct ShardedOptimizers; got {len(optimizers)} entries, "
                          f"{len({id(opt) for opt in optimizers})} distinct")
     # The first one's clip_grad_norm_ checks max_norm and norm_type before its collective.
-    norms = [float(opt.clip_grad_norm_(max_norm, norm_type)) for opt in optimizers]
-    total = max(norms) if math.isinf(norm_type) else math.sqrt(sum(n * n for n in norms))
-    if any(not math.isfinite(n) for n in norms):
+    norms = [opt.clip_grad_norm_(max_norm, norm_type) for opt in optimizers]
+    total = max(map(float, norms)) if math.isinf(norm_type) else math.sqrt(sum(float(n) ** 2 for n in norms))
+    if any(not math.isfinite(float(n)) for n in norms):
         total = math.inf
     overflow.note_joint(optimizers)
-    dtypes = set()
     for opt in optimizers:
-        stats = opt._stats
-        if stats is None:
-            raise RuntimeError("internal error: clip_grad_norm_ left no gradient statistics")
-        dtypes.add(stats.dtype)
-        joint = total * opt._gradient_scale()
-        # After a GradScaler's unscale_ its own overflow decides the skip (zeroshard/grad/amp.py); the joint norm only clips.
-        opt._stats = replace(stats, clip_norm=joint) if opt._shard_set.amp.unscaled else replace(stats, norm=joint)
-    return torch.tensor(total, dtype=torch.float64 if torch.float64 in dtypes else torch.float32)
+        opt.use_joint_norm(total)
+    return torch.tensor(total, dtype=torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32)

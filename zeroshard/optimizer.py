@@ -10,6 +10,7 @@ import datetime
 import logging
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,7 +24,6 @@ from zeroshard.gather.param_gather import ParamGather, pop_guard_if_done
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.memory import MemoryUsage, owned_memory
 from zeroshard.offload.placement import Placement
-from zeroshard.offload.tracer import MemoryTracer
 from zeroshard.reduce.grad_reducer import GradReducer
 from zeroshard.shard_set import ShardSet
 from zeroshard.state_dict import StateDictMixin
@@ -171,6 +171,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self.overlap_comm = overlap_comm
         self.reduce_dtype = reduce_dtype
         self.collective_timeout_s = collective_timeout_s
+        self._timeout = None if collective_timeout_s is None else datetime.timedelta(seconds=collective_timeout_s)
 
         self._shard_set = ShardSet(optimizer, self.groups, self.bucket_size_mb, host_master=offload is not None,
                                    partition=self.partition, master_weights=master_weights)
@@ -183,30 +184,26 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self._skipped_steps = 0
         self._stats: GradStats | None = None  # from clip_grad_norm_, for the coming step
         self._clip_norm: float | None = None  # max_norm of a clip_grad_norm_ call, for the coming step
-        self._gather = ParamGather(self.process_group, self._collective_timeout(), overlap=overlap_param_gather)
+        self._gather = ParamGather(self.process_group, self._timeout, overlap=overlap_param_gather)
         weakref.finalize(self, self._gather.wait)  # dropped mid-gather: complete, let the guard go
         self._reducer = GradReducer(
             self._shard_set.add_groups(range(len(optimizer.param_groups))), stage=stage, groups=self.groups, reduce_dtype=reduce_dtype,
-            overlap_comm=overlap_comm, timeout=self._collective_timeout(),
+            overlap_comm=overlap_comm, timeout=self._timeout,
         )
         self._device = self._shards[0].buffer.device  # every param on one device (checked)
         self._fused = FusedAdam(optimizer, kind) if master_weights and (kind := fused_adam_kind(optimizer)) else None
         self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
-        self._placement: Placement | None = None
-        # Measures the first iteration, up to the first step(), for the placement (see _place_chunks).
-        self._margin_tracer = MemoryTracer(self._device, sample_interval_s=0.01).start() if gpu_margin_mem_ratio > 0 else None
-        if self._margin_tracer is not None:  # dropped before its first step: stop sampling
-            weakref.finalize(self, self._margin_tracer.cancel)
+        if gpu_margin_mem_ratio > 0 and self._fused is not None:  # with offload (checked): the fused update
+            self._fused.measure_margin(self._device, self.gpu_margin_mem_ratio)
         self._scaler, self._static_scale = choose_loss_scale(loss_scale, fp16=any(s.buffer.dtype == torch.float16 for s in self._shards))
         if self._scaler is not None:
-            overflow.note_dynamic_scale(self)
+            overflow.note_dynamic_scale(self, self._scaler, self._reducer)
         if self.rank == 0:
             logger.info("%s", self._shard_set.layout_summary(stage))
 
     # -- partitioning ------------------------------------------------------------------------
 
-    def _hook_up(self, shards: list[LocalShard]) -> None:
-        """Have the gradient reducer take shards added after construction."""
+    def _hook_up(self, shards: list[LocalShard]) -> None:  # shards added after construction
         for shard in shards:
             self._reducer.add_shard(shard)
 
@@ -252,16 +249,13 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         """``scale_loss(loss).backward()``: use it instead of ``loss.backward()`` whenever a loss scale is active."""
         self.scale_loss(loss).backward()
 
-    def _collective_timeout(self) -> datetime.timedelta | None:
-        return None if self.collective_timeout_s is None else datetime.timedelta(seconds=self.collective_timeout_s)
-
     def _gather_stats(self, norm_type: float, caller: str) -> GradStats:
         unfrozen = self._shard_set.add_unfrozen()
         if unfrozen:
             self._hook_up(unfrozen)
             self._reducer.reduce_again()  # their gradients are still local
         self._reducer.reduce_for_step()
-        return gather_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._collective_timeout(), caller)
+        return gather_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._timeout, caller)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the coming step's gradients to global norm ``max_norm``; return the pre-clip norm.
@@ -284,6 +278,19 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self._stats = self._gather_stats(float(norm_type), "clip_grad_norm_()")
         self._clip_norm = float(max_norm)
         return torch.tensor(self._stats.norm / self._gradient_scale(), dtype=self._stats.dtype)
+
+    def use_joint_norm(self, total: float) -> None:
+        """After :meth:`clip_grad_norm_`: clip to ``total``, several optimizers' global norm (:func:`zeroshard.clip_grad_norm_`).
+
+        A non-finite ``total`` skips the step, unless a ``GradScaler`` unscaled (its check decides).
+
+        Raises:
+            RuntimeError: no :meth:`clip_grad_norm_` since the last step.
+        """
+        if self._stats is None:
+            raise RuntimeError("use_joint_norm() follows clip_grad_norm_(), after the backward passes and before step()")
+        joint = total * self._gradient_scale()
+        self._stats = replace(self._stats, clip_norm=joint) if self._shard_set.amp.unscaled else replace(self._stats, norm=joint)
 
     def _gradient_scale(self) -> float:
         """What the gradients are multiplied by (see :meth:`GradScalerLink.gradient_scale`)."""
@@ -323,8 +330,9 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             for shard in self._shards:  # before any collective: raises alike on every rank
                 shard.follow_all()
             stats = self._stats or self._gather_stats(2.0, "step()")
-            if self._margin_tracer is not None and self._fused is not None:  # gpu_margin_mem_ratio: offload, so the fused update
-                self._place_chunks(self._margin_tracer, self._fused)
+            if self._fused is not None and (placed := self._fused.place_once(self._shards, lambda: self.memory_usage().device_bytes)):
+                if self.rank == 0:
+                    logger.info("%s", placed.summary())
             scale = self._gradient_scale()  # after the statistics' device read (GradScaler on CUDA: no 2nd wait)
             self.grad_norm = torch.tensor(stats.pre_clip_norm / scale, dtype=stats.dtype)
             self.step_was_skipped = stats.found_inf
@@ -353,14 +361,6 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             wrapped_step(self.optimizer, self._shards, stats.used, multiplier)
         self._gather.launch(self._shards)  # waited for before the params are next read (param_gather.py)
 
-    def _place_chunks(self, tracer: MemoryTracer, fused: FusedAdam) -> None:
-        """End the first iteration's tracer and move that margin's share of chunks to the device (logged once)."""
-        self._margin_tracer = None
-        tracer.stop()
-        self._placement = fused.place(self._shards, tracer, self.memory_usage().device_bytes, self.gpu_margin_mem_ratio, self._device)
-        if self.rank == 0:
-            logger.info("%s", self._placement.summary())
-
     @property
     def placement(self) -> Placement | None:
         """Where ``gpu_margin_mem_ratio`` put this rank's chunks at the first ``step()`` (see :class:`~zeroshard.Placement`); else ``None``.
@@ -368,7 +368,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         The first iteration's measured margin, and per chunk its bytes and whether it is on the
         device. Placement happens once.
         """
-        return self._placement
+        return self._fused.placement if self._fused is not None else None
 
     def wait_params(self) -> None:
         """Wait for the last :meth:`step`'s param all-gathers (CUDA: order the current stream after them).

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from zeroshard.checkpoint import full, sharded, whole_param
 from zeroshard.comm.groups import ShardingGroups
@@ -83,7 +84,8 @@ class StateDictMixin:
         """The checkpoint formats of this optimizer's partition (fixed at construction)."""
         return FORMATS[self.partition]
 
-    def _checkpoint_view(self) -> sharded.CheckpointView:
+    def checkpoint_view(self) -> sharded.CheckpointView:
+        """What this optimizer's checkpoints record of it (layout, param groups, steps, mesh, loss scaler), for the checks of a load."""
         return sharded.CheckpointView(
             self.optimizer, self._shards, self._shard_set.group_params, self._shard_set.param_steps,
             self.groups.mesh, self.process_group, self._scaler,
@@ -116,7 +118,7 @@ class StateDictMixin:
         if self._consolidated is not None and not called_by_dcp():
             state_dict, self._consolidated = self._consolidated, None
         else:
-            state_dict = self._format.sharded_state_dict(self._checkpoint_view())
+            state_dict = self._format.sharded_state_dict(self.checkpoint_view())
             self._issued = {id(t): weakref.ref(t) for t in sharded.issued_tensors(state_dict)}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -139,7 +141,7 @@ class StateDictMixin:
         if not 0 <= to < dist.get_world_size():
             raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
         self.wait_params()
-        self._consolidated = self._format.consolidate(self._checkpoint_view(), to)
+        self._consolidated = self._format.consolidate(self.checkpoint_view(), to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a sharded state dict (this layout, any world size via DCP) or a full one (any world size).
@@ -168,7 +170,7 @@ class StateDictMixin:
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
-        view = self._checkpoint_view()
+        view = self.checkpoint_view()
         meta = state_dict.get("zeroshard") if isinstance(state_dict, dict) else None
         if isinstance(meta, dict) and meta.get("format") == sharded.SHARDED_FORMAT:
             tensors = sharded.issued_tensors(state_dict)
@@ -228,3 +230,8 @@ class StateDictMixin:
         finally:
             for shard in self._shards:
                 shard.follow_all()
+
+    def holds_storage_of(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` shares storage with one of this optimizer's flat param buffers (every trainable param does, see :meth:`params_own_storage`)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(shard.buffer.data.untyped_storage().data_ptr() == ptr for shard in self._shards)

@@ -80,7 +80,7 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
         if saved_layout is None:
             raise ValueError(f"{path} holds no zeroshard optimizer state under {key!r} (no {key}.zeroshard.layout entry)")
         try:
-            check_layout(optimizer._checkpoint_view(), saved_layout)
+            check_layout(optimizer.checkpoint_view(), saved_layout)
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
 

@@ -57,11 +57,10 @@ def save_state_pre_hook(*optimizers: ShardedOptimizer) -> Callable[[list[nn.Modu
     def hook(models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
         for opt in optimizers:
             opt.consolidate_state_dict(to=0)
-        flat = {shard.buffer.data.untyped_storage().data_ptr() for opt in optimizers for shard in opt._shards}
         for state_dict in weights:
             copies: dict[tuple[int, torch.Size, tuple[int, ...]], torch.Tensor] = {}
             for name, tensor in state_dict.items():
-                if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() in flat:
+                if isinstance(tensor, torch.Tensor) and any(opt.holds_storage_of(tensor) for opt in optimizers):
                     key = (tensor.data_ptr(), tensor.shape, tensor.stride())
                     if key not in copies:
                         copies[key] = tensor.detach().clone()

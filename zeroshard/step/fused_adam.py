@@ -21,8 +21,9 @@ Chunks in host memory (``offload="cpu"``) take torch's fused CPU Adam/AdamW kern
 from __future__ import annotations
 
 import math
+import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -165,6 +166,8 @@ class FusedAdam:
         self.optimizer = optimizer
         self.adamw = kind == "adamw"
         self._pipeline = OffloadPipeline()
+        self.placement: Placement | None = None  # where place_once put the chunks
+        self._margin: tuple[MemoryTracer, float, torch.device] | None = None  # (tracer, ratio, device) until place_once
 
     @torch.no_grad()
     def bind(self, shards: list[LocalShard]) -> None:
@@ -189,6 +192,25 @@ class FusedAdam:
                             state[key] = view
 
     @torch.no_grad()
+    def measure_margin(self, device: torch.device, ratio: float) -> None:
+        """Measure from now to the first step for ``gpu_margin_mem_ratio`` = ``ratio`` (> 0); :meth:`place_once` then places the chunks."""
+        tracer = MemoryTracer(device, sample_interval_s=0.01).start()
+        weakref.finalize(self, tracer.cancel)  # dropped before its first step: stop sampling
+        self._margin = (tracer, ratio, device)
+
+    def place_once(self, shards: list[LocalShard], model_data_bytes: Callable[[], int]) -> Placement | None:
+        """At the first step after :meth:`measure_margin`: end its tracer and :meth:`place` (``model_data_bytes()``: what the optimizer owns on the device).
+
+        Returns the new :attr:`placement`, or ``None`` when there is nothing to place (no margin measured, or placed already).
+        """
+        if self._margin is None:
+            return None
+        tracer, ratio, device = self._margin
+        self._margin = None
+        tracer.stop()
+        self.placement = self.place(shards, tracer, model_data_bytes(), ratio, device)
+        return self.placement
+
     def place(self, shards: list[LocalShard], tracer: MemoryTracer, model_data_bytes: int, ratio: float, device: torch.device) -> Placement:
         """Move ``ratio`` of the measured margin's worth of chunks to ``device`` (see :func:`~zeroshard.offload.placement.place_chunks`).
 

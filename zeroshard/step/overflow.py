@@ -8,18 +8,32 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 logger = logging.getLogger("zeroshard")
 
-# ShardedOptimizers with a dynamic loss scale, and those clip_grad_norm_ last gathered together.
-_SCALED: weakref.WeakSet = weakref.WeakSet()
+
+
+class Scaled(Protocol):
+    """What the overflow check reads of a ``ShardedOptimizer``'s gradient reducer."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def local_used(self) -> list[list[bool]]: ...
+
+
+# ShardedOptimizers with a dynamic loss scale -> (the scaler, their reducer); those clip_grad_norm_ last gathered together.
+_SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _JOINT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> ids of the optimizers of its last joint clip
 
 
-def note_dynamic_scale(opt: Any) -> None:
-    """Record that ``opt`` has a dynamic loss scale (see :func:`check_one_overflow_decision`)."""
-    _SCALED.add(opt)
+def note_dynamic_scale(opt: Any, scaler: Any, reducer: Scaled) -> None:
+    """Record that ``opt`` updates the dynamic loss scale ``scaler`` (a ``DynamicLossScaler``) from the gradients of ``reducer``.
+
+    See :func:`check_one_overflow_decision`.
+    """
+    _SCALED[opt] = (scaler, reducer)
 
 
 def check_one_overflow_decision(opt: Any) -> None:
@@ -42,8 +56,8 @@ def check_one_overflow_decision(opt: Any) -> None:
         return
     # Others whose gradients wait for their own step now: not one dropped and not yet collected
     # (no collection here: a finalizer may run collectives, at different times on different ranks).
-    others = [o for o in list(_SCALED) if o is not opt and o.process_group is opt.process_group and not o._reducer.closed
-              and id(o) not in joint and any(any(flags) for flags in o._reducer.local_used())]
+    others = [o for o, (_, reducer) in list(_SCALED.items()) if o is not opt and o.process_group is opt.process_group and not reducer.closed
+              and id(o) not in joint and any(any(flags) for flags in reducer.local_used())]
     if others:
         raise RuntimeError(
             f"{len(others) + 1} open ShardedOptimizers with a dynamic loss scale share one process group (one model, two optimizers?): "
@@ -62,7 +76,7 @@ def note_joint(optimizers: Sequence[Any]) -> None:
 
 def scaler_in_use(scaler: Any) -> bool:
     """Whether an open ``ShardedOptimizer`` already updates ``scaler`` (a ``DynamicLossScaler``) at its steps."""
-    return any(o._scaler is scaler and not o._reducer.closed for o in list(_SCALED))
+    return any(s is scaler and not reducer.closed for s, reducer in list(_SCALED.values()))
 
 
 def log_skip(skipped_steps: int, loss_scale: float | None, rank: int) -> None:
