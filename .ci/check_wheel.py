@@ -1,6 +1,6 @@
 """Check an installed zeroshard wheel: ``python check_wheel.py WHEEL``, run outside the source tree.
 
-The wheel holds only ``zeroshard/`` (with ``zeroshard/kernels/``) and its dist-info; ``zeroshard``
+The wheel holds only ``zeroshard/`` (every module of the source tree, with ``zeroshard/kernels/``) and its dist-info; ``zeroshard``
 and ``zeroshard.kernels`` import from site-packages; no top-level ``kernels`` (which would shadow
 the distribution transformers imports), ``bench``, ``tests`` or ``examples`` package is installed;
 the frameworks are not, and the adapters say how to get them.
@@ -18,6 +18,15 @@ top_level = {name.split("/", 1)[0] for name in zipfile.ZipFile(wheel).namelist()
 unexpected = sorted(name for name in top_level if name != "zeroshard" and not name.endswith(".dist-info"))
 if unexpected:
     sys.exit(f"{wheel.name} installs unexpected top-level entries: {unexpected}")
+
+# Every module of the source tree is in the wheel (a subpackage missing from pyproject.toml's list would not be).
+source = Path(__file__).resolve().parents[1]
+names = set(zipfile.ZipFile(wheel).namelist())
+expected = {str(p.relative_to(source)) for p in (source / "zeroshard").rglob("*.py")}
+expected |= {"zeroshard/kernels/" + p.name for p in (source / "kernels").glob("*.py")}
+missing = sorted(expected - names)
+if missing:
+    sys.exit(f"{wheel.name} lacks {missing}: list their packages under [tool.setuptools] packages in pyproject.toml")
 
 import zeroshard  # noqa: E402
 import zeroshard.kernels  # noqa: E402

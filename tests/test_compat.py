@@ -143,3 +143,27 @@ def test_make_subclass_views_the_storage_without_a_copy():
     base = torch.arange(4.0)
     sub = compat.make_subclass(Sub, base)
     assert type(sub) is Sub and sub.data_ptr() == base.data_ptr(), f"{TORCH}: Tensor._make_subclass no longer views the storage"
+
+
+def test_the_ddp_internals_the_wrapper_surgery_uses_exist():
+    """``zeroshard/reduce/ddp.py`` switches a DistributedDataParallel's reducer off and rebuilds it on ``close()``
+    through these private members of DDP, its C++ reducer and logger, and torch.distributed's comm-hook registration."""
+    import inspect
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from zeroshard.reduce.ddp import _REBUILD_API
+
+    for name, parameters in _REBUILD_API.items():
+        method = getattr(DistributedDataParallel, name, None)
+        assert method is not None, f"{TORCH}: DistributedDataParallel.{name} is gone"
+        assert list(inspect.signature(method).parameters)[1:] == parameters, f"{TORCH}: DistributedDataParallel.{name} changed its parameters"
+    for owner, names in ((dist.Reducer, ("_remove_autograd_hooks", "_set_static_graph")),
+                         (dist.Logger, ("_get_ddp_logging_data", "_set_comm_hook_name", "_set_static_graph")),
+                         (dist, ("_register_comm_hook", "_register_builtin_comm_hook"))):
+        missing = [n for n in names if not hasattr(owner, n)]
+        assert not missing, f"{TORCH}: {getattr(owner, '__name__', owner)} lacks {missing}"
+    source = inspect.getsource(DistributedDataParallel)
+    for attribute in ("self._has_rebuilt_buckets", "self._static_graph_delay_allreduce_enqueued"):
+        assert attribute in source, f"{TORCH}: DistributedDataParallel no longer sets {attribute}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from models import TinyNet, batch, loss_fn, param_groups
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
+from torchrun_child import ROOT, SUPPORT
 
 import zeroshard
 
@@ -200,7 +200,7 @@ def test_zeroed_unused_params_are_stepped_like_torch(pools, stage):
     pools[2].run(unused_zeroed_worker, stage)
 
 
-# -- 9. torch.nn.utils.clip_grad_norm_ and other gradient code: tests/test_torch_grads.py ------------------
+# -- 9. torch.nn.utils.clip_grad_norm_ and other gradient code: tests/grad/test_torch_grads.py ------------------
 
 
 # -- 16. world size 1 communicates nothing -----------------------------------------------------
@@ -421,9 +421,9 @@ def test_adagrad_trains_like_ddp(pools, stage):
 
 def test_rank_missing_step_raises_naming_the_collective_within_the_bound(tmp_path):
     # A real 2-rank run in a child: a timed-out gloo group cannot serve the shared rank pool again.
-    child = Path(__file__).parent / "collective_timeout_child.py"
+    child = SUPPORT / "collective_timeout_child.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(child), str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "timeout raised: step(): the all-reduce of the gradient norm did not complete within 2 s on rank 0" in result.stdout, output[-3000:]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# What ``import zeroshard`` leaves for first use: DCP (checkpoint_dir and checkpoint import it, and
+# What ``import zeroshard`` leaves for first use: DCP (checkpoint/dirs.py and checkpoint/sharded.py import it, and
 # DTensor, inside the functions that use it), sympy (torch.distributed.tensor imports it; plain
 # ``import torch`` does not), and the ``integrations`` extra.
 IMPORTED_ON_USE = ("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy", "transformers", "accelerate", "lightning", "safetensors")
@@ -44,7 +44,7 @@ for adapter in ("accelerate", "hf"):
         print(adapter, error)
     else:
         sys.exit(f"zeroshard.integrations.{adapter} imported without its framework")
-from zeroshard.checkpoint.convert import convert
+from zeroshard.convert import convert
 dcp.save({"model": {"weight": torch.ones(3)}}, checkpoint_id=sys.argv[1])
 try:
     convert(sys.argv[1], sys.argv[1] + ".safetensors")
@@ -66,7 +66,7 @@ def test_construct_step_save_and_load_without_numpy(tmp_path):
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ModuleNotFoundError('numpy is blocked for this test', name='numpy')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker.parent), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests" / "no_numpy_child.py"), str(tmp_path)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests" / "support" / "no_numpy_child.py"), str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "no-numpy ok" in result.stdout

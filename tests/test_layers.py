@@ -13,16 +13,18 @@ from pathlib import Path
 import zeroshard
 
 ROOT = Path(zeroshard.__file__).parent
+# zeroshard.kernels: a folder of the package when installed from the wheel, the repository's kernels/ in a source tree.
+KERNELS = ROOT / "kernels" if (ROOT / "kernels").is_dir() else ROOT.parent / "kernels"
 LAYERS = ["kernels", "compat", "comm", "layout", "grad", "offload", "step", "reduce", "gather", "checkpoint", "", "integrations"]
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts if path.is_relative_to(ROOT) else ("kernels", *path.relative_to(KERNELS).with_suffix("").parts)
     return ".".join(("zeroshard", *parts[:-1])) if parts[-1] == "__init__" else ".".join(("zeroshard", *parts))
 
 
-def imports_of(path: Path, name: str) -> set[str]:
-    """Every ``zeroshard`` module ``path`` imports, at any depth of its code."""
+def imports_of(path: Path, name: str, modules: set[str]) -> set[str]:
+    """Every module of ``modules`` that ``path`` (module ``name``) imports, at any depth of its code."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -33,25 +35,21 @@ def imports_of(path: Path, name: str) -> set[str]:
             if node.level:
                 base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *([base] if base else [])])
             if base.startswith("zeroshard"):
-                modules = {f"{base}.{a.name}" for a in node.names}
-                known = {m for m in modules if (ROOT.parent / (m.replace(".", "/") + ".py")).exists()
-                         or (ROOT.parent / m.replace(".", "/")).is_dir()}
-                found.update(known or {base})
-    return {m for m in found if m != name}
+                submodules = {f"{base}.{a.name}" for a in node.names} & modules  # ``from package import module``
+                found.update(submodules or {base})
+    return {m for m in found if m != name and m in modules}
 
 
 def graph() -> dict[str, set[str]]:
-    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
-    return {name: {m for m in imports_of(path, name) if m in modules} for name, path in modules.items()}
+    modules = {module_name(p): p for p in [*ROOT.rglob("*.py"), *KERNELS.rglob("*.py")]}
+    return {name: imports_of(path, name, set(modules)) for name, path in modules.items()}
 
 
 def layer_of(module: str) -> int:
     parts = module.split(".")
     folder = parts[1] if len(parts) > 2 or (len(parts) == 2 and (ROOT / parts[1]).is_dir()) else ""
-    if module in ("zeroshard", "zeroshard.kernels._backend") or folder == "kernels":
-        folder = "kernels" if folder == "kernels" else ""
-    if len(parts) == 2 and parts[1] == "compat":
-        folder = "compat"
+    if len(parts) >= 2 and parts[1] in ("compat", "kernels"):
+        folder = parts[1]
     return LAYERS.index(folder)
 
 
@@ -88,3 +86,5 @@ def test_the_checker_sees_folders_and_top_level_modules() -> None:
     assert layer_of("zeroshard.optimizer") == LAYERS.index("") > layer_of("zeroshard.checkpoint.sharded") > layer_of("zeroshard.comm.groups")
     assert layer_of("zeroshard.compat") < layer_of("zeroshard.comm.collectives")
     assert layer_of("zeroshard.integrations.hf") == len(LAYERS) - 1
+    assert layer_of("zeroshard.kernels.adam") == 0 and "zeroshard.kernels.adam" in edges
+    assert "zeroshard.kernels" in edges["zeroshard.step.fused_adam"]

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from zeroshard.optimizer import ShardedOptimizer
-from zeroshard.step import overflow
+from zeroshard.reduce.coordinator import coordinator_of
 
 
 def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -55,7 +55,7 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
     total = max(map(float, norms)) if math.isinf(norm_type) else math.sqrt(sum(float(n) ** 2 for n in norms))
     if any(not math.isfinite(float(n)) for n in norms):
         total = math.inf
-    overflow.note_joint(optimizers)
     for opt in optimizers:
+        coordinator_of(opt.process_group).note_joint(opt, optimizers)
         opt.use_joint_norm(total)
     return torch.tensor(total, dtype=torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32)

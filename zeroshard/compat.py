@@ -85,7 +85,7 @@ def load_checkpoint_without_process_group(state: dict[str, Any], checkpoint: str
 def called_by_dcp() -> bool:
     """Whether the caller's caller belongs to ``torch.distributed.checkpoint``.
 
-    state_dict_api.py: right after ``consolidate_state_dict()``, ``state_dict()`` returns the full
+    state_dict.py: right after ``consolidate_state_dict()``, ``state_dict()`` returns the full
     format once (``ZeroRedundancyOptimizer``'s contract, which HF Trainer relies on), but DCP, which
     calls ``state_dict()`` through its ``Stateful`` protocol on every rank, must get the sharded one.
     The protocol passes nothing that tells the two callers apart.

@@ -1,6 +1,7 @@
 """The command line ``python -m zeroshard.convert CKPT OUT``: a DCP checkpoint into one file, without a process group.
 
-The conversion itself is :func:`zeroshard.checkpoint.convert.convert`.
+The conversion itself is :func:`zeroshard.checkpoint.convert.convert`; this module also exports it and
+:func:`~zeroshard.checkpoint.convert.optimizer_to_torch`, as ``zeroshard.convert.convert`` / ``.optimizer_to_torch``.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from zeroshard.checkpoint.convert import convert
+from zeroshard.checkpoint.convert import convert, load_checkpoint, optimizer_to_torch
+
+__all__ = ["convert", "load_checkpoint", "main", "optimizer_to_torch"]
 
 
 def main(argv: list[str] | None = None) -> int:

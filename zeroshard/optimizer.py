@@ -24,13 +24,13 @@ from zeroshard.gather.param_gather import ParamGather, pop_guard_if_done
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.memory import MemoryUsage, owned_memory
 from zeroshard.offload.placement import Placement
+from zeroshard.reduce.coordinator import coordinator_of
 from zeroshard.reduce.grad_reducer import GradReducer
 from zeroshard.shard_set import ShardSet
 from zeroshard.state_dict import StateDictMixin
-from zeroshard.step import overflow
 from zeroshard.step.fused_adam import FusedAdam, fused_adam_kind
 from zeroshard.step.grad_norm import NORM_TYPES, GradStats, gather_grad_stats
-from zeroshard.step.loss_scaler import DynamicLossScaler, choose_loss_scale
+from zeroshard.step.loss_scaler import DynamicLossScaler, choose_loss_scale, log_skip
 from zeroshard.step.wrapped import grad_multiplier, wrapped_step
 from zeroshard.validation import check_construction
 
@@ -87,8 +87,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             from construction to the first ``step()``) that offloaded state may take back: that
             many bytes of chunks move to the device at the first step and take the device kernel
             from then on (PatrickStar; ColossalAI's ``ShardedOptimizerV2``). 0.0 is full offload.
-            :attr:`placement` reports the result (see ``zeroshard/offload/placement.py``). On CUDA the
-            tracer resets the allocator's peak statistics.
+            :attr:`placement` reports it (``zeroshard/offload/placement.py``). On CUDA the tracer
+            resets the allocator's peak statistics.
         loss_scale: ``"dynamic"`` (a :class:`~zeroshard.DynamicLossScaler`), a fixed positive
             number, a ``DynamicLossScaler`` instance, or ``None``: dynamic when any trainable
             param is fp16, else none. With a loss scale active, call :meth:`backward` (or
@@ -108,9 +108,9 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             the collective. ``None``: the process group's own timeout (``timeout=`` of
             ``init_process_group``, 30 minutes by default; gloo then aborts the process with no
             Python traceback). A bounded wait turns a rank that skipped ``step()`` or a backward
-            into a clear error on the ranks that wait for it; the process group is unusable
-            afterwards, so end the run. On NCCL a bounded wait blocks the host until the
-            collective completes. Each rank may set its own bound.
+            into a clear error on those waiting; the process group is then unusable: end the run.
+            On NCCL it blocks the host until the collective completes. Read at construction;
+            each rank may set its own.
         overlap_param_gather: :meth:`step` returns with the param all-gathers in flight (forward
             order) to overlap the next forward, as Megatron-LM's ``overlap_param_gather``; any
             torch function given a param waits for its bucket first (see :meth:`wait_params`).
@@ -126,8 +126,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             already wrapped (a ``ShardedOptimizer``, or one whose params are virtual params).
         ValueError: before any collective: an argument out of range (named, with its value); an
             LBFGS or SparseAdam; ``partition="flat"`` (or ``assume_elementwise=True``) for
-            Adafactor or Muon;
-            ``offload`` with another optimizer than Adam/AdamW, or ``gpu_margin_mem_ratio``
+            Adafactor or Muon; ``offload`` with another optimizer than Adam/AdamW, or ``gpu_margin_mem_ratio``
             without it; torch.distributed not initialized, this rank not in ``process_group``, a
             2-D mesh with other dims; no trainable params, params on several devices or the meta
             device (named), sparse or complex params; an optimizer that already holds state.
@@ -194,10 +193,10 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self._fused = FusedAdam(optimizer, kind) if master_weights and (kind := fused_adam_kind(optimizer)) else None
         self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
         if gpu_margin_mem_ratio > 0 and self._fused is not None:  # with offload (checked): the fused update
-            self._fused.measure_margin(self._device, self.gpu_margin_mem_ratio)
+            self._fused.start_margin_trace(self._device, self.gpu_margin_mem_ratio)
         self._scaler, self._static_scale = choose_loss_scale(loss_scale, fp16=any(s.buffer.dtype == torch.float16 for s in self._shards))
         if self._scaler is not None:
-            overflow.note_dynamic_scale(self, self._scaler, self._reducer)
+            coordinator_of(self.process_group).note_dynamic_scale(self, self._scaler, self._reducer)
         if self.rank == 0:
             logger.info("%s", self._shard_set.layout_summary(stage))
 
@@ -288,7 +287,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             RuntimeError: no :meth:`clip_grad_norm_` since the last step.
         """
         if self._stats is None:
-            raise RuntimeError("use_joint_norm() follows clip_grad_norm_(), after the backward passes and before step()")
+            raise RuntimeError("use_joint_norm() needs a clip_grad_norm_() since the last step()")
         joint = total * self._gradient_scale()
         self._stats = replace(self._stats, clip_norm=joint) if self._shard_set.amp.unscaled else replace(self._stats, norm=joint)
 
@@ -319,7 +318,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         """
         self._shard_set.amp.check_one_scale(self, self.loss_scale)  # raises before any collective
         self.wait_params()
-        overflow.check_one_overflow_decision(self)
+        coordinator_of(self.process_group).check_one_overflow_decision(self)
         if self._reducer.closed:
             raise RuntimeError(f"this ShardedOptimizer cannot step: {self._reducer.closed_because}")
         loss = None
@@ -341,7 +340,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
                 self._scaler.update(stats.found_inf)
             if stats.found_inf:
                 self._skipped_steps += 1
-                overflow.log_skip(self._skipped_steps, self.loss_scale, self.rank)
+                log_skip(self._skipped_steps, self.loss_scale, self.rank)
             elif any(any(flags) for flags in stats.used):
                 self._update(stats, scale)
             self._reducer.drop_unused_grads(stats.used)

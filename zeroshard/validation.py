@@ -17,7 +17,7 @@ from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups, resolve_groups
 from zeroshard.layout.chunk import is_virtual_param
 from zeroshard.layout.flat_buffer import is_sharded, param_name
-from zeroshard.step import overflow
+from zeroshard.reduce.coordinator import scaler_in_use
 from zeroshard.step.fused_adam import fused_adam_kind
 from zeroshard.step.loss_scaler import DynamicLossScaler
 from zeroshard.step.wrapped import is_subclass_state, throwaway_state
@@ -199,7 +199,7 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
     if not (loss_scale is None or loss_scale == "dynamic" or isinstance(loss_scale, DynamicLossScaler)
             or (_is_number(loss_scale) and math.isfinite(loss_scale) and loss_scale > 0)):
         raise ValueError(f"loss_scale={loss_scale!r} must be None, 'dynamic', a finite positive number or a DynamicLossScaler")
-    if isinstance(loss_scale, DynamicLossScaler) and overflow.scaler_in_use(loss_scale):
+    if isinstance(loss_scale, DynamicLossScaler) and scaler_in_use(loss_scale):
         raise ValueError("loss_scale is a DynamicLossScaler that another open ShardedOptimizer already uses: each step() updates its "
                          "scaler, so a shared one would move twice a step. Give each its own DynamicLossScaler with the same settings; "
                          "zeroshard.clip_grad_norm_(optimizers, max_norm) over all of them keeps their scales equal")

@@ -30,8 +30,9 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
     ``optimizer``) that its optimizer state was saved for the same params and shapes.
 
     Reads the whole checkpoint once (each entry is deserialized and dropped), so it costs about
-    as much as a load. ``dcp.load`` itself refuses a bucket whose size changed with DCP's own
-    "Size mismatch" naming the bucket; called first, this names the param with both shapes.
+    as much as a load. ``dcp.load`` refuses a param saved with another shape with DCP's own "Size
+    mismatch" at the param's shape entry (see :func:`~zeroshard.checkpoint.sharded.param_shapes`);
+    called first, this names it in zeroshard's words, with no collective.
 
     Args:
         checkpoint_id: the directory given to ``dcp.save``.

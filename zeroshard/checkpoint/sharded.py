@@ -282,10 +282,23 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
             "rank": view.rank, "world_size": view.world_size,
             "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
         },
+        "shapes": param_shapes(view),
         "param_groups": groups_without_params(view.optimizer, view.group_params),
         "param_steps": torch.tensor(view.param_steps, dtype=torch.int64),
         "buckets": buckets,
     }
+
+
+def param_shapes(view: CheckpointView) -> dict[str, Tensor]:
+    """Per sharded param, by name, an empty tensor of shape ``(0, *param.shape)``: the param's shape in DCP's metadata, at no cost on disk.
+
+    ``dcp.load`` compares every entry's saved size with the one handed to it before it reads
+    anything, in the order of the state dict. These come before the buckets, so a param saved with
+    another shape fails there, named with both shapes ("Size mismatch between saved
+    torch.Size([0, 13]) and current: torch.Size([0, 14]) for optim.shapes.param_groups[1]['params'][4]"),
+    instead of at the bucket that holds it.
+    """
+    return {name: torch.empty((0, *param.shape)) for shard in view.shards for name, param in zip(shard.buffer.names, shard.buffer.params)}
 
 
 def _check_version(meta: dict[str, Any]) -> None:

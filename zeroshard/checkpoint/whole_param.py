@@ -13,7 +13,7 @@ per-element (Adafactor's ``row_var``/``col_var``) and each param lives on one ra
   writes a key held by several ranks once), and ``dcp.load`` at any other world size hands each new
   owner the whole entries of its params. Entries of params not yet stepped are zeros; the steps
   say which hold state. Built with no collective.
-* **full**: plain ``torch.optim`` format (``full_state.full_envelope``); each owner sends its
+* **full**: plain ``torch.optim`` format (``full.full_envelope``); each owner sends its
   params' state to the consolidating rank, point to point, one tensor at a time.
 
 Which state tensors an optimizer keeps for a param, with their shapes, comes from one step of a

@@ -1,1 +1,1 @@
-"""Collectives and process groups: the only layer that talks to ``torch.distributed`` directly."""
+"""Collectives and process groups: typed wrappers with timeouts that name the collective, and the shard / replicate groups."""

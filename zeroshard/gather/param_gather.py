@@ -104,6 +104,11 @@ class ParamGather:
         """How many bucket all-gathers are in flight, or not yet waited for on their launch stream."""
         return len(self._pending) + len(self._unsettled)
 
+    @property
+    def launched(self) -> tuple[BucketGather, ...]:
+        """The bucket all-gathers launched and not yet waited for, in launch order."""
+        return tuple(self._pending)
+
     def launch(self, shards: list[LocalShard]) -> None:
         """Start the all-gather of every bucket of ``shards``, last bucket of the layout first (forward order).
 
@@ -250,7 +255,7 @@ class _ParamGuard(TorchFunctionMode):
             if self._pop_hook is None:
                 self._pop_hook = nn.modules.module.register_module_forward_pre_hook(self._before_module_call)
         self._gathers[id(gathers)] = gathers
-        for gather in gathers._pending:
+        for gather in gathers.launched:
             for param in gather.params:
                 self._waiting[id(param)] = (gathers, gather)
         return True

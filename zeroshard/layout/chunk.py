@@ -166,7 +166,7 @@ class Chunk:
         return True
 
     def host_grad_buffer(self) -> Tensor:
-        """:attr:`host_grad`, allocated on first use (see ``zeroshard/offload/pipeline.py`` for pinning)."""
+        """:attr:`host_grad`, allocated on first use (see the pinning rules in the module docstring)."""
         if self.host_grad is None:
             self.host_grad = host_grad_buffer(self.numel, self.grad.dtype, self.params.device)
         return self.host_grad

@@ -28,7 +28,7 @@ class LocalShard:
         buffer: the flat param buffer this shard belongs to.
         rank: this rank's index in the sharding group.
         host_master: start every chunk in host memory with a master of its own, whatever the
-            param dtype (CPU offload; see ``zeroshard/offload/pipeline.py`` for which buffers are pinned).
+            param dtype (CPU offload; see ``zeroshard/layout/chunk.py`` for which buffers are pinned).
         group: the index of the wrapped optimizer's param group the params belong to.
         param_indices: per param of ``buffer`` (layout order), its ``torch.optim`` index (params
             numbered across param groups in order, as ``state_dict()`` numbers them); default
@@ -67,7 +67,8 @@ class LocalShard:
         self.chunks: list[Chunk] = [Chunk(buffer, rank, b.index, self.grad_shard, pieces_of[b.index], on_host=host_master) for b in layout.buckets]
         self.virtual_params: list[nn.Parameter] = [vparam for chunk in self.chunks for vparam in chunk.virtual_params]
         # Between steps each virtual param's .grad is a VirtualGrad (zeroshard.grad.sharded_grad.bind_virtual_grads):
-        # a framework clipping the optimizer's param_groups would take None for "nothing to clip".
+        # a framework clipping the optimizer's param_groups would take None for "nothing to clip". Typed loosely
+        # (Tensor, object) because grad/ sits above layout/ and sets both.
         self.idle_grads: list[Tensor] = []
         self.amp_link: object | None = None  # the optimizer's GradScalerLink, handed to each idle grad
         self._seen_versions = [p._version for p in buffer.params]

@@ -1,4 +1,4 @@
-"""One coordinator per process group: the order of its reducers' gradient collectives, and which reducer owns each param.
+"""One coordinator per process group: the order of its reducers' gradient collectives, which reducer owns each param, one overflow decision.
 
 Launch order.
 
@@ -27,8 +27,18 @@ reduced twice). Rebuilding an optimizer on the same params (``opt = ShardedOptim
 the old ``opt`` is still bound) is ordinary PyTorch, so the newer one takes them over
 (:func:`take_over`) and the older one raises if it is stepped again.
 
+Overflow. Optimizers with dynamic loss scales on one group must decide together whether the
+gradients overflowed (:meth:`ReduceCoordinator.check_one_overflow_decision`).
+
+Two registries stay process-wide, as torch keeps what they mirror: the param all-gather's guard
+(``zeroshard/gather/param_gather.py``) is one torch-function mode on the thread's mode stack,
+whichever group gathers, and the watch for new ``DistributedDataParallel`` wrappers
+(``zeroshard/reduce/ddp.py``) is one module registration hook.
+
 A coordinator drives its reducers only through :class:`Reducer`, the part of ``GradReducer``'s
-interface it needs; both hold each other weakly, so a dropped optimizer is freed at once.
+interface it needs. It holds reducers weakly, and a scaled optimizer's reducer only while that
+optimizer lives, so a dropped optimizer is freed at once. Optimizers, reducers and
+``zeroshard.clip_grad_norm_`` all find it by their process group (:func:`coordinator_of`).
 """
 
 from __future__ import annotations
@@ -69,6 +79,8 @@ class Reducer(Protocol):
 
     def launch_complete_buckets(self) -> None: ...
 
+    def local_used(self) -> list[list[bool]]: ...  # per shard, per param: got a gradient on this rank since the last reset
+
     def settle_all(self) -> None: ...  # follow what user code did to its params' .grad
 
     def reduce_everything(self) -> None: ...  # reduce every bucket of this pass (zeros where no gradient came)
@@ -84,6 +96,8 @@ class ReduceCoordinator:
     def __init__(self) -> None:
         self._reducers: list[weakref.ref] = []  # in the order they were built
         self._owned: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, reducer), both weak
+        self._scaled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer with a dynamic loss scale -> (scaler, reducer)
+        self._joint: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> ids of the optimizers of its last joint clip
 
     def register(self, reducer: Reducer) -> None:
         """Add ``reducer`` after those built before.
@@ -184,6 +198,51 @@ class ReduceCoordinator:
                 r.settle_all()
                 r.reduce_everything()
 
+    def note_dynamic_scale(self, opt: object, scaler: object, reducer: Reducer) -> None:
+        """Record that optimizer ``opt`` updates the dynamic loss scale ``scaler`` from the gradients of ``reducer``.
+
+        See :meth:`check_one_overflow_decision`.
+        """
+        self._scaled[opt] = (scaler, reducer)
+
+    def note_joint(self, opt: object, optimizers: Iterable[object]) -> None:
+        """``zeroshard.clip_grad_norm_`` checked the gradients of ``opt`` together with those of ``optimizers`` for their coming steps."""
+        self._joint[opt] = frozenset(id(o) for o in optimizers)
+
+    def check_one_overflow_decision(self, opt: object) -> None:
+        """At the start of ``opt.step()``: raise if another open ``ShardedOptimizer`` with a dynamic loss
+        scale shares this process group and this step's gradients were not checked together.
+
+        Others count when gradients of this step wait for their own ``step()`` (the user calls the
+        wrappers' steps in one order on every rank, and each wrapper's params get gradients on every
+        rank). Each wrapper's scaler decides alone whether its gradients overflowed. Two wrappers over one
+        model (one loss, scaled once) that decide differently would step one and skip the other, and
+        their scales would drift apart, so that one divides its gradients by a scale they were not
+        multiplied by: wrong numbers, no error. :func:`zeroshard.clip_grad_norm_` over all of them makes one
+        decision for all. Raised on every rank alike, before any collective.
+
+        Raises:
+            RuntimeError: naming the way out.
+        """
+        joint = self._joint.pop(opt, frozenset())
+        if opt not in self._scaled:
+            return
+        # Others whose gradients wait for their own step now: not one dropped and not yet collected
+        # (no collection here: a finalizer may run collectives, at different times on different ranks).
+        others = [o for o, (_, reducer) in list(self._scaled.items())
+                  if o is not opt and not reducer.closed and id(o) not in joint and any(any(flags) for flags in reducer.local_used())]
+        if others:
+            raise RuntimeError(
+                f"{len(others) + 1} open ShardedOptimizers with a dynamic loss scale share one process group (one model, two optimizers?): "
+                "each would decide alone whether the gradients overflowed, and their loss scales would drift apart. Before their "
+                "step()s, call zeroshard.clip_grad_norm_(optimizers, max_norm) over all of them every step (max_norm=math.inf to "
+                "check for overflow without clipping)"
+            )
+
+    def scales(self, scaler: object) -> bool:
+        """Whether an open optimizer of this group updates ``scaler`` at its steps."""
+        return any(s is scaler and not reducer.closed for s, reducer in list(self._scaled.values()))
+
     def shared(self) -> bool:
         """Whether the group has more than one open reducer (a reducer under ``no_sync`` then still ends each backward: :meth:`flush`)."""
         return len(self._live()) > 1
@@ -194,7 +253,10 @@ _COORDINATORS: dict[int, ReduceCoordinator] = {}  # id of a process group -> its
 
 def coordinator_of(group: Any) -> ReduceCoordinator:
     """The coordinator of process group ``group`` (made on first use)."""
-    return _COORDINATORS.setdefault(id(group), ReduceCoordinator())
+    found = _COORDINATORS.get(id(group))
+    if found is None:
+        found = _COORDINATORS[id(group)] = ReduceCoordinator()
+    return found
 
 
 def owners_of(params: Iterable[nn.Parameter]) -> list[Reducer]:
@@ -214,3 +276,8 @@ def take_over(params: Sequence[nn.Parameter], names: Sequence[str]) -> None:
 def ddp_wrappers_of_owners(params: Iterable[nn.Parameter]) -> list[DDPWrappers]:
     """The :class:`DDPWrappers` of every live reducer that owns one of ``params``."""
     return [owner.ddp_wrappers for owner in owners_of(params)]
+
+
+def scaler_in_use(scaler: object) -> bool:
+    """Whether an open ``ShardedOptimizer`` on any process group already updates ``scaler`` (a ``DynamicLossScaler``) at its steps."""
+    return any(c.scales(scaler) for c in list(_COORDINATORS.values()))

@@ -112,10 +112,10 @@ class GradReducer:
         self._remove_hooks = weakref.finalize(self, release, self._hooks, self._ddps)
         self._remove_hooks.atexit = False
         self.closed_because = ""
-        self._coordinator = coordinator_of(self.group)  # the turns of this group's reducers, who owns which param
+        self.coordinator = coordinator_of(self.group)  # the turns of this group's reducers, who owns which param
         for shard in shards:
             self.add_shard(shard)
-        self._coordinator.register(self)
+        self.coordinator.register(self)
         watch_new_wrappers(ddp_wrappers_of_owners)
         self._ddps.adopt(find_wrappers(p for shard in self.shards for p in shard.buffer.params))
         self._ddps.release()  # a model wrapped before the optimizer was built: not in a backward now
@@ -158,7 +158,7 @@ class GradReducer:
             self._hooks.append(param.register_hook(self._make_pre_hook(k, i, param)))
             self._hooks.append(param.register_post_accumulate_grad_hook(functools.partial(weak_method(self._on_grad_ready), k, i)))
             self._grads[k].hook_ids[i] = self._hooks[-1].id
-            self._coordinator.own(param, self)
+            self.coordinator.own(param, self)
 
     def _make_pre_hook(self, k: int, i: int, param: nn.Parameter):
         reducer, param_ref = weakref.ref(self), weakref.ref(param)
@@ -190,7 +190,7 @@ class GradReducer:
     def _before_accumulate(self, k: int, i: int, param: nn.Parameter) -> None:
         """Read what was done to the gradients since zeroshard last wrote them; swap a reduced ShardedGrad back for accumulation."""
         self._reset_marks = None
-        self._coordinator.take_deferred(self)  # before this accumulation bumps the flat grad's version (stage 1)
+        self.coordinator.take_deferred(self)  # before this accumulation bumps the flat grad's version (stage 1)
         if not self._backward_started:
             # DDP wrappers built since the last backward; adopting one may raise: nothing changed yet.
             syncs = self._ddps.adopt([ddp for ref in self._ddps.new if (ddp := ref()) is not None]) if self._ddps.new else []
@@ -255,7 +255,7 @@ class GradReducer:
         if self.stage == 1:
             self._grads[k].keep_in_flat_grad(i, param)
         if self.accumulating:
-            if self._coordinator.shared():  # the group's other reducers still reduce at this backward's end
+            if self.coordinator.shared():  # the group's other reducers still reduce at this backward's end
                 self._queue_end_of_backward()
             return
         if self._grads[k].continued[i]:
@@ -301,16 +301,16 @@ class GradReducer:
 
     def launch_complete_buckets(self, in_turn: bool = True) -> None:
         """Launch the complete buckets in order; ``in_turn``: after the group's earlier reducers (coordinator.py)."""
-        if in_turn and not self._coordinator.turn_has_come(self):
+        if in_turn and not self.coordinator.turn_has_come(self):
             return
         while self._next_launch < len(self._order):
             k, b = self._order[self._next_launch]
             if self._grads[k].ready_count[b] < len(self.shards[k].buffer.layout.buckets[b].params):
                 return
-            self._coordinator.drain_earlier(self)
+            self.coordinator.drain_earlier(self)
             self._launch(k, b)
             self._next_launch += 1
-        self._coordinator.let_later_launch(self)
+        self.coordinator.let_later_launch(self)
 
     def drain(self) -> None:
         for pending in self._pending:
@@ -330,7 +330,7 @@ class GradReducer:
         if self.flushed:
             self.flushed = self.callback_queued = False
             return
-        self._coordinator.flush(self)
+        self.coordinator.flush(self)
 
     def _launch(self, k: int, b: int) -> None:
         buffer, grads_of = self.shards[k].buffer, self._grads[k]

@@ -191,15 +191,14 @@ class FusedAdam:
                             view.copy_(state[key].reshape(view.shape))
                             state[key] = view
 
-    @torch.no_grad()
-    def measure_margin(self, device: torch.device, ratio: float) -> None:
+    def start_margin_trace(self, device: torch.device, ratio: float) -> None:
         """Measure from now to the first step for ``gpu_margin_mem_ratio`` = ``ratio`` (> 0); :meth:`place_once` then places the chunks."""
         tracer = MemoryTracer(device, sample_interval_s=0.01).start()
         weakref.finalize(self, tracer.cancel)  # dropped before its first step: stop sampling
         self._margin = (tracer, ratio, device)
 
     def place_once(self, shards: list[LocalShard], model_data_bytes: Callable[[], int]) -> Placement | None:
-        """At the first step after :meth:`measure_margin`: end its tracer and :meth:`place` (``model_data_bytes()``: what the optimizer owns on the device).
+        """At the first step after :meth:`start_margin_trace`: end its tracer and :meth:`place` (``model_data_bytes()``: what the optimizer owns on the device).
 
         Returns the new :attr:`placement`, or ``None`` when there is nothing to place (no margin measured, or placed already).
         """
@@ -211,6 +210,7 @@ class FusedAdam:
         self.placement = self.place(shards, tracer, model_data_bytes(), ratio, device)
         return self.placement
 
+    @torch.no_grad()
     def place(self, shards: list[LocalShard], tracer: MemoryTracer, model_data_bytes: int, ratio: float, device: torch.device) -> Placement:
         """Move ``ratio`` of the measured margin's worth of chunks to ``device`` (see :func:`~zeroshard.offload.placement.place_chunks`).
 

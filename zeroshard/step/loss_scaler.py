@@ -7,7 +7,10 @@ interval with hysteresis), with ``torch.amp.GradScaler``'s names (``growth_facto
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+logger = logging.getLogger("zeroshard")
 
 
 class DynamicLossScaler:
@@ -110,3 +113,19 @@ def choose_loss_scale(loss_scale: str | float | DynamicLossScaler | None, fp16: 
     if loss_scale == "dynamic" or (loss_scale is None and fp16):
         return DynamicLossScaler(), None
     return None, float(loss_scale) if isinstance(loss_scale, (int, float)) else None
+
+
+def log_skip(skipped_steps: int, loss_scale: float | None, rank: int) -> None:
+    """Log (rank 0) that ``skipped_steps`` steps were skipped for inf/NaN so far, at 1, 2, 4, 8, ... of them.
+
+    With a loss scale a skip is how the scale is found (INFO); without one (fp32, bf16) the model made
+    inf/NaN gradients, which DDP + the optimizer would have written into the params (WARNING).
+    """
+    if rank != 0 or skipped_steps & (skipped_steps - 1):
+        return
+    if loss_scale is None:
+        logger.warning("zeroshard: %d steps skipped so far for inf/NaN gradients with no loss scale active (the params and state are "
+                       "unchanged; DDP + the optimizer would have written the inf/NaN into them): check the model and the data",
+                       skipped_steps)
+    else:
+        logger.info("zeroshard: %d steps skipped so far for inf/NaN gradients; loss scale now %s", skipped_steps, loss_scale)

@@ -3,7 +3,7 @@ stage 2 with whole-param ownership, the default partition for an optimizer class
 
 Training is bitwise equal to the unsharded optimizer under DDP, and the state travels bit for bit, as the same
 subclass, through every checkpoint path: the per-rank state dict (``torch.save``), DCP (resumed at 2 ranks, loaded at
-1), the consolidated full format (which loads into the unsharded optimizer) and ``zeroshard.checkpoint.convert``. Before, the
+1), the consolidated full format (which loads into the unsharded optimizer) and ``zeroshard.convert``. Before, the
 full format hung (rank 1 raised in ``send`` while rank 0 waited in ``recv``) and every load raised in ``clone``.
 The weights (8192 elements) get quantized state; the biases stay under torchao's 4096-element minimum and keep plain
 fp32 state, so both kinds travel side by side.
@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
-from zeroshard.checkpoint.convert import convert
+from zeroshard.convert import convert
 
 torchao_optim = pytest.importorskip("torchao.optim")
 # (class, options): torchao keeps block_size as an attribute, not in param_groups: the state's shapes must follow it.

@@ -432,6 +432,6 @@ def hooks_worker(directory: str) -> list[str]:
 
 def test_optimizer_state_dict_hooks_run(pools, tmp_path):
     for calls in pools[2].run(hooks_worker, str(tmp_path)):
-        save = ["save-pre True", "save-post ['buckets', 'param_groups', 'param_steps', 'zeroshard']"]
+        save = ["save-pre True", "save-post ['buckets', 'param_groups', 'param_steps', 'shapes', 'zeroshard']"]
         assert calls[:6] == save + save + ["load-pre 1", "load-post"], calls
         assert calls.count("load-post") == 2 and calls.count("save-pre True") >= 4, calls

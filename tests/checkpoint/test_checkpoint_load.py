@@ -159,10 +159,9 @@ def _grow_fc2_bias(model):
 
 
 def reshaped_params_worker(directory: str) -> None:
-    """A param saved with another shape is named, with both shapes, per-rank and through DCP, when
-    its element count is the same; per-rank when it changed (through DCP, dcp.load's own size check
-    refuses it first). A version 1 dict (no shapes) is refused with the way out. Nothing changes on
-    a refused load."""
+    """A param saved with another shape is named, with both shapes: per-rank by zeroshard's check, through DCP by
+    dcp.load's own size check at the param's shape entry, by verify_checkpoint before either. A version 1 dict
+    (no shapes) is refused with the way out. Nothing changes on a refused load."""
     model, opt = _build()
     _train(model, opt, range(2))
     sharded = copy.deepcopy(opt.state_dict())
@@ -174,14 +173,14 @@ def reshaped_params_worker(directory: str) -> None:
         with pytest.raises(ValueError, match=message):
             other.load_state_dict(copy.deepcopy(sharded))
         assert not other.state
-    other = _reshaped(_transpose_fc1)
-    with pytest.raises(ValueError, match=transposed):
-        dcp.load({"optim": other}, checkpoint_id=directory)
-    assert not other.state
-    other = _reshaped(_grow_fc2_bias)  # the bucket's size changed: DCP itself refuses (see docs/checkpoint.md)
-    with pytest.raises(BaseException, match="Size mismatch"):
-        dcp.load({"optim": other}, checkpoint_id=directory)
-    assert not other.state
+    # Through DCP its own size check refuses it first, at the param's shape entry (see docs/checkpoint.md).
+    dcp_transposed = r"saved torch.Size\(\[0, 29, 13\]\) and current: torch.Size\(\[0, 13, 29\]\) for optim.shapes.param_groups\[0\]\['params'\]\[1\]"
+    dcp_grown = r"saved torch.Size\(\[0, 13\]\) and current: torch.Size\(\[0, 14\]\) for optim.shapes.param_groups\[1\]\['params'\]\[4\]"
+    for change, message in ((_transpose_fc1, dcp_transposed), (_grow_fc2_bias, dcp_grown)):
+        other = _reshaped(change)
+        with pytest.raises(BaseException, match=message):
+            dcp.load({"optim": other}, checkpoint_id=directory)
+        assert not other.state
     for change, message in ((_transpose_fc1, transposed), (_grow_fc2_bias, grown)):  # checked first, the param is named
         with pytest.raises(ValueError, match=message):
             zeroshard.verify_checkpoint(directory, _reshaped(change))

@@ -7,17 +7,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from models import TinyNet, param_groups
+from torchrun_child import SUPPORT
 
 import zeroshard
-
-HERE = Path(__file__).parent
 
 
 def load_worker(directory: str) -> tuple[int, list[int]]:
@@ -32,7 +30,7 @@ def load_worker(directory: str) -> tuple[int, list[int]]:
 
 def test_save_killed_midway_leaves_previous_checkpoint_loadable(pools, tmp_path):
     marker = tmp_path / "stalled"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(HERE / "crash_save_child.py"), str(tmp_path), str(marker)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SUPPORT / "crash_save_child.py"), str(tmp_path), str(marker)]
     child = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 180

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from models import TinyNet, batch, loss_fn, param_groups
 
 import zeroshard
-from tests.models import TinyNet, batch, loss_fn, param_groups
 from zeroshard import compat
 from zeroshard.comm import collectives
 from zeroshard.gather import param_gather

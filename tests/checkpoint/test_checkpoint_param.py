@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from models import TinyNet, batch, loss_fn, relative_error, tolerance_ratio
 
 import zeroshard
-from zeroshard.checkpoint.convert import convert
+from zeroshard.convert import convert
 
 MICRO = 12  # micro-batches per step, over all ranks
 
