@@ -88,3 +88,9 @@ def test_the_checker_sees_folders_and_top_level_modules() -> None:
     assert layer_of("zeroshard.integrations.hf") == len(LAYERS) - 1
     assert layer_of("zeroshard.kernels.adam") == 0 and "zeroshard.kernels.adam" in edges
     assert "zeroshard.kernels" in edges["zeroshard.step.fused_adam"]
+
+
+def test_no_module_over_25k_characters() -> None:
+    """Every module stays within 25,000 characters: one that would grow past it is split along its concerns."""
+    big = {str(p.relative_to(ROOT.parent)): n for p in [*ROOT.rglob("*.py"), *KERNELS.rglob("*.py")] if (n := len(p.read_text())) > 25_000}
+    assert not big, big

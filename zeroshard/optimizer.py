@@ -281,7 +281,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
     def use_joint_norm(self, total: float) -> None:
         """After :meth:`clip_grad_norm_`: clip to ``total``, several optimizers' global norm (:func:`zeroshard.clip_grad_norm_`).
 
-        A non-finite ``total`` skips the step, unless a ``GradScaler`` unscaled (its check decides).
+        A non-finite ``total`` skips the step; after ``GradScaler.unscale_`` its check decides.
 
         Raises:
             RuntimeError: no :meth:`clip_grad_norm_` since the last step.
