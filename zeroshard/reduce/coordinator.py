@@ -43,6 +43,7 @@ optimizer lives, so a dropped optimizer is freed at once. Optimizers, reducers a
 
 from __future__ import annotations
 
+import enum
 import gc
 import weakref
 from collections.abc import Iterable, Sequence
@@ -53,11 +54,18 @@ from torch import nn
 from zeroshard.reduce.ddp import DDPWrappers
 
 
+class EndOfBackward(enum.Enum):
+    """Where a reducer stands with its end-of-backward callback (autograd's ``queue_callback``) in the running backward pass."""
+
+    NONE = "none"  # none queued: it got no gradient in this pass (or accumulates alone)
+    QUEUED = "queued"  # queued: when it runs, the reducer reduces this pass, every reducer of the group's (flush)
+    DONE = "done"  # queued, with nothing left to do: another reducer's flush reduced this pass, or found it accumulating
+
+
 class Reducer(Protocol):
     """What a :class:`ReduceCoordinator` reads and calls of a ``GradReducer``."""
 
-    callback_queued: bool  # its end-of-backward callback is queued: it takes part in this backward pass
-    flushed: bool  # another reducer's end of backward reduced this pass for it
+    end_of_backward: EndOfBackward  # its end-of-backward callback in the running pass
 
     @property
     def closed(self) -> bool: ...  # taken over or closed: its hooks do nothing
@@ -168,7 +176,7 @@ class ReduceCoordinator:
         """``reducer`` launched everything: the later reducers taking part in this pass launch their complete buckets."""
         if not self._alone():
             for r in self._later(reducer):
-                if r.callback_queued:
+                if r.end_of_backward is EndOfBackward.QUEUED:
                     r.launch_complete_buckets()
 
     def flush(self, reducer: Reducer) -> None:
@@ -185,16 +193,15 @@ class ReduceCoordinator:
         for r in self._live():
             if r.accumulating:  # accumulates locally (its callback, if queued, has nothing to do)
                 if r is reducer:
-                    r.callback_queued = False
-                elif r.callback_queued:
-                    r.flushed = True
+                    r.end_of_backward = EndOfBackward.NONE  # the callback running now
+                elif r.end_of_backward is EndOfBackward.QUEUED:
+                    r.end_of_backward = EndOfBackward.DONE
             elif r is reducer:
                 r.reduce_everything()
-            elif r.callback_queued:
-                if not r.flushed:
-                    r.reduce_everything()
-                    r.flushed = True
-            else:  # got no gradient here: reduce zeros, after following what was done to its gradients
+            elif r.end_of_backward is EndOfBackward.QUEUED:
+                r.reduce_everything()
+                r.end_of_backward = EndOfBackward.DONE
+            elif r.end_of_backward is EndOfBackward.NONE:  # got no gradient here: reduce zeros, after following what was done to its gradients
                 r.settle_all()
                 r.reduce_everything()
 

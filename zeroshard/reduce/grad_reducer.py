@@ -38,7 +38,7 @@ from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce import bucket
 from zeroshard.reduce.bucket import PendingReduce
 from zeroshard.reduce.bucket_order import BucketOrder
-from zeroshard.reduce.coordinator import coordinator_of, ddp_wrappers_of_owners
+from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrappers_of_owners
 from zeroshard.reduce.ddp import DDPWrappers, find_wrappers, release, watch_new_wrappers
 from zeroshard.reduce.nested_backward import OutermostBackward
 from zeroshard.reduce.records import ArrivedGrad, weak_method
@@ -92,9 +92,8 @@ class GradReducer:
         self._pending: list[PendingReduce] = []
         self._deferred: ArrivedGrad | None = None  # the last gradient, not taken yet
         self._next_launch = 0
-        self.callback_queued = False
+        self.end_of_backward = EndOfBackward.NONE  # see coordinator.py
         self._outermost = OutermostBackward(weak_method(self._queue_end_of_backward))  # see zeroshard/reduce/nested_backward.py
-        self.flushed = False  # another reducer's end of backward reduced this pass (coordinator.py)
         self._no_sync = False
         self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
         self._late = False  # a gradient arrived after its bucket was reduced in this step (_take_grad)
@@ -138,7 +137,7 @@ class GradReducer:
     @property
     def launched_all(self) -> bool:
         """Whether it launches nothing more in the current backward pass."""
-        return self._next_launch == len(self._order) or self.accumulating or self.flushed
+        return self._next_launch == len(self._order) or self.accumulating or self.end_of_backward is EndOfBackward.DONE
 
     def close(self, reason: str = "it was closed") -> None:
         """Remove every hook and give up the params; ``reason`` says why, for later errors (idempotent)."""
@@ -318,17 +317,17 @@ class GradReducer:
         self._pending.clear()
 
     def _queue_end_of_backward(self) -> None:
-        if not self.callback_queued:  # once the backward pass is done: completes and waits for every bucket
+        if self.end_of_backward is EndOfBackward.NONE:  # once the backward pass is done: completes and waits for every bucket
             Variable._execution_engine.queue_callback(self._on_backward_end)
-            self.callback_queued, self.flushed = True, False
+            self.end_of_backward = EndOfBackward.QUEUED
 
     def _on_backward_end(self) -> None:
         """At the end of backward: every reducer of the process group reduces this pass, this one included (ReduceCoordinator.flush)."""
         if self._outermost.defer():  # the end of a reentrant checkpoint's nested backward: not yet
-            self.callback_queued = False
+            self.end_of_backward = EndOfBackward.NONE
             return
-        if self.flushed:
-            self.flushed = self.callback_queued = False
+        if self.end_of_backward is EndOfBackward.DONE:
+            self.end_of_backward = EndOfBackward.NONE
             return
         self.coordinator.flush(self)
 
@@ -399,7 +398,8 @@ class GradReducer:
     def _clear_backward_state(self) -> None:
         """Forget which params were taken in the current backward pass."""
         self._next_launch = 0
-        self.callback_queued = False
+        if self.end_of_backward is EndOfBackward.QUEUED:  # DONE stays: its callback is to return at once
+            self.end_of_backward = EndOfBackward.NONE
         self._outermost.clear()
         self._deferred = None
         self._backward_started = False
@@ -454,7 +454,8 @@ class GradReducer:
         self._clear_backward_state()
         self._staging.clear()  # stage 2 holds no gradient buffers between steps
         self._reductions = 0
-        self._unreduced = self.flushed = self._late = False
+        self._unreduced = self._late = False
+        self.end_of_backward = EndOfBackward.NONE
         self._note_flat_grad_versions()
         self._reset_marks = self._marks()
 
