@@ -79,3 +79,51 @@ def test_two_optimizers_on_one_group_reduce_in_one_order_when_a_backward_misses_
     for accumulation, overlap_comm in [("none", True), ("backward", True), ("no_sync", True), ("first_no_sync", True), ("none", False)]:
         worst = max(pools[2].run(two_optimizers_worker, stage, accumulation, overlap_comm))
         assert worst <= 1.0, f"{accumulation=} {overlap_comm=}: params off DDP + AdamW by {worst:.3g}x the tolerance (rtol 1e-6)"
+
+
+class ThreeParts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, parts: str) -> torch.Tensor:
+        return sum(torch.tanh(getattr(self, part)(x)).pow(2).sum() for part in parts)
+
+
+def flush_raised_worker(stage: int) -> bool:
+    """Whether the first-built optimizer's gradients of the backward after a failed one are reduced (against DDP's)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = ThreeParts()
+    ref = copy.deepcopy(model)
+    opts = [zeroshard.ShardedOptimizer(torch.optim.SGD(getattr(model, part).parameters(), lr=0.1), stage=stage, collective_timeout_s=30)
+            for part in "abc"]
+    inputs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * k + rank)) for k in range(3)]
+    model(inputs[0], "abc").backward()
+    # The second backward reaches a and b; b's gradients come first, so b's end-of-backward callback reduces the
+    # whole group: a (done), b, then c, whose settling raises (any error there), dropping a's own queued callback.
+    reducer = opts[2]._reducer
+    settle_all = reducer.settle_all
+
+    def raise_once() -> None:
+        reducer.settle_all = settle_all
+        raise RuntimeError("injected failure while settling c")
+
+    reducer.settle_all = raise_once
+    with pytest.raises(RuntimeError, match="injected failure"):
+        model(inputs[1], "ab").backward()
+    model(inputs[2], "ab").backward()  # a's gradient here must be reduced too
+    for k, parts in enumerate(("abc", "ab", "ab")):
+        ref(inputs[k], parts).backward()
+    expected = ref.a.weight.grad.clone()
+    dist.all_reduce(expected)
+    expected /= world
+    got = model.a.weight.grad.full_tensor() if hasattr(model.a.weight.grad, "full_tensor") else model.a.weight.grad
+    for opt in opts:
+        opt.close()
+    return torch.allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_backward_after_one_whose_end_raised_is_reduced_for_every_optimizer(pools, stage):
+    assert all(pools[2].run(flush_raised_worker, stage)), "the first-built optimizer's gradients of the next backward were not reduced"

@@ -6,14 +6,14 @@ Collective order. gloo and NCCL match collectives by the order each rank issues 
 rank must issue the same reduce-scatters in the same order. Buckets are therefore launched strictly
 in one order, the same on every rank: a complete bucket waits until every bucket before it has been
 launched. The order starts as flat buffers in param-group order, buckets in layout order, and is
-rebuilt once from the first backward (``zeroshard/reduce/bucket_order.py``). At the end of every backward pass (an
+rebuilt once from the first backward (``bucket_order.py``). At the end of every backward pass (an
 autograd engine callback, queued by the first hook of that pass; the outermost pass, under reentrant
-checkpoints: ``zeroshard/reduce/nested_backward.py``), buckets still incomplete because
+checkpoints: ``nested_backward.py``), buckets still incomplete because
 some param got no gradient on this rank are completed with zeros for those params and launched, so
 every backward issues every bucket once on every rank (DDP's ``find_unused_parameters`` semantics:
 a missing gradient counts as zero). Then all reductions of the pass are waited for and added into
 the grad shards, as DDP's reducer finalizes at the end of backward. Reducers that share a process
-group take turns (``zeroshard/reduce/coordinator.py``).
+group take turns (``coordinator.py``).
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ from zeroshard.reduce.nested_backward import OutermostBackward
 from zeroshard.reduce.records import ArrivedGrad, weak_method
 from zeroshard.reduce.staging import StagingBuckets
 
-# Stage 2 keeps at most this many bucket reductions in flight (double buffering, as DeepSpeed's ZeRO-2):
-# launching one more completes the oldest: staging memory stays about this many buckets plus one.
+# Stage 2's bucket reductions in flight at most (DeepSpeed ZeRO-2's double buffering): staging memory ~ this + 1 buckets.
 MAX_BUCKETS_IN_FLIGHT = 2
 
 
@@ -195,6 +194,7 @@ class GradReducer:
             syncs = self._ddps.adopt([ddp for ref in self._ddps.new if (ddp := ref()) is not None]) if self._ddps.new else []
             self._ddps.new.clear()
             self._backward_started = True
+            self.end_of_backward = EndOfBackward.NONE  # not DONE: its callback was dropped (a flush raised)
             self._ddp_no_sync, self._ddp_forward = self._ddp_forward and self._ddp_no_sync, False
             if syncs:
                 self._ddp_reduced = self._ddp_reduced or any(syncs)
