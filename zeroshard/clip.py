@@ -52,8 +52,9 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
                          f"{len({id(opt) for opt in optimizers})} distinct")
     # The first one's clip_grad_norm_ checks max_norm and norm_type before its collective.
     norms = [opt.clip_grad_norm_(max_norm, norm_type) for opt in optimizers]
-    total = max(map(float, norms)) if math.isinf(norm_type) else math.sqrt(sum(float(n) ** 2 for n in norms))
-    if any(not math.isfinite(float(n)) for n in norms):
+    values = [float(n) for n in norms]
+    total = max(values) if math.isinf(norm_type) else math.sqrt(sum(v * v for v in values))
+    if not all(math.isfinite(v) for v in values):
         total = math.inf
     for opt in optimizers:
         coordinator_of(opt.process_group).note_joint(opt, optimizers)

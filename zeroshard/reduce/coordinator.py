@@ -189,7 +189,18 @@ class ReduceCoordinator:
         rank must still issue every collective in one order (otherwise equal-sized buckets of two
         optimizers would be summed together, in silence). Reducers under ``no_sync`` reduce nothing,
         and queue this callback all the same when the group has others, for the others' sake.
+
+        If a reduction raises, autograd drops the callbacks queued after this one: every reducer is
+        then left with none queued, so the next backward queues and reduces as usual.
         """
+        try:
+            self._flush(reducer)
+        except BaseException:
+            for r in self._live():
+                r.end_of_backward = EndOfBackward.NONE
+            raise
+
+    def _flush(self, reducer: Reducer) -> None:
         for r in self._live():
             if r.accumulating:  # accumulates locally (its callback, if queued, has nothing to do)
                 if r is reducer:

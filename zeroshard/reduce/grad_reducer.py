@@ -194,7 +194,6 @@ class GradReducer:
             syncs = self._ddps.adopt([ddp for ref in self._ddps.new if (ddp := ref()) is not None]) if self._ddps.new else []
             self._ddps.new.clear()
             self._backward_started = True
-            self.end_of_backward = EndOfBackward.NONE  # not DONE: its callback was dropped (a flush raised)
             self._ddp_no_sync, self._ddp_forward = self._ddp_forward and self._ddp_no_sync, False
             if syncs:
                 self._ddp_reduced = self._ddp_reduced or any(syncs)
