@@ -1,5 +1,7 @@
 """``overhead`` suite: the host work of one training step at 2 ranks, counted in operator calls, and its time.
 
+(On a machine with one GPU the ranks are 1: NCCL takes one GPU per rank. The rows say the world size.)
+
 A GPU runs kernels asynchronously, so a step costs the larger of its device time and its host
 (Python and dispatch) time; small params, short sequences and small per-rank batches leave the
 host side longer (#27). The suite counts, for one whole training step (forward, ``backward()``,
@@ -194,17 +196,18 @@ def settings(quick: bool) -> list[tuple[str, int, int, int]]:
 def run(quick: bool) -> list[dict]:
     """A row per size and method: its busier rank's op counts, its median step time, and that over the baseline's."""
     rows: list[dict] = []
+    world_size = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
     for size, rounds, steps, warmup in settings(quick):
         config = SIZES[size]
-        progress("overhead", f"counting ops and timing {len(METHODS)} methods at 2 ranks in fp32, {rounds} rounds x {steps} steps each "
-                             f"({size}: {config})")
-        per_rank = run_ranks(rank_main, 2, config, rounds, steps, warmup)
+        progress("overhead", f"counting ops and timing {len(METHODS)} methods at {world_size} rank(s) in fp32, {rounds} rounds x {steps} "
+                             f"steps each ({size}: {config})")
+        per_rank = run_ranks(rank_main, world_size, config, rounds, steps, warmup)
         timings = {m: Timing(m, tuple(s)) for m, s in per_rank[0][1].items()}
         params = list(gpt.build(config, torch.device("cpu")).parameters())
         for method in METHODS:
             counts = OpCounts.busiest([counts[method] for counts, _, _ in per_rank])
             rows.append({
-                "kind": "overhead", "size": size, "model": f"{config.n_layer}x{config.n_embd}", "param_tensors": len(params),
+                "kind": "overhead", "size": size, "world_size": world_size, "model": f"{config.n_layer}x{config.n_embd}", "param_tensors": len(params),
                 "params_M": sum(p.numel() for p in params) / 1e6, "batch": f"{config.batch_size}x{config.seq_len}", "method": method,
                 "aten_ops": counts.aten, "host_syncs": sum(counts.host_syncs.values()), "c10d_ops": counts.c10d,
                 "sync_ops": " ".join(f"{name}={n}" for name, n in sorted(counts.host_syncs.items())),

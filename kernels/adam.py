@@ -35,11 +35,12 @@ if HAS_TRITON:
         grad_scale_ptr,  # *fp32 [1]: multiplied into the gradient (if HAS_GRAD_SCALE)
         found_inf_ptr,  # *fp32 [1]: non-zero turns the call into a no-op (if HAS_FOUND_INF)
         n_elements,  # elements in every buffer
-        lr,  # learning rate
-        beta1,  # first-moment decay
+        one_minus_beta1,  # 1 - beta1, from the host in float64 (as torch passes it to lerp_)
         beta2,  # second-moment decay
+        one_minus_beta2,  # 1 - beta2, from the host in float64 (as torch passes it to addcmul_)
         eps,  # denominator epsilon
-        weight_decay,  # decoupled (ADAMW) or L2 coefficient
+        weight_decay,  # L2 coefficient (Adam)
+        decay_factor,  # 1 - lr * weight_decay, from the host in float64 (AdamW: as torch passes it to mul_)
         step_size,  # lr / (1 - beta1**step)
         bias_correction2_sqrt,  # sqrt(1 - beta2**step)
         HAS_GRAD_SCALE: tl.constexpr,
@@ -63,13 +64,14 @@ if HAS_TRITON:
         if MAXIMIZE:
             g = -g
         if ADAMW:
-            p = p * (1.0 - lr * weight_decay)
+            p = p * decay_factor
         else:
             g = g + weight_decay * p
-        m = m + (1.0 - beta1) * (g - m)
-        v = v * beta2 + (1.0 - beta2) * g * g
-        denom = tl.sqrt(v) / bias_correction2_sqrt + eps
-        p = p - step_size * (m / denom)
+        m = m + one_minus_beta1 * (g - m)
+        v = v * beta2 + one_minus_beta2 * g * g
+        # Correctly rounded sqrt and division, as torch's kernels compute them (tl.sqrt and "/" are approximate on GPU)
+        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+        p = p - step_size * tl.div_rn(m, denom)
         tl.store(param_ptr + offsets, p, mask=mask)
         tl.store(exp_avg_ptr + offsets, m, mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
@@ -164,7 +166,8 @@ def fused_adamw_(
             param if param_out is None else param_out,
             param if grad_scale is None else grad_scale,
             param if found_inf is None else found_inf,
-            n, lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1 ** float(step)), (1 - beta2 ** float(step)) ** 0.5,
+            n, 1 - beta1, beta2, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay, lr / (1 - beta1 ** float(step)),
+            (1 - beta2 ** float(step)) ** 0.5,
             HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None, HAS_PARAM_OUT=param_out is not None,
             MAXIMIZE=maximize, ADAMW=adamw, BLOCK_SIZE=BLOCK_SIZE,
         )
