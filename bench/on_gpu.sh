@@ -19,7 +19,7 @@ python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . >"$OUT/
 
 log "GPU tests (kernels on CUDA, CPU offload on CUDA) and the torch-internals checks"
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/offload/test_offload_gpu.py tests/test_compat.py \
-    tests/test_memory_estimate.py 2>&1 | tee "$OUT/tests.txt" | tail -25
+    tests/step/test_device_decision.py tests/test_memory_estimate.py 2>&1 | tee "$OUT/tests.txt" | tail -25
 
 if [ -z "${SKIP_EXAMPLE:-}" ]; then
     log "the example on one GPU rank, bf16, 300 steps"

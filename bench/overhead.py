@@ -58,7 +58,7 @@ SUMMARY = "host work of a training step at 2 ranks: aten ops, host syncs, collec
 TABLES = (
     Table(("overhead",), "aten_ops, host_syncs, c10d_ops: operator calls of one steady-state training step (forward, backward, "
                          "opt.step(), opt.zero_grad()) seen by a TorchDispatchMode, the busier rank's; aten_ops: aten operators, "
-                         "host_syncs included; host_syncs: scalar reads (aten::_local_scalar_dense: .item(), float(t), bool(t)) and "
+                         "host_syncs included; host_syncs: scalar reads (aten::_local_scalar_dense: .item(), float(t), bool(t); not of pinned memory) and "
                          "blocking device-to-host copies (.cpu(), .tolist() of a GPU tensor; .tolist() of a CPU tensor dispatches "
                          "nothing), sync_ops naming them; c10d_ops: collectives, sends and receives; median_ms: one step timed "
                          "without the mode, over all rounds; baseline: ddp_adamw_fused, DDP + AdamW(fused=True) of the same size and "
@@ -89,8 +89,8 @@ class OpCounts:
 def is_host_sync(name: str, args: tuple, kwargs: dict) -> bool:
     """Whether the call ``name(*args, **kwargs)`` makes the host wait for the device: a scalar read, or a
     blocking copy from an accelerator into host memory (``.cpu()`` or ``.tolist()`` of a GPU tensor)."""
-    if name in SYNC_OPS:
-        return True
+    if name in SYNC_OPS:  # except a read of pinned host memory (a flag copied there behind an event: zeroshard/step/pending_skip.py)
+        return not (args[0].device.type == "cpu" and args[0].is_pinned())
     if name == "aten::_to_copy":
         target = kwargs.get("device")
         return args[0].device.type != "cpu" and target is not None and torch.device(target).type == "cpu" and not kwargs.get("non_blocking")

@@ -29,14 +29,15 @@ from zeroshard.reduce.grad_reducer import GradReducer
 from zeroshard.shard_set import ShardSet
 from zeroshard.state_dict import StateDictMixin
 from zeroshard.step.fused_adam import FusedAdam, fused_adam_kind
-from zeroshard.step.grad_norm import NORM_TYPES, GradStats, gather_grad_stats
-from zeroshard.step.loss_scaler import DynamicLossScaler, choose_loss_scale, log_skip
-from zeroshard.step.wrapped import grad_multiplier, wrapped_step
+from zeroshard.step.grad_norm import NORM_TYPES, GradStats, ReducedStats, reduce_grad_stats
+from zeroshard.step.loss_scaler import DynamicLossScaler, choose_loss_scale
+from zeroshard.step.pending_skip import PendingSkip
+from zeroshard.update import UpdateMixin
 from zeroshard.validation import check_construction
 
 logger = logging.getLogger("zeroshard")
 
-class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
+class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
     """ZeRO stage 1/2 data parallelism around an already-built ``torch.optim`` optimizer.
 
     Each param group's trainable params are copied into one flat buffer per dtype and become
@@ -179,9 +180,10 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self._issued: dict[int, weakref.ref] = {}  # id -> tensor, for those the last state_dict() returned
         self.max_grad_norm = max_grad_norm
         self.grad_norm: Tensor | None = None  # 0-dim fp32 (fp64 params: fp64): the last step's pre-clip global norm (unscaled)
-        self.step_was_skipped = False  # whether the last step was skipped for inf/NaN gradients
+        self._step_was_skipped = False
+        self._pending: PendingSkip | None = None  # the last step's overflow flag, still on the device
         self._skipped_steps = 0
-        self._stats: GradStats | None = None  # from clip_grad_norm_, for the coming step
+        self._stats: GradStats | ReducedStats | None = None  # from clip_grad_norm_, for the coming step
         self._clip_norm: float | None = None  # max_norm of a clip_grad_norm_ call, for the coming step
         self._gather = ParamGather(self.process_group, self._timeout, overlap=overlap_param_gather)
         weakref.finalize(self, self._gather.wait)  # dropped mid-gather: complete, let the guard go
@@ -235,11 +237,6 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
     # unscales and checks the gradients over every rank (zeroshard/grad/amp.py).
     _step_supports_amp_scaling = True
 
-    @property
-    def loss_scale(self) -> float | None:
-        """The current loss scale (dynamic or static), or ``None`` when no loss scaling is active."""
-        return self._scaler.scale if self._scaler is not None else self._static_scale
-
     def scale_loss(self, loss: Tensor) -> Tensor:
         """``loss`` multiplied by the loss scale (``loss`` itself when no scaling is active)."""
         return loss if self.loss_scale is None else loss * self.loss_scale
@@ -248,13 +245,15 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         """``scale_loss(loss).backward()``: use it instead of ``loss.backward()`` whenever a loss scale is active."""
         self.scale_loss(loss).backward()
 
-    def _gather_stats(self, norm_type: float, caller: str) -> GradStats:
+    def _gather_stats(self, norm_type: float, caller: str) -> GradStats | ReducedStats:
+        """The statistics, left on the device where the step can take them there (:meth:`_on_device`)."""
         unfrozen = self._shard_set.add_unfrozen()
         if unfrozen:
             self._hook_up(unfrozen)
             self._reducer.reduce_again()  # their gradients are still local
         self._reducer.reduce_for_step()
-        return gather_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._timeout, caller)
+        stats = reduce_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._timeout, caller)
+        return stats if self._on_device(stats) else stats.read()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the coming step's gradients to global norm ``max_norm``; return the pre-clip norm.
@@ -276,6 +275,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
         self._stats = self._gather_stats(float(norm_type), "clip_grad_norm_()")
         self._clip_norm = float(max_norm)
+        if isinstance(self._stats, ReducedStats):
+            return (self._stats.norm() / self._gradient_scale()).to(self._stats.dtype)
         return torch.tensor(self._stats.norm / self._gradient_scale(), dtype=self._stats.dtype)
 
     def use_joint_norm(self, total: float) -> None:
@@ -288,6 +289,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         """
         if self._stats is None:
             raise RuntimeError("use_joint_norm() needs a clip_grad_norm_() since the last step()")
+        if isinstance(self._stats, ReducedStats):
+            self._stats = self._stats.read()
         joint = total * self._gradient_scale()
         self._stats = replace(self._stats, clip_norm=joint) if self._shard_set.amp.unscaled else replace(self._stats, norm=joint)
 
@@ -317,6 +320,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             The closure's loss, or ``None``.
         """
         self._shard_set.amp.check_one_scale(self, self.loss_scale)  # raises before any collective
+        self._settle()
         self.wait_params()
         coordinator_of(self.process_group).check_one_overflow_decision(self)
         if self._reducer.closed:
@@ -333,32 +337,13 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
                 if self.rank == 0:
                     logger.info("%s", placed.summary())
             scale = self._gradient_scale()  # after the statistics' device read (GradScaler on CUDA: no 2nd wait)
-            self.grad_norm = torch.tensor(stats.pre_clip_norm / scale, dtype=stats.dtype)
-            self.step_was_skipped = stats.found_inf
-            self._shard_set.amp.finish_step(stats.found_inf)
-            if self._scaler is not None:
-                self._scaler.update(stats.found_inf)
-            if stats.found_inf:
-                self._skipped_steps += 1
-                log_skip(self._skipped_steps, self.loss_scale, self.rank)
-            elif any(any(flags) for flags in stats.used):
-                self._update(stats, scale)
-            self._reducer.drop_unused_grads(stats.used)
+            if isinstance(stats, ReducedStats):
+                self._update_on_device(stats, scale)
+            else:
+                self._update_on_host(stats, scale)
             self._reducer.reset()
             self._stats = self._clip_norm = self._consolidated = None
         return loss
-
-    def _update(self, stats: GradStats, scale: float) -> None:
-        max_norm = self._clip_norm if self._clip_norm is not None else self.max_grad_norm
-        multiplier = grad_multiplier(stats.pre_clip_norm, scale, max_norm)
-        steps = self._shard_set.count_steps(stats.used)
-        for shard in self._shards:
-            shard.refresh_master()
-        if self._fused is not None:
-            self._fused.step(self._shards, steps, multiplier)
-        else:
-            wrapped_step(self.optimizer, self._shards, stats.used, multiplier)
-        self._gather.launch(self._shards)  # waited for before the params are next read (param_gather.py)
 
     @property
     def placement(self) -> Placement | None:

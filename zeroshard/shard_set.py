@@ -175,14 +175,15 @@ class ShardSet:
             first_param_index += len(params)
         return added
 
-    def count_steps(self, used: list[list[bool]]) -> list[list[int]]:
+    def count_steps(self, used: list[list[bool]], by: int = 1) -> list[list[int]]:
         """Count a step for every param used on some rank; per shard, per param, its new step (0: not stepped).
 
         ``used[k][i]``: param ``i`` (layout order) of ``shards[k]`` got a gradient on some rank.
+        ``by=-1`` takes back a step the device skipped (:class:`~zeroshard.step.pending_skip.PendingSkip`).
         """
         for shard, flags in zip(self.shards, used):
             for index, stepped in zip(shard.param_indices, flags):
-                self.param_steps[index] += stepped
+                self.param_steps[index] += by * stepped
         return [[self.param_steps[index] if flag else 0 for index, flag in zip(shard.param_indices, flags)]
                 for shard, flags in zip(self.shards, used)]
 

@@ -74,6 +74,7 @@ class StateDictMixin:
     _consolidated: dict[str, Any] | None  # the full state, on the rank that ran consolidate_state_dict
     _issued: dict[int, weakref.ref]  # id -> tensor, for those the last state_dict() returned
     wait_params: Callable[[], None]
+    _settle: Callable[[], None]  # reads a step's overflow flag still on the device (zeroshard/update.py)
     _optimizer_state_dict_pre_hooks: OrderedDict
     _optimizer_state_dict_post_hooks: OrderedDict
     _optimizer_load_state_dict_pre_hooks: OrderedDict
@@ -86,6 +87,7 @@ class StateDictMixin:
 
     def checkpoint_view(self) -> sharded.CheckpointView:
         """What this optimizer's checkpoints record of it (layout, param groups, steps, mesh, loss scaler), for the checks of a load."""
+        self._settle()
         return sharded.CheckpointView(
             self.optimizer, self._shards, self._shard_set.group_params, self._shard_set.param_steps,
             self.groups.mesh, self.process_group, self._scaler,
@@ -113,6 +115,7 @@ class StateDictMixin:
             ValueError: the wrapped optimizer keeps scalar state other than ``step``.
         """
         self.wait_params()
+        self._settle()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         if self._consolidated is not None and not called_by_dcp():
@@ -141,6 +144,7 @@ class StateDictMixin:
         if not 0 <= to < dist.get_world_size():
             raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
         self.wait_params()
+        self._settle()
         self._consolidated = self._format.consolidate(self.checkpoint_view(), to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -167,6 +171,7 @@ class StateDictMixin:
                 world size not loaded through DCP, or one saved by an older zeroshard.
         """
         self.wait_params()
+        self._settle()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result

@@ -123,24 +123,33 @@ def host_adam(runs: list[Run], group: dict, adamw: bool, grad_scale: Tensor | No
     )
 
 
-def device_adam(runs: list[Run], group: dict, multiplier: float, adamw: bool, device: torch.device) -> None:
+def device_adam(runs: list[Run], group: dict, multiplier: float | Tensor, adamw: bool, device: torch.device,
+                found_inf: Tensor | None = None) -> None:
     """One Adam/AdamW step in place over ``runs`` on ``device``, the gradients multiplied by ``multiplier``.
 
     CUDA: :func:`~zeroshard.kernels.fused_adamw_` per run, ``param_out`` written in the same pass
     (launched asynchronously). Elsewhere, and for fp64: the gradients are multiplied in place (they are
     consumed), then torch's functional Adam/AdamW runs with the group's ``foreach``/``fused``
     flags, and ``param_out`` receives the cast of the updated master.
+
+    ``multiplier`` may be a 1-element fp32 device tensor and ``found_inf`` a 1-element fp32 device
+    flag (non-zero: leave everything untouched), as :func:`takes_device_scalars` allows: then
+    nothing is read back to the host.
     """
     fp64 = bool(runs) and runs[0].grad.dtype == torch.float64  # (one shard's runs share a dtype)
-    grad_scale = None if multiplier == 1.0 else torch.full((1,), multiplier, device=device, dtype=torch.float64 if fp64 else torch.float32)
-    if device.type == "cuda" and not fp64:
+    grad_scale = multiplier if isinstance(multiplier, Tensor) else (
+        None if multiplier == 1.0 else torch.full((1,), multiplier, device=device, dtype=torch.float64 if fp64 else torch.float32))
+    backend = _kernel_backend(device, fp64)
+    if backend is not None:
         for run in runs:
             fused_adamw_(
                 run.param, run.grad, run.exp_avg, run.exp_avg_sq, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                eps=group["eps"], weight_decay=group["weight_decay"], step=run.step, grad_scale=grad_scale,
-                param_out=run.param_out, maximize=group.get("maximize", False), adamw=adamw,
+                eps=group["eps"], weight_decay=group["weight_decay"], step=run.step, grad_scale=grad_scale, found_inf=found_inf,
+                param_out=run.param_out, maximize=group.get("maximize", False), adamw=adamw, backend=backend,
             )
         return
+    if found_inf is not None:
+        raise RuntimeError("internal error: a device overflow flag for an update off the Triton kernel (see takes_device_scalars)")
     if grad_scale is not None:
         for run in runs:
             run.grad.mul_(grad_scale)
@@ -148,6 +157,27 @@ def device_adam(runs: list[Run], group: dict, multiplier: float, adamw: bool, de
     for run in runs:
         if run.param_out is not None:
             run.param_out.copy_(run.param)
+
+
+# Tests set it to run the Triton kernel on CPU chunks under TRITON_INTERPRET=1, so that the step
+# that keeps its overflow decision on the device (takes_device_scalars) runs without a GPU.
+KERNEL_ON_CPU = False
+
+
+def _kernel_backend(device: torch.device, fp64: bool) -> str | None:
+    """The kernels' backend for a device chunk's update, or ``None`` for torch's functional Adam."""
+    if fp64:
+        return None
+    if device.type == "cuda":
+        return "auto"
+    return "triton" if KERNEL_ON_CPU and device.type == "cpu" else None
+
+
+def takes_device_scalars(shards: list[LocalShard]) -> bool:
+    """Whether every chunk's update runs the Triton kernel, which reads the gradient multiplier
+    and the overflow flag from the device: every chunk on the device (none offloaded), not fp64."""
+    return all(not chunk.on_host and _kernel_backend(chunk.device, chunk.grad.dtype == torch.float64) is not None
+               for shard in shards for chunk in shard.chunks)
 
 
 class FusedAdam:
@@ -237,7 +267,7 @@ class FusedAdam:
         self.bind(shards)
 
     @torch.no_grad()
-    def step(self, shards: list[LocalShard], steps: list[list[int]], multiplier: float) -> None:
+    def step(self, shards: list[LocalShard], steps: list[list[int]], multiplier: float | Tensor, found_inf: Tensor | None = None) -> None:
         """Update every used piece of every shard; afterwards each chunk's slice of the flat param buffer holds its updated params.
 
         Unused pieces and their state stay untouched. The host chunks' gradient copies are
@@ -251,7 +281,9 @@ class FusedAdam:
             steps: per shard, per param: its step number after this update (the optimizer's
                 replicated host count), or 0 when it got no gradient on any rank.
             multiplier: what the gradients are multiplied by (``1/loss_scale`` times the clip
-                coefficient), folded into the update.
+                coefficient), folded into the update; a device tensor only with ``found_inf``.
+            found_inf: the device's overflow flag (non-zero: the update leaves everything
+                untouched), where :func:`takes_device_scalars`; else ``None``.
         """
         device_runs: dict[int, list[Run]] = defaultdict(list)  # per shard
         host_runs: dict[Chunk, list[Run]] = defaultdict(list)  # per host chunk, in layout order
@@ -262,10 +294,10 @@ class FusedAdam:
                     (host_runs[chunk] if chunk.on_host else device_runs[k]).append(run)
         self._pipeline.start(list(host_runs))
         for k, runs in device_runs.items():
-            device_adam(runs, self.optimizer.param_groups[shards[k].group], multiplier, self.adamw, shards[k].grad_shard.device)
+            device_adam(runs, self.optimizer.param_groups[shards[k].group], multiplier, self.adamw, shards[k].grad_shard.device, found_inf)
         # torch's fused kernel divides the gradients by grad_scale as it reads them: no extra pass
         # (inf for a multiplier of 0: a clip coefficient of 0, see zeroshard/clip.py).
-        grad_scale = None if multiplier == 1.0 else torch.tensor(1.0 / multiplier if multiplier else math.inf)
+        grad_scale = None if not host_runs or multiplier == 1.0 else torch.tensor(1.0 / multiplier if multiplier else math.inf)
         for k, shard in enumerate(shards):
             for chunk in shard.chunks:
                 chunk_runs = host_runs.get(chunk)
@@ -280,6 +312,16 @@ class FusedAdam:
                         host_adam(chunk_runs, self.optimizer.param_groups[shards[k].group], self.adamw, scale)
                     self._pipeline.send_params(chunk)
         self._pipeline.finish()
+
+    @torch.no_grad()
+    def undo_step_counts(self, shards: list[LocalShard], steps: list[list[int]]) -> None:
+        """After an update the device skipped (overflow): each piece stepped to ``steps`` (as given
+        to :meth:`step`) gets ``state["step"]`` back to one less."""
+        for shard, shard_steps in zip(shards, steps):
+            for chunk in shard.chunks:
+                for piece, vparam in zip(chunk.pieces, chunk.virtual_params):
+                    if shard_steps[piece.param]:
+                        self.optimizer.state[vparam]["step"].fill_(shard_steps[piece.param] - 1)
 
     def _runs(self, chunk: Chunk, steps: list[int]) -> Iterator[Run]:
         """The runs of ``chunk``; records the new step of every used piece in its state.

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
@@ -62,9 +63,12 @@ class GradStats:
         return not math.isfinite(self.norm)
 
 
-def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0,
-                      timeout: datetime.timedelta | None = None, caller: str = "step()") -> GradStats:
+def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0,
+                      timeout: datetime.timedelta | None = None, caller: str = "step()") -> ReducedStats:
     """Reduce this rank's sum of squares (or max magnitude) and used-flags over every data-parallel rank.
+
+    Reads nothing back to the host: :meth:`ReducedStats.read` does (the step's one host sync), or
+    :meth:`ReducedStats.norm` keeps the norm on the device.
 
     Args:
         shards: this rank's shards, their grad shards already reduced.
@@ -105,14 +109,52 @@ def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
             if dist.get_world_size(group) > 1:
                 work = collectives.all_reduce(local, group, op=dist.ReduceOp.MAX)
                 collectives.wait(work, timeout, f"{caller}: the all-reduce of the gradient inf-norm", hint)
-    values = both.tolist()  # the one host-device synchronization of the step
-    if norm_type == 2.0:
-        norm = math.sqrt(values[0]) if math.isfinite(values[0]) else values[0]
-    else:
-        norm = float(local) if values[0] == 0 else math.nan
-    flat = values[1:]
-    used, start = [], 0
-    for per_shard in local_used:
-        used.append([v > 0 for v in flat[start : start + len(per_shard)]])
-        start += len(per_shard)
-    return GradStats(norm, used, dtype)
+    return ReducedStats(both, local, local_used, norm_type, dtype)
+
+
+@dataclass(frozen=True)
+class ReducedStats:
+    """The all-reduced statistics, still on the device: ``both`` is ``[sum of squares (inf norm: the
+    count of non-finite shards), one used-flag per param...]`` in ``dtype``; ``local`` the inf norm's
+    all-reduced largest magnitude (0-dim), or this rank's sum of squares."""
+
+    both: Tensor
+    local: Tensor
+    local_used: list[list[bool]]
+    norm_type: float
+    dtype: torch.dtype
+
+    @property
+    def used_everywhere(self) -> bool:
+        """Every param got a gradient on this rank, so on some rank: the flags need no reading."""
+        return all(all(flags) for flags in self.local_used)
+
+    def norm(self) -> Tensor:
+        """The global norm as a 0-dim float64 device tensor, inf or NaN on overflow (no host sync).
+
+        float64, as :meth:`read` takes it on the host: the clip coefficient computed from it on the
+        device (:func:`~zeroshard.step.pending_skip.device_multiplier`) is the host's to the bit.
+        """
+        if self.norm_type == 2.0:
+            return self.both[0].double().sqrt()
+        return torch.where(self.both[0] == 0, self.local.double(), torch.full((), math.nan, dtype=torch.float64, device=self.local.device))
+
+    def read(self) -> GradStats:
+        """The statistics on the host: the step's one host-device synchronization."""
+        values = self.both.tolist()
+        if self.norm_type == 2.0:
+            norm = math.sqrt(values[0]) if math.isfinite(values[0]) else values[0]
+        else:
+            norm = float(self.local) if values[0] == 0 else math.nan
+        flat = values[1:]
+        used, start = [], 0
+        for per_shard in self.local_used:
+            used.append([v > 0 for v in flat[start : start + len(per_shard)]])
+            start += len(per_shard)
+        return GradStats(norm, used, self.dtype)
+
+
+def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0,
+                      timeout: datetime.timedelta | None = None, caller: str = "step()") -> GradStats:
+    """:func:`reduce_grad_stats`, read on the host."""
+    return reduce_grad_stats(shards, local_used, groups, norm_type, timeout, caller).read()

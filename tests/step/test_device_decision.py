@@ -1,0 +1,128 @@
+"""The step that keeps the norm, the clip coefficient and the overflow decision on the device (``zeroshard/update.py``).
+
+On CUDA the Triton kernel reads them there and the step reads nothing back to the host. Here the
+same kernel runs on the CPU chunks under TRITON_INTERPRET=1 (``fused_adam.KERNEL_ON_CPU``), so the
+whole path runs on gloo ranks against DDP + ``torch.optim.AdamW``: the statistics are read back only
+where the host must decide (the first step, a param without a gradient on this rank), a NaN on one
+rank skips the step everywhere with its step counts taken back, and clipping matches torch's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import TinyNet, batch, loss_fn, param_groups, relative_error
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zeroshard
+from zeroshard.step import fused_adam
+from zeroshard.step.grad_norm import ReducedStats
+
+STEPS, NAN_STEP, BRANCH_OFF_STEP = 8, 3, 5
+
+
+def device_decision_worker(stage: int, max_norm: float | None) -> dict:
+    """8 steps of TinyNet: a NaN loss on rank 1 at step 3, rank 1 without the branch at step 5."""
+    fused_adam.KERNEL_ON_CPU = True
+    rank = dist.get_rank()
+    try:
+        torch.manual_seed(0)
+        model, ref = TinyNet(), TinyNet()
+        ref.load_state_dict(model.state_dict())
+        ddp = DDP(ref, find_unused_parameters=True)
+        ref_opt = torch.optim.AdamW(param_groups(ref), lr=1e-2)
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), stage=stage, max_grad_norm=max_norm)
+        reads: list[int] = []
+        read = ReducedStats.read
+        norms, ref_norms, skipped = [], [], []
+
+        def counted_read(stats: ReducedStats):
+            reads.append(len(norms))
+            return read(stats)
+
+        with mock.patch.object(ReducedStats, "read", counted_read):
+            for step in range(STEPS):
+                x, y = batch(rank, step)
+                use_branch = not (step == BRANCH_OFF_STEP and rank == 1)
+                poison = float("nan") if step == NAN_STEP and rank == 1 else 1.0
+                (loss_fn(model, x, y, use_branch) * poison).backward()
+                before = [p.detach().clone() for p in model.parameters()]
+                opt.step()
+                model.zero_grad()
+                if step == NAN_STEP:  # read the flag only now, after the next step's counting: taken back there
+                    unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+                else:
+                    skipped.append(opt.step_was_skipped)
+                norms.append(float(opt.grad_norm))
+                (loss_fn(ddp, x, y, use_branch) * poison).backward()
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm if max_norm else math.inf)
+                ref_norms.append(float(ref_norm))
+                if step != NAN_STEP:
+                    ref_opt.step()
+                ref_opt.zero_grad()
+        state = opt.state_dict()
+        return {"reads": reads, "skipped": skipped, "unchanged": unchanged, "norms": norms, "ref_norms": ref_norms,
+                "error": relative_error(model, ref), "steps": [int(s) for s in state["param_steps"].tolist()],
+                "ref_steps": [int(ref_opt.state[p]["step"]) if p in ref_opt.state else 0 for g in ref_opt.param_groups for p in g["params"]]}
+    finally:
+        fused_adam.KERNEL_ON_CPU = False
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernel on CPU chunks (TRITON_INTERPRET=1, set without a GPU)")
+@pytest.mark.parametrize("stage, max_norm", [(1, None), (2, 0.5)])
+def test_device_decision_matches_ddp_and_reads_back_only_when_the_host_decides(pools, stage, max_norm):
+    for rank, run in enumerate(pools[2].run(device_decision_worker, stage, max_norm)):
+        # read back at the first step (state is created) and, on rank 1 only, where its branch got no gradient
+        assert run["reads"] == ([0, BRANCH_OFF_STEP] if rank == 1 else [0]), run["reads"]
+        assert run["unchanged"] and not any(run["skipped"]), run["skipped"]
+        assert math.isnan(run["norms"][NAN_STEP])
+        finite = [i for i in range(STEPS) if i != NAN_STEP]
+        assert all(math.isclose(run["norms"][i], run["ref_norms"][i], rel_tol=1e-5) for i in finite), (run["norms"], run["ref_norms"])
+        assert run["error"] < 1e-5, run["error"]
+        assert run["steps"] == run["ref_steps"] and max(run["steps"]) == STEPS - 1, (run["steps"], run["ref_steps"])
+
+
+@pytest.fixture
+def nccl_group(tmp_path):
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_training_step_makes_no_host_sync(nccl_group, dtype):
+    """After the first step, backward + clipped step + zero_grad run under ``torch.cuda.set_sync_debug_mode("error")``
+    (which raises at any synchronizing CUDA call), and the result is what the host path gives."""
+    torch.manual_seed(0)
+    models = [TinyNet().to("cuda", dtype) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(m), lr=1e-2), max_grad_norm=0.5) for m in models]
+    batches = [[t.cuda() for t in batch(0, step)] for step in range(4)]
+    for step, (x, y) in enumerate(batches):
+        for k, (model, opt) in enumerate(zip(models, opts)):
+            loss = loss_fn(model, x, y)
+            if k == 1:  # the reference: the statistics read back (as where the host must decide)
+                with mock.patch.object(zeroshard.ShardedOptimizer, "_on_device", return_value=False):
+                    loss.backward()
+                    opt.step()
+                opt.zero_grad()
+                continue
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if step else "default")  # the first step creates state on the host's read
+            try:
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    assert not opts[0].step_was_skipped
+    assert float(opts[0].grad_norm) == float(opts[1].grad_norm)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -1,0 +1,54 @@
+"""A step whose overflow decision stayed on the device, until the host needs it.
+
+``torch.optim.AdamW(capturable=True)`` and ``torch.amp.GradScaler`` keep the step free of host
+syncs by handing the kernel a device flag, ``found_inf``, that turns the update into a no-op. The
+fused step does the same (:func:`~zeroshard.step.fused_adam.takes_device_scalars`); the host
+counts the step as taken (the bias corrections need the count now) and a :class:`PendingSkip`
+remembers what to undo if the flag was set. The flag is copied to pinned host memory behind an
+event, so reading it later (:meth:`PendingSkip.skipped`: at the next ``step()``, or when
+``step_was_skipped`` or the state is read) waits only for that copy, not for work queued since.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class PendingSkip:
+    """The device's overflow flag of one step, and the step counts it must take back if set.
+
+    Args:
+        found_inf: 1-element fp32 device flag (non-zero: the update left params and state untouched).
+        used: per shard, per param: whether the step counted the param (as given to ``count_steps``).
+        steps: per shard, per param: the step number the update used (0: not stepped).
+    """
+
+    def __init__(self, found_inf: Tensor, used: list[list[bool]], steps: list[list[int]]) -> None:
+        self.used, self.steps = used, steps
+        if found_inf.device.type == "cuda":
+            self._flag = torch.empty(1, dtype=found_inf.dtype, pin_memory=True)
+            self._flag.copy_(found_inf, non_blocking=True)
+            self._ready: torch.cuda.Event | None = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._flag, self._ready = found_inf, None
+
+    def skipped(self) -> bool:
+        """Whether the device skipped the update (waits for the flag's copy only)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return bool(self._flag[0] != 0)
+
+
+def device_multiplier(norm: Tensor, loss_scale: float, max_norm: float | None) -> Tensor:
+    """:func:`~zeroshard.step.wrapped.grad_multiplier` on the device: a 1-element fp32 tensor.
+
+    ``norm``: the 0-dim float64 global norm of the still-scaled gradients. The clip coefficient
+    ``min(1, max_norm / (norm / loss_scale + 1e-6))`` is computed in float64, as the host computes
+    it in Python floats, so the multiplier is the host's to the bit.
+    """
+    if max_norm is None:
+        return torch.full((1,), 1.0 / loss_scale, device=norm.device)
+    coefficient = (max_norm / (norm / loss_scale + 1e-6)).clamp(max=1.0)
+    return (coefficient / loss_scale).float().reshape(1)

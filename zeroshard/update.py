@@ -1,0 +1,128 @@
+"""How :class:`~zeroshard.ShardedOptimizer` applies an update once the gradient statistics are in.
+
+Two ways. Where the host has the statistics (:class:`~zeroshard.step.grad_norm.GradStats`, read
+back in the step's one host sync), it decides there: skip on overflow (backing off a dynamic loss
+scale), else the clip coefficient as a float, then the fused update or the wrapped optimizer's
+``step()``. Where the Triton kernel updates every chunk and nothing else needs the decision on the
+host (:meth:`UpdateMixin._on_device`), the norm, the clip coefficient and the overflow flag stay on
+the device, as with ``torch.optim.AdamW(fused=True)`` driven by a ``torch.amp.GradScaler``: the
+kernel reads them and is a no-op on overflow, the host counts the step as taken, and a
+:class:`~zeroshard.step.pending_skip.PendingSkip` takes the count back if the flag, read later (the
+next ``step()``, ``step_was_skipped``, the state), was set. No host sync per step then.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zeroshard.gather.param_gather import ParamGather
+from zeroshard.layout.local_shard import LocalShard
+from zeroshard.reduce.grad_reducer import GradReducer
+from zeroshard.shard_set import ShardSet
+from zeroshard.step.fused_adam import FusedAdam, takes_device_scalars
+from zeroshard.step.grad_norm import GradStats, ReducedStats
+from zeroshard.step.loss_scaler import DynamicLossScaler, log_skip
+from zeroshard.step.pending_skip import PendingSkip, device_multiplier
+from zeroshard.step.wrapped import grad_multiplier, wrapped_step
+
+
+class UpdateMixin:
+    """The update of :class:`~zeroshard.ShardedOptimizer`'s step, on the host's or the device's statistics."""
+
+    # What the host (ShardedOptimizer) provides.
+    optimizer: torch.optim.Optimizer
+    rank: int
+    max_grad_norm: float | None
+    grad_norm: Tensor | None
+    _shard_set: ShardSet
+    _shards: list[LocalShard]
+    _scaler: DynamicLossScaler | None
+    _fused: FusedAdam | None
+    _reducer: GradReducer
+    _gather: ParamGather
+    _stats: GradStats | ReducedStats | None
+    _clip_norm: float | None
+    _consolidated: dict | None
+    _pending: PendingSkip | None
+    _step_was_skipped: bool
+    _skipped_steps: int
+
+    _static_scale: float | None
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current loss scale (dynamic or static), or ``None`` when no loss scaling is active."""
+        return self._scaler.scale if self._scaler is not None else self._static_scale
+
+    def _on_device(self, stats: ReducedStats) -> bool:
+        """Whether the step can keep the norm, the clip coefficient and the overflow decision on the device.
+
+        It can where the Triton kernel updates every chunk (:func:`takes_device_scalars`), nothing
+        needs the overflow decision on the host (no dynamic loss scale, no GradScaler), every param
+        got a gradient on this rank (so on some rank: the used-flags need no reading) and has
+        been stepped before (a skipped first step must create no state).
+        """
+        return (self._fused is not None and self._scaler is None and stats.used_everywhere and not self._shard_set.amp.unscaled
+                and getattr(self, "grad_scale", None) is None and takes_device_scalars(self._shards)
+                and all(self._shard_set.param_steps[i] for shard in self._shards for i in shard.param_indices))
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last step was skipped for inf/NaN gradients (on CUDA this may wait for that step's flag)."""
+        self._settle()
+        return self._step_was_skipped
+
+    def _settle(self) -> None:
+        """Read the last step's device overflow flag, if still pending; take back the counts of a skipped step."""
+        pending, self._pending = self._pending, None
+        if pending is None or not pending.skipped():
+            return
+        self._step_was_skipped = True
+        self._shard_set.count_steps(pending.used, -1)
+        if self._fused is not None:
+            self._fused.undo_step_counts(self._shards, pending.steps)
+        self._skipped_steps += 1
+        log_skip(self._skipped_steps, self.loss_scale, self.rank)
+
+    def _update_on_device(self, stats: ReducedStats, scale: float) -> None:
+        """The step with the norm, clip coefficient and overflow flag on the device (:meth:`_on_device`): no host sync."""
+        norm = stats.norm()
+        self.grad_norm = (norm / scale).to(stats.dtype)
+        found_inf = (~torch.isfinite(norm)).float().reshape(1)
+        used = [[True] * len(flags) for flags in stats.local_used]
+        max_norm = self._clip_norm if self._clip_norm is not None else self.max_grad_norm
+        steps = self._shard_set.count_steps(used)
+        for shard in self._shards:
+            shard.refresh_master()
+        self._fused.step(self._shards, steps, device_multiplier(norm, scale, max_norm), found_inf)  # type: ignore[union-attr]
+        self._step_was_skipped, self._pending = False, PendingSkip(found_inf, used, steps)
+        self._gather.launch(self._shards)
+        self._reducer.drop_unused_grads(used)
+
+    def _update_on_host(self, stats: GradStats, scale: float) -> None:
+        """The step on the statistics read back: skip on overflow (backing off a dynamic loss scale), else update."""
+        self.grad_norm = torch.tensor(stats.pre_clip_norm / scale, dtype=stats.dtype)
+        self._step_was_skipped = stats.found_inf
+        self._shard_set.amp.finish_step(stats.found_inf)
+        if self._scaler is not None:
+            self._scaler.update(stats.found_inf)
+        if stats.found_inf:
+            self._skipped_steps += 1
+            log_skip(self._skipped_steps, self.loss_scale, self.rank)
+        elif any(any(flags) for flags in stats.used):
+            self._update(stats, scale)
+        self._reducer.drop_unused_grads(stats.used)
+
+    def _update(self, stats: GradStats, scale: float) -> None:
+        max_norm = self._clip_norm if self._clip_norm is not None else self.max_grad_norm
+        multiplier = grad_multiplier(stats.pre_clip_norm, scale, max_norm)
+        steps = self._shard_set.count_steps(stats.used)
+        for shard in self._shards:
+            shard.refresh_master()
+        if self._fused is not None:
+            self._fused.step(self._shards, steps, multiplier)
+        else:
+            wrapped_step(self.optimizer, self._shards, stats.used, multiplier)
+        self._gather.launch(self._shards)  # waited for before the params are next read (param_gather.py)
+
