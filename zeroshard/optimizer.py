@@ -333,6 +333,8 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
             for shard in self._shards:  # before any collective: raises alike on every rank
                 shard.follow_all()
             stats = self._stats or self._gather_stats(2.0, "step()")
+            if isinstance(stats, ReducedStats) and not self._on_device(stats):  # a GradScaler stepped in since clip_grad_norm_
+                stats = stats.read()
             if self._fused is not None and (placed := self._fused.place_once(self._shards, lambda: self.memory_usage().device_bytes)):
                 if self.rank == 0:
                     logger.info("%s", placed.summary())

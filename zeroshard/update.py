@@ -110,6 +110,8 @@ class UpdateMixin:
         if stats.found_inf:
             self._skipped_steps += 1
             log_skip(self._skipped_steps, self.loss_scale, self.rank)
+            if self._fused is not None:  # a rank that kept the decision on the device all-gathers (unchanged params): join it
+                self._gather.launch(self._shards)
         elif any(any(flags) for flags in stats.used):
             self._update(stats, scale)
         self._reducer.drop_unused_grads(stats.used)

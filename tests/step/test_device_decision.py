@@ -26,8 +26,8 @@ from zeroshard.step.grad_norm import ReducedStats
 STEPS, NAN_STEP, BRANCH_OFF_STEP = 8, 3, 5
 
 
-def device_decision_worker(stage: int, max_norm: float | None) -> dict:
-    """8 steps of TinyNet: a NaN loss on rank 1 at step 3, rank 1 without the branch at step 5."""
+def device_decision_worker(stage: int, max_norm: float | None, nan_step: int, branch_off_step: int) -> dict:
+    """8 steps of TinyNet: a NaN loss on rank 1 at ``nan_step``, rank 1 without the branch at ``branch_off_step``."""
     fused_adam.KERNEL_ON_CPU = True
     rank = dist.get_rank()
     try:
@@ -36,7 +36,8 @@ def device_decision_worker(stage: int, max_norm: float | None) -> dict:
         ref.load_state_dict(model.state_dict())
         ddp = DDP(ref, find_unused_parameters=True)
         ref_opt = torch.optim.AdamW(param_groups(ref), lr=1e-2)
-        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), stage=stage, max_grad_norm=max_norm)
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), stage=stage, max_grad_norm=max_norm,
+                                         collective_timeout_s=60)
         reads: list[int] = []
         read = ReducedStats.read
         norms, ref_norms, skipped = [], [], []
@@ -48,13 +49,13 @@ def device_decision_worker(stage: int, max_norm: float | None) -> dict:
         with mock.patch.object(ReducedStats, "read", counted_read):
             for step in range(STEPS):
                 x, y = batch(rank, step)
-                use_branch = not (step == BRANCH_OFF_STEP and rank == 1)
-                poison = float("nan") if step == NAN_STEP and rank == 1 else 1.0
+                use_branch = not (step == branch_off_step and rank == 1)
+                poison = float("nan") if step == nan_step and rank == 1 else 1.0
                 (loss_fn(model, x, y, use_branch) * poison).backward()
                 before = [p.detach().clone() for p in model.parameters()]
                 opt.step()
                 model.zero_grad()
-                if step == NAN_STEP:  # read the flag only now, after the next step's counting: taken back there
+                if step == nan_step:  # read the flag only now, after the next step's counting: taken back there
                     unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
                 else:
                     skipped.append(opt.step_was_skipped)
@@ -62,7 +63,7 @@ def device_decision_worker(stage: int, max_norm: float | None) -> dict:
                 (loss_fn(ddp, x, y, use_branch) * poison).backward()
                 ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm if max_norm else math.inf)
                 ref_norms.append(float(ref_norm))
-                if step != NAN_STEP:
+                if step != nan_step:
                     ref_opt.step()
                 ref_opt.zero_grad()
         state = opt.state_dict()
@@ -74,17 +75,50 @@ def device_decision_worker(stage: int, max_norm: float | None) -> dict:
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernel on CPU chunks (TRITON_INTERPRET=1, set without a GPU)")
-@pytest.mark.parametrize("stage, max_norm", [(1, None), (2, 0.5)])
-def test_device_decision_matches_ddp_and_reads_back_only_when_the_host_decides(pools, stage, max_norm):
-    for rank, run in enumerate(pools[2].run(device_decision_worker, stage, max_norm)):
+@pytest.mark.parametrize("stage, max_norm, branch_off_step", [(1, None, BRANCH_OFF_STEP), (2, 0.5, BRANCH_OFF_STEP), (2, 0.5, NAN_STEP)])
+def test_device_decision_matches_ddp_and_reads_back_only_when_the_host_decides(pools, stage, max_norm, branch_off_step):
+    """With ``branch_off_step == NAN_STEP`` the ranks decide the skipped step apart (rank 0 on the device, rank 1 on the
+    host) and must still run the same collectives (the all-gather after the step)."""
+    for rank, run in enumerate(pools[2].run(device_decision_worker, stage, max_norm, NAN_STEP, branch_off_step)):
         # read back at the first step (state is created) and, on rank 1 only, where its branch got no gradient
-        assert run["reads"] == ([0, BRANCH_OFF_STEP] if rank == 1 else [0]), run["reads"]
+        assert run["reads"] == ([0, branch_off_step] if rank == 1 else [0]), run["reads"]
         assert run["unchanged"] and not any(run["skipped"]), run["skipped"]
         assert math.isnan(run["norms"][NAN_STEP])
         finite = [i for i in range(STEPS) if i != NAN_STEP]
         assert all(math.isclose(run["norms"][i], run["ref_norms"][i], rel_tol=1e-5) for i in finite), (run["norms"], run["ref_norms"])
         assert run["error"] < 1e-5, run["error"]
         assert run["steps"] == run["ref_steps"] and max(run["steps"]) == STEPS - 1, (run["steps"], run["ref_steps"])
+
+
+def gradscaler_after_clip_worker() -> list[float]:
+    """A ``torch.amp.GradScaler`` stepping after ``opt.clip_grad_norm_`` (no ``unscale_``), an inf in one param's
+    gradient at step 3 (in one rank's shard only); the GradScaler's scale after each step."""
+    fused_adam.KERNEL_ON_CPU = True
+    try:
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), stage=2, collective_timeout_s=60)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+        scales = []
+        for step in range(5):
+            hook = model.norm.bias.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), math.inf)) if step == 3 else None
+            scaler.scale(loss_fn(model, *batch(dist.get_rank(), step))).backward()
+            if hook is not None:
+                hook.remove()
+            opt.clip_grad_norm_(1.0)  # decided before the GradScaler hands over its scale
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            model.zero_grad()
+        return scales
+    finally:
+        fused_adam.KERNEL_ON_CPU = False
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernel on CPU chunks (TRITON_INTERPRET=1, set without a GPU)")
+def test_a_gradscaler_stepping_after_clip_grad_norm_gets_every_rank_s_overflow(pools):
+    # the step re-decides once the GradScaler stepped in: host decision, its found_inf set on every rank, one scale
+    assert pools[2].run(gradscaler_after_clip_worker) == [[1024.0, 1024.0, 1024.0, 512.0, 512.0]] * 2
 
 
 @pytest.fixture

@@ -49,6 +49,6 @@ def device_multiplier(norm: Tensor, loss_scale: float, max_norm: float | None) -
     it in Python floats, so the multiplier is the host's to the bit.
     """
     if max_norm is None:
-        return torch.full((1,), 1.0 / loss_scale, device=norm.device)
+        return torch.full((1,), 1.0 / loss_scale, device=norm.device, dtype=torch.float32)
     coefficient = (max_norm / (norm / loss_scale + 1e-6)).clamp(max=1.0)
     return (coefficient / loss_scale).float().reshape(1)
