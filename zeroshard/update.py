@@ -63,8 +63,8 @@ class UpdateMixin:
         got a gradient on this rank (so on some rank: the used-flags need no reading) and has
         been stepped before (a skipped first step must create no state).
         """
-        return (self._fused is not None and self._scaler is None and stats.used_everywhere and not self._shard_set.amp.unscaled
-                and getattr(self, "grad_scale", None) is None and takes_device_scalars(self._shards)
+        return (self._fused is not None and takes_device_scalars(self._shards) and self._scaler is None and not self._shard_set.amp.unscaled
+                and getattr(self, "grad_scale", None) is None and stats.used_everywhere
                 and all(self._shard_set.param_steps[i] for shard in self._shards for i in shard.param_indices))
 
     @property

@@ -198,6 +198,9 @@ class FusedAdam:
         self._pipeline = OffloadPipeline()
         self.placement: Placement | None = None  # where place_once put the chunks
         self._margin: tuple[MemoryTracer, float, torch.device] | None = None  # (tracer, ratio, device) until place_once
+        # id(virtual param) -> (its state, state["exp_avg"], state["exp_avg_sq"], its chunk's exp_avg) as bind() left them:
+        # all still the same objects, the views are in place (a virtual param lives as long as its chunk, so as this object)
+        self._bound: dict[int, tuple[dict, Tensor, Tensor, Tensor | None]] = {}
 
     @torch.no_grad()
     def bind(self, shards: list[LocalShard]) -> None:
@@ -213,6 +216,10 @@ class FusedAdam:
                     state = self.optimizer.state.get(vparam)
                     if not state:
                         continue
+                    bound = self._bound.get(id(vparam))  # the views this method last left there (the common case: still there)
+                    if bound is not None and bound[0] is state and bound[1] is state["exp_avg"] and bound[2] is state["exp_avg_sq"] \
+                            and bound[3] is chunk.exp_avg:
+                        continue
                     for key in ("exp_avg", "exp_avg_sq"):
                         moments = getattr(chunk, key)
                         # Where the view would start, without making it (two aten ops per piece and step otherwise).
@@ -220,6 +227,7 @@ class FusedAdam:
                             view = chunk.shaped(piece, moments)
                             view.copy_(state[key].reshape(view.shape))
                             state[key] = view
+                    self._bound[id(vparam)] = (state, state["exp_avg"], state["exp_avg_sq"], chunk.exp_avg)
 
     def start_margin_trace(self, device: torch.device, ratio: float) -> None:
         """Measure from now to the first step for ``gpu_margin_mem_ratio`` = ``ratio`` (> 0); :meth:`place_once` then places the chunks."""
