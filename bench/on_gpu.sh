@@ -4,7 +4,7 @@
 # one GPU (kernel, offload, overhead at 1 rank; step, memory and muon need one GPU per rank, 2 or more).
 # Logs and CSVs go to $OUT (default ./gpu-out). Run from the repository root:
 #     bash bench/on_gpu.sh
-# BENCH_SUITES="kernel" picks suites, SKIP_EXAMPLE=1 skips the example, BENCH_ARGS=--quick shrinks them.
+# BENCH_SUITES="kernel" picks suites ("none": no bench), SKIP_EXAMPLE=1 skips the example, BENCH_ARGS=--quick shrinks them.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -28,7 +28,9 @@ if [ -z "${SKIP_EXAMPLE:-}" ]; then
 fi
 
 suites=${BENCH_SUITES:-kernel offload overhead}
-log "bench $suites"
-# shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-360}" python3 -m bench $suites ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.txt"
+if [ "$suites" != none ]; then
+    log "bench $suites"
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT:-360}" python3 -m bench $suites ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.txt"
+fi
 log "done"
