@@ -276,3 +276,11 @@ def test_overhead_suite_runs_end_to_end(tmp_path):
     times = {(r["size"], r["method"]): float(r["median_ms"]) for r in rows}
     for r in rows:  # each ratio is the two medians of this same run and size
         assert float(r["ratio"]) == pytest.approx(times[r["size"], r["method"]] / times[r["size"], overhead.BASELINE], rel=1e-6)
+
+
+def test_host_phases_prints_a_line_per_size_and_method():
+    result = subprocess.run([sys.executable, "-m", "bench.host_phases", "--steps", "1", "--warmup", "1"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "MASTER_PORT": "29547"})
+    lines = [line for line in result.stdout.splitlines() if "ms/step" in line]
+    assert result.returncode == 0 and len(lines) == 6, result.stdout + result.stderr
+    assert all("forward" in line and "zero_grad" in line for line in lines)

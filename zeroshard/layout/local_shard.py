@@ -102,8 +102,8 @@ class LocalShard:
             self._seen_versions[index] = -1
 
     def follow_all(self) -> None:
-        """:meth:`follow` for every param of the buffer."""
-        for index in range(len(self.buffer.params)):
+        """:meth:`follow` for every param of the buffer (checked in one pass: :meth:`FlatParamBuffer.moved`)."""
+        for index in self.buffer.moved():
             self.follow(index)
 
     @torch.no_grad()

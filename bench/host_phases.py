@@ -1,0 +1,94 @@
+"""Host time of each phase of a training step, one rank: ``python -m bench.host_phases`` (not a suite; no CSV).
+
+A GPU runs kernels asynchronously, so the host time of the forward, ``backward()``, ``step()`` and
+``zero_grad()`` is what a step costs when kernels are short (#27). For each size of the
+``overhead`` suite and for DDP + ``AdamW(fused=True)`` and zeroshard stages 1 and 2 (built as that
+suite builds them): 10 warm-up steps, then 60 steps timed phase by phase with the host clock and
+no sync, then one synchronization for the wall time per step. One rank (NCCL on a GPU, gloo on
+CPU), fp32. With ``--profile``, zeroshard stage 2 at the small-compute size runs 20 more steps
+under ``cProfile`` and prints the 40 functions with the most time of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import time
+
+import torch
+import torch.distributed as dist
+
+from bench import overhead
+
+METHODS = ("ddp_adamw_fused", "zeroshard_stage1", "zeroshard_stage2")
+PHASES = ("forward", "backward", "step", "zero_grad")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def phase_times(model, opt, x: torch.Tensor, device: torch.device, steps: int = 60, warmup: int = 10) -> tuple[float, dict[str, float]]:
+    """(wall seconds per step, host seconds per step of each phase) over ``steps`` steps after ``warmup``."""
+    for _ in range(warmup):
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+    _sync(device)
+    totals = dict.fromkeys(PHASES, 0.0)
+    start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = model(x, x)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        opt.zero_grad()
+        t4 = time.perf_counter()
+        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            totals[phase] += seconds
+    _sync(device)
+    return (time.perf_counter() - start) / steps, {phase: seconds / steps for phase, seconds in totals.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", action="store_true", help="cProfile zeroshard stage 2 at the small-compute size")
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per method")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps before them")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    try:
+        for size, config in overhead.SIZES.items():
+            x = torch.randint(0, 256, (config.batch_size, config.seq_len), generator=torch.Generator().manual_seed(0)).to(device)
+            for method in METHODS:
+                model, opt = overhead.build_method(method, config, device)
+                wall, host = phase_times(model, opt, x, device, args.steps, args.warmup)
+                print(f"{size:14s} {method:18s} wall {wall * 1e3:7.3f} ms/step; host ms: "
+                      + ", ".join(f"{phase} {seconds * 1e3:.3f}" for phase, seconds in host.items()), flush=True)
+                if args.profile and size == "small-compute" and method == "zeroshard_stage2":
+                    profiler = cProfile.Profile()
+                    profiler.enable()
+                    phase_times(model, opt, x, device, steps=20, warmup=0)
+                    profiler.disable()
+                    pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
