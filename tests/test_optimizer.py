@@ -75,6 +75,8 @@ def bad_input_worker() -> list[str]:
     with pytest.raises(ValueError, match="already in another param group"):
         opt.add_param_group({"params": [model.fc1.weight]})
     assert len(opt.param_groups) == 2
+    with pytest.raises(RuntimeError, match=r"use_joint_norm\(\) needs a clip_grad_norm_\(\) since the last step\(\)"):
+        opt.use_joint_norm(1.0)
     return [c[1] for c in cases]
 
 
