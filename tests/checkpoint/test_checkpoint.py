@@ -35,6 +35,32 @@ def _train(model, opt, steps: range, ddp=None, use_branch: bool = True) -> None:
         model.zero_grad()
 
 
+def reset_moments_worker(how: str) -> list[torch.Tensor]:
+    """2 steps; every piece's Adam moments set to zero (``how``: new tensors assigned, or the same tensor objects given new
+    storage by ``.data =`` or ``set_``); 2 steps more. The params, then each piece's moments as the state shows them."""
+    model, opt = _build()
+    _train(model, opt, range(2))
+    for state in opt.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if how == "assign":
+                state[key] = torch.zeros_like(state[key])
+            elif how == "data":
+                state[key].data = torch.zeros_like(state[key])
+            else:
+                state[key].set_(torch.zeros_like(state[key]))
+    _train(model, opt, range(2, 4))
+    return [p.detach().clone() for p in model.parameters()] + [s[key].clone() for s in opt.state.values() for key in ("exp_avg", "exp_avg_sq")]
+
+
+def test_moments_given_new_storage_in_place_are_followed_as_assigned_ones(pools):
+    # The fused step binds each piece's state to its chunk's moments; a state tensor that keeps its identity but not its
+    # storage (.data =, set_: what "move the optimizer state" helpers do) must be bound again, as an assigned one is.
+    assigned = pools[2].run(reset_moments_worker, "assign")
+    for how in ("data", "set_"):
+        for ours, expected in zip(pools[2].run(reset_moments_worker, how), assigned):
+            assert all(torch.equal(a, b) for a, b in zip(ours, expected)), how
+
+
 # -- same world size ---------------------------------------------------------------------------
 
 

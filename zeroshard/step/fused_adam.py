@@ -198,9 +198,10 @@ class FusedAdam:
         self._pipeline = OffloadPipeline()
         self.placement: Placement | None = None  # where place_once put the chunks
         self._margin: tuple[MemoryTracer, float, torch.device] | None = None  # (tracer, ratio, device) until place_once
-        # id(virtual param) -> (its state, state["exp_avg"], state["exp_avg_sq"], its chunk's exp_avg) as bind() left them:
-        # all still the same objects, the views are in place (a virtual param lives as long as its chunk, so as this object)
-        self._bound: dict[int, tuple[dict, Tensor, Tensor, Tensor | None]] = {}
+        # id(virtual param) -> (its state, its chunk's exp_avg and exp_avg_sq, the addresses of the state's views) as bind()
+        # left them: the same state and moments, and the state's tensors still at those addresses, mean the views are in place
+        # (the old check without its address arithmetic; a virtual param lives as long as its chunk, so as this object)
+        self._bound: dict[int, tuple[dict, Tensor | None, Tensor | None, int, int]] = {}
 
     @torch.no_grad()
     def bind(self, shards: list[LocalShard]) -> None:
@@ -215,10 +216,11 @@ class FusedAdam:
                 for piece, vparam in zip(chunk.pieces, chunk.virtual_params):
                     state = self.optimizer.state.get(vparam)
                     if not state:
+                        self._bound.pop(id(vparam), None)
                         continue
-                    bound = self._bound.get(id(vparam))  # the views this method last left there (the common case: still there)
-                    if bound is not None and bound[0] is state and bound[1] is state["exp_avg"] and bound[2] is state["exp_avg_sq"] \
-                            and bound[3] is chunk.exp_avg:
+                    bound = self._bound.get(id(vparam))  # where this method last left the views (the common case: still there)
+                    if bound is not None and bound[0] is state and bound[1] is chunk.exp_avg and bound[2] is chunk.exp_avg_sq \
+                            and state["exp_avg"].data_ptr() == bound[3] and state["exp_avg_sq"].data_ptr() == bound[4]:
                         continue
                     for key in ("exp_avg", "exp_avg_sq"):
                         moments = getattr(chunk, key)
@@ -227,7 +229,7 @@ class FusedAdam:
                             view = chunk.shaped(piece, moments)
                             view.copy_(state[key].reshape(view.shape))
                             state[key] = view
-                    self._bound[id(vparam)] = (state, state["exp_avg"], state["exp_avg_sq"], chunk.exp_avg)
+                    self._bound[id(vparam)] = (state, chunk.exp_avg, chunk.exp_avg_sq, state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr())
 
     def start_margin_trace(self, device: torch.device, ratio: float) -> None:
         """Measure from now to the first step for ``gpu_margin_mem_ratio`` = ``ratio`` (> 0); :meth:`place_once` then places the chunks."""
