@@ -9,6 +9,7 @@ rank skips the step everywhere with its step counts taken back, and clipping mat
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from unittest import mock
@@ -88,6 +89,41 @@ def test_device_decision_matches_ddp_and_reads_back_only_when_the_host_decides(p
         assert all(math.isclose(run["norms"][i], run["ref_norms"][i], rel_tol=1e-5) for i in finite), (run["norms"], run["ref_norms"])
         assert run["error"] < 1e-5, run["error"]
         assert run["steps"] == run["ref_steps"] and max(run["steps"]) == STEPS - 1, (run["steps"], run["ref_steps"])
+
+
+def torch_clip_worker(on_device: bool) -> tuple[int, list[torch.Tensor]]:
+    """5 steps clipped by ``torch.nn.utils.clip_grad_norm_`` on the model's params (what HF Trainer and accelerate run),
+    the step deciding on the device or (``on_device=False``) on the host; statistics reads, and the params."""
+    fused_adam.KERNEL_ON_CPU = True
+    try:
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), stage=2, collective_timeout_s=60)
+        reads: list[int] = []
+        read = ReducedStats.read
+
+        def counted_read(stats: ReducedStats):
+            reads.append(1)
+            return read(stats)
+
+        decide = mock.patch.object(zeroshard.ShardedOptimizer, "_on_device", return_value=False) if not on_device else contextlib.nullcontext()
+        with mock.patch.object(ReducedStats, "read", counted_read), decide:
+            for step in range(5):
+                loss_fn(model, *batch(dist.get_rank(), step)).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                opt.zero_grad()
+        return len(reads), [p.detach().clone() for p in model.parameters()]
+    finally:
+        fused_adam.KERNEL_ON_CPU = False
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernel on CPU chunks (TRITON_INTERPRET=1, set without a GPU)")
+def test_a_step_after_torch_clip_grad_norm_decides_on_the_device_bitwise_as_on_the_host(pools):
+    device, host = pools[2].run(torch_clip_worker, True), pools[2].run(torch_clip_worker, False)
+    for (reads, params), (host_reads, host_params) in zip(device, host):
+        assert (reads, host_reads) == (1, 5)  # the first step reads back (state is created), then none
+        assert all(torch.equal(a, b) for a, b in zip(params, host_params))
 
 
 def gradscaler_after_clip_worker() -> list[float]:
