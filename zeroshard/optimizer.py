@@ -245,15 +245,14 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         """``scale_loss(loss).backward()``: use it instead of ``loss.backward()`` whenever a loss scale is active."""
         self.scale_loss(loss).backward()
 
-    def _gather_stats(self, norm_type: float, caller: str) -> GradStats | ReducedStats:
-        """The statistics, left on the device where the step can take them there (:meth:`_on_device`)."""
+    def _gather_stats(self, norm_type: float, caller: str) -> ReducedStats:
+        """The statistics, all-reduced and still on the device (the step decides whether to read them: :meth:`_on_device`)."""
         unfrozen = self._shard_set.add_unfrozen()
         if unfrozen:
             self._hook_up(unfrozen)
             self._reducer.reduce_again()  # their gradients are still local
         self._reducer.reduce_for_step()
-        stats = reduce_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._timeout, caller)
-        return stats if self._on_device(stats) else stats.read()
+        return reduce_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._timeout, caller)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the coming step's gradients to global norm ``max_norm``; return the pre-clip norm.
@@ -273,10 +272,12 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
             raise ValueError(f"max_norm={max_norm!r} must be positive")
         if float(norm_type) not in NORM_TYPES:
             raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
-        self._stats = self._gather_stats(float(norm_type), "clip_grad_norm_()")
+        stats = self._gather_stats(float(norm_type), "clip_grad_norm_()")
         self._clip_norm = float(max_norm)
-        if isinstance(self._stats, ReducedStats):
-            return (self._stats.norm() / self._gradient_scale()).to(self._stats.dtype)
+        if self._on_device(stats):  # step() decides again: a GradScaler may step in since
+            self._stats = stats
+            return (stats.norm() / self._gradient_scale()).to(stats.dtype)
+        self._stats = stats.read()
         return torch.tensor(self._stats.norm / self._gradient_scale(), dtype=self._stats.dtype)
 
     def use_joint_norm(self, total: float) -> None:
@@ -333,7 +334,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
             for shard in self._shards:  # before any collective: raises alike on every rank
                 shard.follow_all()
             stats = self._stats or self._gather_stats(2.0, "step()")
-            if isinstance(stats, ReducedStats) and not self._on_device(stats):  # a GradScaler stepped in since clip_grad_norm_
+            if isinstance(stats, ReducedStats) and not self._on_device(stats):  # the one host read (or a GradScaler since clip_grad_norm_)
                 stats = stats.read()
             if self._fused is not None and (placed := self._fused.place_once(self._shards, lambda: self.memory_usage().device_bytes)):
                 if self.rank == 0:

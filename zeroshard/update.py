@@ -47,7 +47,6 @@ class UpdateMixin:
     _pending: PendingSkip | None
     _step_was_skipped: bool
     _skipped_steps: int
-
     _static_scale: float | None
 
     @property
@@ -79,7 +78,7 @@ class UpdateMixin:
         if pending is None or not pending.skipped():
             return
         self._step_was_skipped = True
-        self._shard_set.count_steps(pending.used, -1)
+        self._shard_set.count_steps([[step > 0 for step in shard] for shard in pending.steps], -1)
         if self._fused is not None:
             self._fused.undo_step_counts(self._shards, pending.steps)
         self._skipped_steps += 1
@@ -90,14 +89,9 @@ class UpdateMixin:
         norm = stats.norm()
         self.grad_norm = (norm / scale).to(stats.dtype)
         found_inf = (~torch.isfinite(norm)).float().reshape(1)
-        used = [[True] * len(flags) for flags in stats.local_used]
-        max_norm = self._clip_norm if self._clip_norm is not None else self.max_grad_norm
-        steps = self._shard_set.count_steps(used)
-        for shard in self._shards:
-            shard.refresh_master()
-        self._fused.step(self._shards, steps, device_multiplier(norm, scale, max_norm), found_inf)  # type: ignore[union-attr]
-        self._step_was_skipped, self._pending = False, PendingSkip(found_inf, used, steps)
-        self._gather.launch(self._shards)
+        used = stats.local_used  # every param got a gradient on this rank (_on_device)
+        steps = self._update(used, device_multiplier(norm, scale, self._max_norm()), found_inf)
+        self._step_was_skipped, self._pending = False, PendingSkip(found_inf, steps)
         self._reducer.drop_unused_grads(used)
 
     def _update_on_host(self, stats: GradStats, scale: float) -> None:
@@ -113,18 +107,22 @@ class UpdateMixin:
             if self._fused is not None:  # a rank that kept the decision on the device all-gathers (unchanged params): join it
                 self._gather.launch(self._shards)
         elif any(any(flags) for flags in stats.used):
-            self._update(stats, scale)
+            self._update(stats.used, grad_multiplier(stats.pre_clip_norm, scale, self._max_norm()))
         self._reducer.drop_unused_grads(stats.used)
 
-    def _update(self, stats: GradStats, scale: float) -> None:
-        max_norm = self._clip_norm if self._clip_norm is not None else self.max_grad_norm
-        multiplier = grad_multiplier(stats.pre_clip_norm, scale, max_norm)
-        steps = self._shard_set.count_steps(stats.used)
+    def _max_norm(self) -> float | None:
+        """The clip norm of the coming step: a ``clip_grad_norm_`` call's, else ``max_grad_norm``."""
+        return self._clip_norm if self._clip_norm is not None else self.max_grad_norm
+
+    def _update(self, used: list[list[bool]], multiplier: float | Tensor, found_inf: Tensor | None = None) -> list[list[int]]:
+        """Count the step, update every used param, launch the all-gather; the step numbers used (per shard, per param)."""
+        steps = self._shard_set.count_steps(used)
         for shard in self._shards:
             shard.refresh_master()
         if self._fused is not None:
-            self._fused.step(self._shards, steps, multiplier)
-        else:
-            wrapped_step(self.optimizer, self._shards, stats.used, multiplier)
+            self._fused.step(self._shards, steps, multiplier, found_inf)
+        else:  # only with a float multiplier (_on_device needs the fused update)
+            wrapped_step(self.optimizer, self._shards, used, multiplier)  # type: ignore[arg-type]
         self._gather.launch(self._shards)  # waited for before the params are next read (param_gather.py)
+        return steps
 

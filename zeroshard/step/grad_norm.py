@@ -153,8 +153,3 @@ class ReducedStats:
             start += len(per_shard)
         return GradStats(norm, used, self.dtype)
 
-
-def gather_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0,
-                      timeout: datetime.timedelta | None = None, caller: str = "step()") -> GradStats:
-    """:func:`reduce_grad_stats`, read on the host."""
-    return reduce_grad_stats(shards, local_used, groups, norm_type, timeout, caller).read()

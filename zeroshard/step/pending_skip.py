@@ -20,12 +20,11 @@ class PendingSkip:
 
     Args:
         found_inf: 1-element fp32 device flag (non-zero: the update left params and state untouched).
-        used: per shard, per param: whether the step counted the param (as given to ``count_steps``).
-        steps: per shard, per param: the step number the update used (0: not stepped).
+        steps: per shard, per param: the step number the update used (0: not stepped), as ``count_steps`` returned it.
     """
 
-    def __init__(self, found_inf: Tensor, used: list[list[bool]], steps: list[list[int]]) -> None:
-        self.used, self.steps = used, steps
+    def __init__(self, found_inf: Tensor, steps: list[list[int]]) -> None:
+        self.steps = steps
         if found_inf.device.type == "cuda":
             self._flag = torch.empty(1, dtype=found_inf.dtype, pin_memory=True)
             self._flag.copy_(found_inf, non_blocking=True)
