@@ -237,6 +237,9 @@ class ShardGrads:
         (:meth:`settle`). Then autograd stores the new gradient (stage 2: ``.grad`` is ``None``) or
         adds it to the running local sum (stage 1: ``.grad`` is its flat grad view).
         """
+        if not reduced and i not in self.reduced_versions:  # the common case: nothing reduced in this step, no ShardedGrad left
+            self.continued[i] = False
+            return
         held, left = param.grad, self.reduced.get(i)
         with DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call
             self.continued[i] = reduced and held is not None and (

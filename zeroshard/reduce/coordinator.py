@@ -169,7 +169,10 @@ class ReduceCoordinator:
 
     def take_deferred(self, reducer: Reducer) -> None:
         """A gradient is about to be accumulated into a param of ``reducer``: every reducer takes the one it deferred (see ``ArrivedGrad``)."""
-        for r in [reducer] if self._alone() else self._live():
+        if self._alone():
+            reducer.take_deferred()
+            return
+        for r in self._live():
             r.take_deferred()
 
     def let_later_launch(self, reducer: Reducer) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import logging
 import weakref
 from collections.abc import Iterator
@@ -153,12 +152,14 @@ class GradReducer:
         bind_virtual_grads(shard, self._comm, self._space)
         self._order.append(k, len(layout.buckets))
         for i, param in enumerate(shard.buffer.params):
-            self._hooks.append(param.register_hook(self._make_pre_hook(k, i, param)))
-            self._hooks.append(param.register_post_accumulate_grad_hook(functools.partial(weak_method(self._on_grad_ready), k, i)))
+            pre_hook, post_hook = self._make_hooks(k, i, param)
+            self._hooks.append(param.register_hook(pre_hook))
+            self._hooks.append(param.register_post_accumulate_grad_hook(post_hook))
             self._grads[k].hook_ids[i] = self._hooks[-1].id
             self.coordinator.own(param, self)
 
-    def _make_pre_hook(self, k: int, i: int, param: nn.Parameter):
+    def _make_hooks(self, k: int, i: int, param: nn.Parameter):
+        """Param ``i`` of shard ``k``'s tensor pre-hook and post-accumulate-grad hook; both hold this reducer and the param weakly."""
         reducer, param_ref = weakref.ref(self), weakref.ref(param)
 
         def pre_hook(grad: Tensor) -> None:  # runs before autograd accumulates ``grad`` into ``param.grad``
@@ -166,7 +167,12 @@ class GradReducer:
             if live is not None and held is not None:
                 live._before_accumulate(k, i, held)
 
-        return pre_hook
+        def post_hook(held: nn.Parameter) -> None:  # runs once ``held.grad`` holds the accumulated gradient
+            live = reducer()
+            if live is not None:
+                live._on_grad_ready(k, i, held)
+
+        return pre_hook, post_hook
 
     def _reduce_dtype(self, k: int) -> torch.dtype:
         return self.reduce_dtype or self.shards[k].buffer.dtype
@@ -258,7 +264,8 @@ class GradReducer:
             return
         if self._grads[k].continued[i]:
             self._grads[k].refuse_partial_write(i, self._grads[k].hooked_before(i, param))
-        self._queue_end_of_backward()
+        if self.end_of_backward is EndOfBackward.NONE:
+            self._queue_end_of_backward()
         self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this param's pre-hook (_before_accumulate)
         if self._ddp_reduced:  # DDP's reducer, hooked after, reads .grad as left here: take it now
             self.take_deferred()
@@ -273,29 +280,35 @@ class GradReducer:
             return
         arrived, self._deferred = self._deferred, None
         k, i, param = arrived.shard, arrived.index, arrived.param
-        self._grads[k].refuse_partial_write(i, arrived.changed())
+        if self._grads[k].continued[i]:  # else nothing to refuse: skip the check
+            self._grads[k].refuse_partial_write(i, arrived.changed())
         if param.grad is None:  # a hook dropped it: as in DDP, the param is unused on this rank
             self._grads[k].used[i] = False
         if self.stage == 1:
             self._grads[k].keep_in_flat_grad(i, param)  # a hook may have replaced .grad (None: zeroes this rank's part)
-        self._take_grad(k, i, param)
-        if self.overlap_comm:
+        if self._take_grad(k, i, param) and self.overlap_comm:  # only a bucket just completed can launch
             self.launch_complete_buckets()
 
-    def _take_grad(self, k: int, i: int, param: nn.Parameter, last: bool = False) -> None:
-        """Count a gradient of param ``i`` of shard ``k`` (``last``: at the end of the pass); stage 2 moves it into the staging bucket."""
+    def _take_grad(self, k: int, i: int, param: nn.Parameter, last: bool = False) -> bool:
+        """Count a gradient of param ``i`` of shard ``k`` (``last``: at the end of the pass); stage 2 moves it into the staging bucket.
+
+        Returns whether this completed the param's bucket (which may then be launched).
+        """
         slot = self.shards[k].buffer.layout.slots[i]
         if self._order.position((k, slot.bucket)) < self._next_launch:
             # More gradients than any pass had, its bucket reduced (nested_backward.py): kept local until step().
             self._grads[k].arrivals[i] += 1
             self._late = True
             self._order.completed((k, slot.bucket))  # it completes now in the next passes
-            return
-        if self.stage == 2 and param.grad is not None and not isinstance(param.grad, ShardedGrad):
-            self._staging.add((k, slot.bucket), self.shards[k].buffer.layout, i, param.grad, self._reduce_dtype(k))
+            return False
+        grad = param.grad
+        if self.stage == 2 and grad is not None and not isinstance(grad, ShardedGrad):
+            self._staging.add((k, slot.bucket), self.shards[k].buffer.layout, i, grad, self._reduce_dtype(k))
             param.grad = None if self._ddp_reduced else self._grads[k].sharded_grad(i, param)
-        if self._grads[k].take(i, last):
-            self._order.completed((k, slot.bucket))
+        if not self._grads[k].take(i, last):
+            return False
+        self._order.completed((k, slot.bucket))
+        return True
 
     def launch_complete_buckets(self, in_turn: bool = True) -> None:
         """Launch the complete buckets in order; ``in_turn``: after the group's earlier reducers (coordinator.py)."""

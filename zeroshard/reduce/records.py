@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 
-@dataclass
+@dataclass(slots=True)
 class ArrivedGrad:
     """The gradient autograd accumulated last into param ``index`` of shard ``shard``, not taken yet.
 
