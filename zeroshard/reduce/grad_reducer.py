@@ -8,8 +8,8 @@ in one order, the same on every rank: a complete bucket waits until every bucket
 launched. The order starts as flat buffers in param-group order, buckets in layout order, and is
 rebuilt once from the first backward (``bucket_order.py``). At the end of every backward pass (an
 autograd engine callback, queued by the first hook of that pass; the outermost pass, under reentrant
-checkpoints: ``nested_backward.py``), buckets still incomplete because
-some param got no gradient on this rank are completed with zeros for those params and launched, so
+checkpoints: ``nested_backward.py``), buckets incomplete because some param got no gradient on this
+rank are completed with zeros for them and launched, so
 every backward issues every bucket once on every rank (DDP's ``find_unused_parameters`` semantics:
 a missing gradient counts as zero). Then all reductions of the pass are waited for and added into
 the grad shards, as DDP's reducer finalizes at the end of backward. Reducers that share a process
@@ -40,7 +40,7 @@ from zeroshard.reduce.bucket_order import BucketOrder
 from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrappers_of_owners
 from zeroshard.reduce.ddp import DDPWrappers, find_wrappers, release, watch_new_wrappers
 from zeroshard.reduce.nested_backward import OutermostBackward
-from zeroshard.reduce.records import ArrivedGrad, weak_method
+from zeroshard.reduce.records import ArrivedGrad, param_hooks, weak_method
 from zeroshard.reduce.staging import StagingBuckets
 
 # Stage 2's bucket reductions in flight at most (DeepSpeed ZeRO-2's double buffering): staging memory ~ this + 1 buckets.
@@ -152,27 +152,11 @@ class GradReducer:
         bind_virtual_grads(shard, self._comm, self._space)
         self._order.append(k, len(layout.buckets))
         for i, param in enumerate(shard.buffer.params):
-            pre_hook, post_hook = self._make_hooks(k, i, param)
+            pre_hook, post_hook = param_hooks(self, k, i, param)
             self._hooks.append(param.register_hook(pre_hook))
             self._hooks.append(param.register_post_accumulate_grad_hook(post_hook))
             self._grads[k].hook_ids[i] = self._hooks[-1].id
             self.coordinator.own(param, self)
-
-    def _make_hooks(self, k: int, i: int, param: nn.Parameter):
-        """Param ``i`` of shard ``k``'s tensor pre-hook and post-accumulate-grad hook; both hold this reducer and the param weakly."""
-        reducer, param_ref = weakref.ref(self), weakref.ref(param)
-
-        def pre_hook(grad: Tensor) -> None:  # runs before autograd accumulates ``grad`` into ``param.grad``
-            live, held = reducer(), param_ref()
-            if live is not None and held is not None:
-                live._before_accumulate(k, i, held)
-
-        def post_hook(held: nn.Parameter) -> None:  # runs once ``held.grad`` holds the accumulated gradient
-            live = reducer()
-            if live is not None:
-                live._on_grad_ready(k, i, held)
-
-        return pre_hook, post_hook
 
     def _reduce_dtype(self, k: int) -> torch.dtype:
         return self.reduce_dtype or self.shards[k].buffer.dtype
@@ -191,8 +175,8 @@ class GradReducer:
 
     # -- what user code did to the gradients --
 
-    def _before_accumulate(self, k: int, i: int, param: nn.Parameter) -> None:
-        """Read what was done to the gradients since zeroshard last wrote them; swap a reduced ShardedGrad back for accumulation."""
+    def before_accumulate(self, k: int, i: int, param: nn.Parameter) -> None:
+        """Param ``i`` of shard ``k``'s pre-hook: take the deferred gradient, follow what user code did to ``.grad``, swap out a ShardedGrad."""
         self._reset_marks = None
         self.coordinator.take_deferred(self)  # before this accumulation bumps the flat grad's version (stage 1)
         if not self._backward_started:
@@ -248,7 +232,12 @@ class GradReducer:
 
     # -- backward --
 
-    def _on_grad_ready(self, k: int, i: int, param: nn.Parameter) -> None:
+    def on_grad_ready(self, k: int, i: int, param: nn.Parameter) -> None:
+        """Param ``i`` of shard ``k``'s post-accumulate-grad hook: keep its gradient and defer taking it (see ``ArrivedGrad``).
+
+        Raises:
+            RuntimeError: a sparse gradient; see :meth:`ShardGrads.refuse_partial_write`.
+        """
         self.shards[k].follow(i)  # the model may have moved since the optimizer was built
         grad = param.grad
         if grad is None:
@@ -266,7 +255,7 @@ class GradReducer:
             self._grads[k].refuse_partial_write(i, self._grads[k].hooked_before(i, param))
         if self.end_of_backward is EndOfBackward.NONE:
             self._queue_end_of_backward()
-        self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this param's pre-hook (_before_accumulate)
+        self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this param's pre-hook (before_accumulate)
         if self._ddp_reduced:  # DDP's reducer, hooked after, reads .grad as left here: take it now
             self.take_deferred()
 
@@ -280,13 +269,13 @@ class GradReducer:
             return
         arrived, self._deferred = self._deferred, None
         k, i, param = arrived.shard, arrived.index, arrived.param
-        if self._grads[k].continued[i]:  # else nothing to refuse: skip the check
+        if self._grads[k].continued[i]:  # else nothing to refuse
             self._grads[k].refuse_partial_write(i, arrived.changed())
         if param.grad is None:  # a hook dropped it: as in DDP, the param is unused on this rank
             self._grads[k].used[i] = False
         if self.stage == 1:
             self._grads[k].keep_in_flat_grad(i, param)  # a hook may have replaced .grad (None: zeroes this rank's part)
-        if self._take_grad(k, i, param) and self.overlap_comm:  # only a bucket just completed can launch
+        if self._take_grad(k, i, param) and self.overlap_comm:  # only a completed bucket can launch
             self.launch_complete_buckets()
 
     def _take_grad(self, k: int, i: int, param: nn.Parameter, last: bool = False) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -45,3 +46,21 @@ def weak_method(method: Callable) -> Callable:
             live(*args)
 
     return call
+
+
+def param_hooks(reducer: Any, shard: int, index: int, param: nn.Parameter) -> tuple[Callable, Callable]:
+    """The tensor pre-hook and post-accumulate-grad hook of param ``index`` of shard ``shard``, calling ``reducer``'s
+    ``before_accumulate`` and ``on_grad_ready``; both hold the reducer and the param weakly (no-ops once either is gone)."""
+    reducer_ref, param_ref = weakref.ref(reducer), weakref.ref(param)
+
+    def pre_hook(grad: Tensor) -> None:  # before autograd accumulates ``grad`` into ``param.grad``
+        live, held = reducer_ref(), param_ref()
+        if live is not None and held is not None:
+            live.before_accumulate(shard, index, held)
+
+    def post_hook(held: nn.Parameter) -> None:  # once ``held.grad`` holds the accumulated gradient
+        live = reducer_ref()
+        if live is not None:
+            live.on_grad_ready(shard, index, held)
+
+    return pre_hook, post_hook
