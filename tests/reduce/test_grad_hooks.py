@@ -134,3 +134,47 @@ def test_hook_changing_a_gradient_reduced_earlier_in_the_step_is_refused(pools, 
     for hook, options in REFUSED:
         with pytest.raises(RuntimeError, match=r"params'\]\[\d+\]: a post-accumulate-grad hook changed its gradient .* opt.no_sync\(\)"):
             pools[2].run(hook_worker, stage, hook, options)
+
+
+def accumulate_in_place_worker() -> list[bool]:
+    """Stage 1, three steps (``opt.zero_grad()``, then ``model.zero_grad()``, then a ``no_sync`` micro-step first): per
+    backward, whether every param's gradient reached its hooks (one registered before the optimizer) already inside the
+    flat grad buffer, as the same ``.grad`` object every step, and whether the step equals DDP + AdamW's."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    model = copy.deepcopy(ref_model)
+    ref = DDP(ref_model, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
+    seen: dict[nn.Parameter, list[torch.Tensor]] = {p: [] for p in model.parameters() if p.requires_grad}
+    for p in seen:
+        p.register_post_accumulate_grad_hook(lambda q: seen[q].append(q.grad))
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=1)
+    flat = [g.flat for g in opt._reducer._grads]
+    inside = lambda t: any(t.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in flat)  # noqa: E731
+    results = []
+    try:
+        for step in range(3):
+            micro = 2 if step == 2 else 1
+            for m in range(micro):
+                x, y = batch(rank, step, m)
+                with ref.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                    (loss_fn(ref, x, y) / micro).backward()
+                with opt.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                    (loss_fn(model, x, y) / micro).backward()
+            results.append(all(grads and all(inside(g) and g is grads[0] for g in grads) for grads in seen.values()))
+            ref_opt.step()
+            opt.step()
+            ref_model.zero_grad()
+            (model.zero_grad if step % 2 else opt.zero_grad)()
+            results.append(tolerance_ratio(model, ref_model) <= 1.0)
+    finally:
+        opt.close()
+    return results
+
+
+def test_stage1_gradients_accumulate_straight_into_the_flat_grad_buffer(pools):
+    # A hook registered before the optimizer sees the same .grad, a view of the flat buffer, at every
+    # backward: autograd added the gradient there (no copy), and the steps still equal DDP's.
+    for results in pools[2].run(accumulate_in_place_worker):
+        assert results == [True] * 6, results

@@ -47,6 +47,8 @@ class ShardGrads:
             the last reset (stage 2's next one adds to it; see ``zeroshard/reduce/bucket.py``).
         reduced, reduced_versions: per param, the ``ShardedGrad`` left in its ``.grad`` once reduced
             (made once) and its version when left (absent: none left since).
+        zeroed: stage 1, per param: its view of :attr:`flat` holds zeros since the last reset and
+            was not handed out since (:meth:`hand_flat_view`).
     """
 
     shard: LocalShard
@@ -68,6 +70,7 @@ class ShardGrads:
     landed: list[bool] = field(default_factory=list)
     arrivals: list[int] = field(default_factory=list)
     expected: list[int] = field(default_factory=list)
+    zeroed: list[bool] = field(default_factory=list)
 
     @classmethod
     def for_shard(cls, shard: LocalShard, flat: bool, comm: GradComm) -> ShardGrads:
@@ -81,7 +84,7 @@ class ShardGrads:
         version = flat_grad._version if flat_grad is not None else 0
         whole = [layout.within_one_slice(i) for i in range(n)]
         return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n, comm,
-                   whole, landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n)
+                   whole, landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n, zeroed=[flat] * n)
 
     def note_flat_version(self) -> None:
         """Record that zeroshard wrote :attr:`flat` last."""
@@ -108,6 +111,7 @@ class ShardGrads:
         """Between steps: zero the flat grad buffer and forget which params were used and which slices were reduced into."""
         if self.flat is not None:
             self.flat.zero_()
+            self.zeroed = [True] * len(self.zeroed)
         self.used = [False] * len(self.used)
         self.continued = [False] * len(self.continued)
         self.landed = [False] * len(self.landed)
@@ -144,7 +148,19 @@ class ShardGrads:
             view.zero_()
         elif grad is not view and grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
+            self.zeroed[i] = False
             param.grad = view
+
+    def hand_flat_view(self, i: int, param: nn.Parameter) -> None:
+        """Stage 1, before autograd accumulates into param ``i``: with no ``.grad`` yet, make it the param's zeroed view of :attr:`flat`.
+
+        Autograd then adds the gradient straight into the flat grad buffer (in place, with grad mode
+        off as in a plain backward), and :meth:`keep_in_flat_grad` finds it there: no copy, and the
+        same ``.grad`` object every step (DDP's ``gradient_as_bucket_view``).
+        """
+        if self.zeroed[i] and param.grad is None:
+            param.grad = self.flat_view(i)
+            self.zeroed[i] = False
 
     def is_flat_view(self, i: int, param: nn.Parameter) -> bool:
         """Stage 1: whether param ``i``'s ``.grad`` is its view of :attr:`flat`."""
@@ -215,6 +231,7 @@ class ShardGrads:
                 self.shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(values[start:end])
             if self.flat is not None:
                 self.flat_view(i).copy_(grad)
+                self.zeroed[i] = False
             self.used[i] = True
             param.grad = left
             self.reduced_versions[i] = left._version

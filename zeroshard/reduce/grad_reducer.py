@@ -175,7 +175,7 @@ class GradReducer:
 
     # -- what user code did to the gradients --
 
-    def before_accumulate(self, k: int, i: int, param: nn.Parameter) -> None:
+    def before_accumulate(self, k: int, i: int, param: nn.Parameter, grad: Tensor) -> None:
         """Param ``i`` of shard ``k``'s pre-hook: take the deferred gradient, follow what user code did to ``.grad``, swap out a ShardedGrad."""
         self._reset_marks = None
         self.coordinator.take_deferred(self)  # before this accumulation bumps the flat grad's version (stage 1)
@@ -188,15 +188,16 @@ class GradReducer:
             if syncs:
                 self._ddp_reduced = self._ddp_reduced or any(syncs)
                 if not any(syncs):
-                    # Found inside ``ddp.no_sync()``: a framework's first accumulation micro-step
-                    # (HF Trainer and accelerate run its backward in the block). Accumulate
-                    # without communication, as zeroshard does for the later ones.
+                    # Inside ``ddp.no_sync()`` (HF Trainer's, accelerate's first micro-step): accumulate locally.
                     self._ddp_no_sync = self._unreduced = True
             self._check_flat_grads()
             if self._reductions > 0:
                 for grads in self._grads:
                     grads.refuse_edits_before_rereduction()
         self._grads[k].before_accumulate(i, param, reduced=self._reductions > 0, follow=not self._ddp_reduced)
+        self.shards[k].follow(i)  # the model may have moved since the optimizer was built
+        if self.stage == 1 and not self._ddp_reduced and not grad.is_sparse:
+            self._grads[k].hand_flat_view(i, param)
 
     def _on_ddp_forward(self, no_sync: bool) -> None:
         """Before a forward of an adopted DDP wrapper: under ``ddp.no_sync()`` its backward accumulates without communication."""
@@ -238,7 +239,6 @@ class GradReducer:
         Raises:
             RuntimeError: a sparse gradient; see :meth:`ShardGrads.refuse_partial_write`.
         """
-        self.shards[k].follow(i)  # the model may have moved since the optimizer was built
         grad = param.grad
         if grad is None:
             return

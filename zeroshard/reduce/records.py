@@ -56,7 +56,7 @@ def param_hooks(reducer: Any, shard: int, index: int, param: nn.Parameter) -> tu
     def pre_hook(grad: Tensor) -> None:  # before autograd accumulates ``grad`` into ``param.grad``
         live, held = reducer_ref(), param_ref()
         if live is not None and held is not None:
-            live.before_accumulate(shard, index, held)
+            live.before_accumulate(shard, index, held, grad)
 
     def post_hook(held: nn.Parameter) -> None:  # once ``held.grad`` holds the accumulated gradient
         live = reducer_ref()
