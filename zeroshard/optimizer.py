@@ -238,8 +238,16 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
     _step_supports_amp_scaling = True
 
     def scale_loss(self, loss: Tensor) -> Tensor:
-        """``loss`` multiplied by the loss scale (``loss`` itself when no scaling is active)."""
-        return loss if self.loss_scale is None else loss * self.loss_scale
+        """``loss`` multiplied by the loss scale (``loss`` itself when no scaling is active), with no host read.
+
+        A scale kept on the device multiplies as a Python float would: in fp32 for a 16-bit
+        ``loss``, the result in ``loss``'s dtype.
+        """
+        scale = self._loss_scale_value()
+        if not isinstance(scale, Tensor):
+            return loss if scale is None else loss * scale
+        compute = torch.float32 if loss.dtype in (torch.float16, torch.bfloat16) else loss.dtype
+        return (loss.to(compute) * scale.to(compute)).to(loss.dtype)
 
     def backward(self, loss: Tensor) -> None:
         """``scale_loss(loss).backward()``: use it instead of ``loss.backward()`` whenever a loss scale is active."""
@@ -276,7 +284,8 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         self._clip_norm = float(max_norm)
         if self._on_device(stats):  # step() decides again: a GradScaler may step in since
             self._stats = stats
-            return (stats.norm() / self._gradient_scale()).to(stats.dtype)
+            scale = self._loss_scale_value()  # no GradScaler here (_on_device): the loss scale, maybe a device tensor
+            return (stats.norm() / (1.0 if scale is None else scale)).to(stats.dtype)
         self._stats = stats.read()
         return torch.tensor(self._stats.norm / self._gradient_scale(), dtype=self._stats.dtype)
 
@@ -320,7 +329,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        self._shard_set.amp.check_one_scale(self, self.loss_scale)  # raises before any collective
+        self._shard_set.amp.check_one_scale(self, self._loss_scale_value())  # raises before any collective
         self._settle()
         self.wait_params()
         coordinator_of(self.process_group).check_one_overflow_decision(self)
@@ -339,11 +348,10 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
             if self._fused is not None and (placed := self._fused.place_once(self._shards, lambda: self.memory_usage().device_bytes)):
                 if self.rank == 0:
                     logger.info("%s", placed.summary())
-            scale = self._gradient_scale()  # after the statistics' device read (GradScaler on CUDA: no 2nd wait)
             if isinstance(stats, ReducedStats):
-                self._update_on_device(stats, scale)
-            else:
-                self._update_on_host(stats, scale)
+                self._update_on_device(stats)
+            else:  # the scale read after the statistics' device read (GradScaler on CUDA: no 2nd wait)
+                self._update_on_host(stats, self._gradient_scale())
             self._reducer.reset()
             self._stats = self._clip_norm = self._consolidated = None
         return loss

@@ -51,18 +51,23 @@ class UpdateMixin:
 
     @property
     def loss_scale(self) -> float | None:
-        """The current loss scale (dynamic or static), or ``None`` when no loss scaling is active."""
+        """The current loss scale (dynamic or static), or ``None`` when no loss scaling is active (on CUDA this may wait for the last step)."""
         return self._scaler.scale if self._scaler is not None else self._static_scale
+
+    def _loss_scale_value(self) -> float | Tensor | None:
+        """:attr:`loss_scale` without a host read: a dynamic scale kept on the device is its 0-dim float64 tensor."""
+        return self._scaler.scale_value() if self._scaler is not None else self._static_scale
 
     def _on_device(self, stats: ReducedStats) -> bool:
         """Whether the step can keep the norm, the clip coefficient and the overflow decision on the device.
 
         It can where the Triton kernel updates every chunk (:func:`takes_device_scalars`), nothing
-        needs the overflow decision on the host (no dynamic loss scale, no GradScaler), every param
+        needs the overflow decision on the host (no GradScaler; a dynamic loss scale is updated on
+        the device, :meth:`DynamicLossScaler.to_device`), every param
         got a gradient on this rank (so on some rank: the used-flags need no reading) and has
         been stepped before (a skipped first step must create no state).
         """
-        return (self._fused is not None and takes_device_scalars(self._shards) and self._scaler is None and not self._shard_set.amp.unscaled
+        return (self._fused is not None and takes_device_scalars(self._shards) and not self._shard_set.amp.unscaled
                 and getattr(self, "grad_scale", None) is None and stats.used_everywhere
                 and all(self._shard_set.param_steps[i] for shard in self._shards for i in shard.param_indices))
 
@@ -82,16 +87,24 @@ class UpdateMixin:
         if self._fused is not None:
             self._fused.undo_step_counts(self._shards, pending.steps)
         self._skipped_steps += 1
-        log_skip(self._skipped_steps, self.loss_scale, self.rank)
+        log_skip(self._skipped_steps, lambda: pending.loss_scale() or self.loss_scale, self.rank)
 
-    def _update_on_device(self, stats: ReducedStats, scale: float) -> None:
-        """The step with the norm, clip coefficient and overflow flag on the device (:meth:`_on_device`): no host sync."""
+    def _update_on_device(self, stats: ReducedStats) -> None:
+        """The step with the norm, clip coefficient, overflow flag and loss scale on the device (:meth:`_on_device`): no host sync."""
         norm = stats.norm()
+        if self._scaler is not None:
+            self._scaler.to_device(norm.device)
+        value = self._loss_scale_value()  # a float, or the dynamic scale's device tensor (no GradScaler: _on_device)
+        scale = 1.0 if value is None else value
         self.grad_norm = (norm / scale).to(stats.dtype)
         found_inf = (~torch.isfinite(norm)).float().reshape(1)
         used = stats.local_used  # every param got a gradient on this rank (_on_device)
         steps = self._update(used, device_multiplier(norm, scale, self._max_norm()), found_inf)
-        self._step_was_skipped, self._pending = False, PendingSkip(found_inf, steps)
+        if self._scaler is not None:
+            self._scaler.update(found_inf)  # after the multiplier was taken from the scale of this step's gradients
+        self._step_was_skipped = False
+        scale_now = self._scaler.scale_value() if self._scaler is not None else None  # the device tensor, as updated
+        self._pending = PendingSkip(found_inf, steps, scale_now if isinstance(scale_now, Tensor) else None)
         self._reducer.drop_unused_grads(used)
 
     def _update_on_host(self, stats: GradStats, scale: float) -> None:
@@ -103,7 +116,7 @@ class UpdateMixin:
             self._scaler.update(stats.found_inf)
         if stats.found_inf:
             self._skipped_steps += 1
-            log_skip(self._skipped_steps, self.loss_scale, self.rank)
+            log_skip(self._skipped_steps, lambda: self.loss_scale, self.rank)
             if self._fused is not None:  # a rank that kept the decision on the device all-gathers (unchanged params): join it
                 self._gather.launch(self._shards)
         elif any(any(flags) for flags in stats.used):

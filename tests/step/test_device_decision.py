@@ -10,6 +10,7 @@ rank skips the step everywhere with its step counts taken back, and clipping mat
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 from unittest import mock
@@ -157,6 +158,61 @@ def test_a_gradscaler_stepping_after_clip_grad_norm_gets_every_rank_s_overflow(p
     assert pools[2].run(gradscaler_after_clip_worker) == [[1024.0, 1024.0, 1024.0, 512.0, 512.0]] * 2
 
 
+FP16_STEPS, INF_STEPS = 8, (3, 4)
+
+
+def fp16_dynamic_scale_worker(stage: int, on_device: bool) -> dict:
+    """fp16 TinyNet with a dynamic loss scale (growth every 2 finite steps, hysteresis 2), an inf in rank 1's loss at
+    INF_STEPS, nothing read during the steps; the step deciding on the device or (``on_device=False``) on the host.
+    The statistics and the scale's host reads during the steps, then the scaler's state, skips, step counts and params."""
+    fused_adam.KERNEL_ON_CPU = True
+    try:
+        torch.manual_seed(0)
+        model = TinyNet().half()
+        scaler = zeroshard.DynamicLossScaler(initial_scale=256.0, growth_interval=2, hysteresis=2)
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), stage=stage, loss_scale=scaler,
+                                         max_grad_norm=1.0, collective_timeout_s=60)
+        reads: list[str] = []
+        read, pull = ReducedStats.read, zeroshard.DynamicLossScaler._pull
+
+        def counted_read(stats: ReducedStats):
+            reads.append("statistics")
+            return read(stats)
+
+        def counted_pull(self):
+            if self._device_state is not None:
+                reads.append("scale")
+            return pull(self)
+
+        decide = mock.patch.object(zeroshard.ShardedOptimizer, "_on_device", return_value=False) if not on_device else contextlib.nullcontext()
+        with mock.patch.object(ReducedStats, "read", counted_read), mock.patch.object(zeroshard.DynamicLossScaler, "_pull", counted_pull), decide:
+            for step in range(FP16_STEPS):
+                loss = loss_fn(model, *batch(dist.get_rank(), step))
+                opt.backward(loss * math.inf if step in INF_STEPS and dist.get_rank() == 1 else loss)
+                opt.step()
+                opt.zero_grad()
+        state = opt.state_dict()
+        return {"reads": reads, "scaler": scaler.state_dict(), "skipped": opt._skipped_steps, "steps": state["param_steps"].tolist(),
+                "params": [p.detach().clone() for p in model.parameters()], "norm": float(opt.grad_norm)}
+    finally:
+        fused_adam.KERNEL_ON_CPU = False
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernel on CPU chunks (TRITON_INTERPRET=1, set without a GPU)")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_dynamic_loss_scale_decides_on_the_device_bitwise_as_on_the_host(pools, stage):
+    device, host = pools[2].run(fp16_dynamic_scale_worker, stage, True), pools[2].run(fp16_dynamic_scale_worker, stage, False)
+    for run, ref in zip(device, host):
+        assert run["reads"] == ["statistics"], run["reads"]  # the first step only (state is created); the scale never
+        assert len(ref["reads"]) == FP16_STEPS
+        # grown at steps 1 and 6, the first inf absorbed (hysteresis), the second backed off: 256 -> 512 -> 256 -> 512
+        assert run["scaler"] == ref["scaler"] == {"scale": 512.0, "growth_tracker": 1, "hysteresis_tracker": 2}, (run["scaler"], ref["scaler"])
+        assert run["skipped"] == ref["skipped"] == len(INF_STEPS)
+        assert run["steps"] == ref["steps"] and max(run["steps"]) == FP16_STEPS - len(INF_STEPS)
+        assert run["norm"] == ref["norm"]
+        assert all(torch.equal(a, b) for a, b in zip(run["params"], ref["params"]))
+
+
 @pytest.fixture
 def nccl_group(tmp_path):
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
@@ -166,33 +222,36 @@ def nccl_group(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_training_step_makes_no_host_sync(nccl_group, dtype):
     """After the first step, backward + clipped step + zero_grad run under ``torch.cuda.set_sync_debug_mode("error")``
-    (which raises at any synchronizing CUDA call), and the result is what the host path gives."""
+    (which raises at any synchronizing CUDA call), and the result is what the host path gives; fp16 with a dynamic
+    loss scale (``opt.backward``), kept on the device."""
     torch.manual_seed(0)
     models = [TinyNet().to("cuda", dtype) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    opts = [zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(m), lr=1e-2), max_grad_norm=0.5) for m in models]
+    scaling = {"loss_scale": zeroshard.DynamicLossScaler(initial_scale=256.0, growth_interval=2)} if dtype == torch.float16 else {}
+    opts = [zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(m), lr=1e-2), max_grad_norm=0.5, **copy.deepcopy(scaling)) for m in models]
     batches = [[t.cuda() for t in batch(0, step)] for step in range(4)]
     for step, (x, y) in enumerate(batches):
         for k, (model, opt) in enumerate(zip(models, opts)):
             loss = loss_fn(model, x, y)
             if k == 1:  # the reference: the statistics read back (as where the host must decide)
                 with mock.patch.object(zeroshard.ShardedOptimizer, "_on_device", return_value=False):
-                    loss.backward()
+                    opt.backward(loss)
                     opt.step()
                 opt.zero_grad()
                 continue
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error" if step else "default")  # the first step creates state on the host's read
             try:
-                loss.backward()
+                opt.backward(loss)
                 opt.step()
                 opt.zero_grad()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     assert not opts[0].step_was_skipped
     assert float(opts[0].grad_norm) == float(opts[1].grad_norm)
+    assert opts[0].loss_scale == opts[1].loss_scale
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -51,7 +51,7 @@ class GradScalerLink:
             return float(grad_scale)
         return 1.0 if self.unscaled else None
 
-    def check_one_scale(self, optimizer: Any, loss_scale: float | None) -> None:
+    def check_one_scale(self, optimizer: Any, loss_scale: float | Tensor | None) -> None:
         """Raise if a GradScaler and ``loss_scale`` both scale ``optimizer``'s gradients; reads no device value.
 
         Raises:
@@ -59,7 +59,7 @@ class GradScalerLink:
         """
         if loss_scale is not None and (getattr(optimizer, "grad_scale", None) is not None or self.unscaled):
             self.clear()
-            raise RuntimeError(f"a torch.amp.GradScaler and loss_scale={loss_scale} both scale this ShardedOptimizer's gradients: "
+            raise RuntimeError(f"a torch.amp.GradScaler and loss_scale={float(loss_scale)} both scale this ShardedOptimizer's gradients: "
                                "use one (loss_scale=None with the GradScaler, or opt.backward(loss) without it)")
 
     def gradient_scale(self, optimizer: Any, loss_scale: float | None) -> float:

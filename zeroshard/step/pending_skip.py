@@ -21,33 +21,43 @@ class PendingSkip:
     Args:
         found_inf: 1-element fp32 device flag (non-zero: the update left params and state untouched).
         steps: per shard, per param: the step number the update used (0: not stepped), as ``count_steps`` returned it.
+        loss_scale: a dynamic loss scale kept on the device, as this step's update left it (0-dim
+            float64), copied along for the log line of a skip; ``None`` without one.
     """
 
-    def __init__(self, found_inf: Tensor, steps: list[list[int]]) -> None:
+    def __init__(self, found_inf: Tensor, steps: list[list[int]], loss_scale: Tensor | None = None) -> None:
         self.steps = steps
+        values = found_inf.reshape(1).double() if loss_scale is None else torch.stack([found_inf.reshape(()).double(), loss_scale])
         if found_inf.device.type == "cuda":
-            self._flag = torch.empty(1, dtype=found_inf.dtype, pin_memory=True)
-            self._flag.copy_(found_inf, non_blocking=True)
+            self._values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._values.copy_(values, non_blocking=True)
             self._ready: torch.cuda.Event | None = torch.cuda.Event()
             self._ready.record()
         else:
-            self._flag, self._ready = found_inf, None
+            self._values, self._ready = values, None
 
     def skipped(self) -> bool:
         """Whether the device skipped the update (waits for the flag's copy only)."""
         if self._ready is not None:
             self._ready.synchronize()
-        return bool(self._flag[0] != 0)
+        return bool(self._values[0] != 0)
+
+    def loss_scale(self) -> float | None:
+        """The dynamic loss scale after this step's update, as copied with the flag (after :meth:`skipped`); ``None`` without one."""
+        return float(self._values[1]) if self._values.numel() > 1 else None
 
 
-def device_multiplier(norm: Tensor, loss_scale: float, max_norm: float | None) -> Tensor:
+def device_multiplier(norm: Tensor, loss_scale: float | Tensor, max_norm: float | None) -> Tensor:
     """:func:`~zeroshard.step.wrapped.grad_multiplier` on the device: a 1-element fp32 tensor.
 
-    ``norm``: the 0-dim float64 global norm of the still-scaled gradients. The clip coefficient
+    ``norm``: the 0-dim float64 global norm of the still-scaled gradients; ``loss_scale``: a float,
+    or a dynamic scale's 0-dim float64 device tensor. The clip coefficient
     ``min(1, max_norm / (norm / loss_scale + 1e-6))`` is computed in float64, as the host computes
     it in Python floats, so the multiplier is the host's to the bit.
     """
     if max_norm is None:
+        if isinstance(loss_scale, Tensor):
+            return (1.0 / loss_scale).float().reshape(1)
         return torch.full((1,), 1.0 / loss_scale, device=norm.device, dtype=torch.float32)
     coefficient = (max_norm / (norm / loss_scale + 1e-6)).clamp(max=1.0)
     return (coefficient / loss_scale).float().reshape(1)
