@@ -202,6 +202,8 @@ class FusedAdam:
         # left them: the same state and moments, and the state's tensors still at those addresses, mean the views are in place
         # (the old check without its address arithmetic; a virtual param lives as long as its chunk, so as this object)
         self._bound: dict[int, tuple[dict, Tensor | None, Tensor | None, int, int]] = {}
+        # Per device chunk: the buffers its runs are views of, and its runs where every piece has one step (the steady state).
+        self._uniform: weakref.WeakKeyDictionary[Chunk, tuple[tuple[Tensor | None, ...], list[Run]]] = weakref.WeakKeyDictionary()
 
     @torch.no_grad()
     def bind(self, shards: list[LocalShard]) -> None:
@@ -336,6 +338,9 @@ class FusedAdam:
     def _runs(self, chunk: Chunk, steps: list[int]) -> Iterator[Run]:
         """The runs of ``chunk``; records the new step of every used piece in its state.
 
+        In the steady state (a device chunk, every piece stepped before and now to one step) the
+        runs are those of the last such step, their views kept, with the new step number.
+
         Steps come from the host counts in ``steps`` (per param of the shard), never from
         reading ``state["step"]`` (which torch may keep on the device): no host-device
         synchronization per piece. A host chunk's runs read its host gradient copy (allocated here).
@@ -347,6 +352,11 @@ class FusedAdam:
         torch's own per-param step, and a whole param's update is bitwise torch's. (CUDA chunks
         take zeroshard's Triton kernel, the same code for every element: no such limit.)
         """
+        uniform = self._uniform_runs(chunk, steps)
+        return iter(uniform) if uniform is not None else self._runs_in_general(chunk, steps)
+
+    def _runs_in_general(self, chunk: Chunk, steps: list[int]) -> Iterator[Run]:
+        """:meth:`_runs` in one pass over the pieces, creating the state of pieces stepped for the first time."""
         unit = 64 // chunk.master_dtype.itemsize if chunk.device.type == "cpu" else 1  # elements per cache line
         start: int | None = None  # the current run's first piece
         run_step = 0  # the current run's step
@@ -375,6 +385,25 @@ class FusedAdam:
             compat.foreach_copy_(tensors, [torch.scalar_tensor(float(step))] * len(tensors))
         if start is not None:
             yield self._run(chunk, start, len(chunk.pieces), run_step)
+
+    def _uniform_runs(self, chunk: Chunk, steps: list[int]) -> list[Run] | None:
+        """:meth:`_runs` in the steady state, with the step numbers recorded; ``None`` elsewhere (the general pass then runs)."""
+        if chunk.on_host or not chunk.pieces:
+            return None
+        piece_steps = [steps[piece.param] for piece in chunk.pieces]
+        step = piece_steps[0]
+        if not step or piece_steps.count(step) != len(piece_steps):
+            return None
+        found = list(map(self.optimizer.state.get, chunk.virtual_params))
+        if not all(found):  # a piece's first step creates its state: the general pass
+            return None
+        counters = [state["step"] for state in found if state]
+        buffers = (chunk.weights, chunk.grad, chunk.exp_avg, chunk.exp_avg_sq, chunk.params, chunk.master)
+        cached = self._uniform.get(chunk)
+        if cached is None or len(cached[0]) != len(buffers) or any(a is not b for a, b in zip(cached[0], buffers)):
+            self._uniform[chunk] = cached = buffers, list(self._runs_in_general(chunk, [step] * len(steps)))
+        compat.foreach_copy_(counters, [torch.scalar_tensor(float(step))] * len(counters))
+        return [run._replace(step=step) for run in cached[1]]
 
     @staticmethod
     def _run(chunk: Chunk, start: int, end: int, step: int) -> Run:
