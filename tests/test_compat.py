@@ -167,3 +167,13 @@ def test_the_ddp_internals_the_wrapper_surgery_uses_exist():
     source = inspect.getsource(DistributedDataParallel)
     for attribute in ("self._has_rebuilt_buckets", "self._static_graph_delay_allreduce_enqueued"):
         assert attribute in source, f"{TORCH}: DistributedDataParallel no longer sets {attribute}"
+
+
+def test_a_pre_hook_tells_backward_from_autograd_grad():
+    """grad_reducer.py changes ``.grad`` in a param's tensor pre-hook only where autograd then accumulates into it."""
+    param = torch.nn.Parameter(torch.ones(3))
+    seen: list[bool] = []
+    param.register_hook(lambda grad: seen.append(compat.accumulates_into_grad(param)))
+    (param * 2).sum().backward()
+    torch.autograd.grad((param * 2).sum(), [param])
+    assert seen == [True, False], f"torch {torch.__version__}: _will_engine_execute_node / _current_graph_task_id changed ({seen})"

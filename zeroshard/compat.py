@@ -57,6 +57,32 @@ def current_autograd_node() -> Any:
     return torch._C._current_autograd_node()
 
 
+_ACCUMULATES: dict[int, bool] = {}  # graph task id -> whether it accumulates into .grad (accumulates_into_grad)
+
+
+def accumulates_into_grad(param: nn.Parameter) -> bool:
+    """In ``param``'s tensor pre-hook: whether the running backward accumulates into ``.grad``.
+
+    ``torch.autograd.grad(outputs, params)`` runs the params' tensor pre-hooks too but leaves ``.grad``
+    alone (as ``backward(inputs=...)`` does for the params it leaves out, whose hooks do not run).
+    grad_reducer.py: its pre-hook changes ``.grad`` only where autograd will then accumulate.
+    ``torch._C._will_engine_execute_node`` answers for a param's grad accumulator in ``backward()``
+    and refuses (``RuntimeError``) inside ``torch.autograd.grad``: either way it tells the two
+    apart. Asked once per graph task (``torch._C._current_graph_task_id``).
+    """
+    task = torch._C._current_graph_task_id()
+    found = _ACCUMULATES.get(task)
+    if found is None:
+        try:
+            found = bool(torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node))
+        except RuntimeError:  # "... we are currently running autograd.grad()"
+            found = False
+        if len(_ACCUMULATES) > 64:  # finished tasks: their ids are not reused
+            _ACCUMULATES.clear()
+        _ACCUMULATES[task] = found
+    return found
+
+
 def post_accumulate_grad_hook_ids(param: nn.Parameter) -> list[int]:
     """The handle ids of the post-accumulate-grad hooks registered on ``param``, in registration order.
 

@@ -178,3 +178,72 @@ def test_stage1_gradients_accumulate_straight_into_the_flat_grad_buffer(pools):
     # backward: autograd added the gradient there (no copy), and the steps still equal DDP's.
     for results in pools[2].run(accumulate_in_place_worker):
         assert results == [True] * 6, results
+
+
+def dropped_micro_step_worker(between: str) -> float:
+    """Stage 1, SGD against DDP + SGD: a step, then ``between`` (``"keep"``: ``zero_grad(set_to_none=False)``, which
+    leaves the reduced gradients in ``.grad``; ``"nothing"``: the step consumed them), then a ``no_sync`` micro-step whose
+    gradient user code drops (``model.zero_grad()``) before the last micro-step; the largest param difference."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = copy.deepcopy(ref_model)
+    ref = DDP(ref_model)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    opt = zeroshard.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=1)
+    generator = torch.Generator().manual_seed(rank + 1)
+    xs = [torch.randn(3, 4, generator=generator) for _ in range(3)]
+    try:
+        for net, optimizer, local in ((ref, ref_opt, ref.no_sync), (model, opt, opt.no_sync)):
+            net(xs[0]).pow(2).sum().backward()
+            optimizer.step()
+            if between == "keep" or net is ref:
+                optimizer.zero_grad(set_to_none=between != "keep")
+            with local():
+                net(xs[1]).pow(2).sum().backward()
+            net.zero_grad(set_to_none=True)  # the first micro-step's gradient is dropped
+            net(xs[2]).pow(2).sum().backward()
+            optimizer.step()
+        return max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref_model.parameters()))
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("between", ["keep", "nothing"])
+def test_a_dropped_micro_step_gradient_stays_dropped(pools, between):
+    # the flat grad buffer held the swapped-back gradient: it must not be handed out as zeros again (a review found it was)
+    assert pools[2].run(dropped_micro_step_worker, between) == [0.0, 0.0]
+
+
+def autograd_grad_worker(stage: int) -> list[bool]:
+    """``torch.autograd.grad(loss, params)`` runs the params' tensor pre-hooks but accumulates nothing: before any
+    backward ``.grad`` stays ``None``; after a reduced backward it stays the ShardedGrad left there; the step after
+    equals DDP + AdamW's."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    model = copy.deepcopy(ref_model)
+    ref = DDP(ref_model, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage)
+    params = [p for p in model.parameters() if p.requires_grad]
+    x, y = batch(rank, 0)
+    try:
+        torch.autograd.grad(loss_fn(model, x, y), params, allow_unused=True)
+        none_before = all(p.grad is None for p in params)
+        loss_fn(model, x, y).backward()
+        left = [p.grad for p in params]
+        torch.autograd.grad(loss_fn(model, x, y), params, allow_unused=True)
+        kept = all(p.grad is g for p, g in zip(params, left))
+        opt.step()
+        loss_fn(ref, x, y).backward()
+        ref_opt.step()
+        return [none_before, kept, tolerance_ratio(model, ref_model) <= 1.0]
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_torch_autograd_grad_leaves_dot_grad_alone(pools, stage):
+    for results in pools[2].run(autograd_grad_worker, stage):
+        assert results == [True, True, True], results

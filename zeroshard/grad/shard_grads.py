@@ -48,7 +48,7 @@ class ShardGrads:
         reduced, reduced_versions: per param, the ``ShardedGrad`` left in its ``.grad`` once reduced
             (made once) and its version when left (absent: none left since).
         zeroed: stage 1, per param: its view of :attr:`flat` holds zeros since the last reset and
-            was not handed out since (:meth:`hand_flat_view`).
+            was not taken since (:meth:`flat_view`; :meth:`hand_flat_view`).
     """
 
     shard: LocalShard
@@ -134,6 +134,7 @@ class ShardGrads:
         if not self.flat_views:
             params = self.shard.buffer.params
             self.flat_views = [self.shard.buffer.param_view(j, of=self.flat).view_as(params[j]) for j in range(len(params))]
+        self.zeroed[i] = False  # whoever takes the view may write it
         return self.flat_views[i]
 
     def marks(self) -> list[tuple[int, int]]:
@@ -160,7 +161,6 @@ class ShardGrads:
         """
         if self.zeroed[i] and param.grad is None:
             param.grad = self.flat_view(i)
-            self.zeroed[i] = False
 
     def is_flat_view(self, i: int, param: nn.Parameter) -> bool:
         """Stage 1: whether param ``i``'s ``.grad`` is its view of :attr:`flat`."""

@@ -30,6 +30,7 @@ from torch.autograd import Variable
 
 from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
+from zeroshard.compat import accumulates_into_grad
 from zeroshard.grad.partial_norm import GradComm, ParamSpace
 from zeroshard.grad.shard_grads import ShardGrads
 from zeroshard.grad.sharded_grad import ShardedGrad, bind_virtual_grads
@@ -68,8 +69,8 @@ class GradReducer:
         reduce_dtype: dtype of the reduce-scatter; ``None`` means each param's own dtype.
         overlap_comm: launch buckets during backward as they complete (``True``) or all at the end
             of backward (``False``).
-        timeout: the bound on waiting for each reduction (see :func:`zeroshard.comm.collectives.wait`),
-            or ``None`` for the process group's own timeout.
+        timeout: the bound on waiting for each reduction (:func:`zeroshard.comm.collectives.wait`), or
+            ``None``: the process group's.
     """
 
     def __init__(self, shards: list[LocalShard], *, stage: int, groups: ShardingGroups, reduce_dtype: torch.dtype | None, overlap_comm: bool,
@@ -119,12 +120,12 @@ class GradReducer:
 
     @property
     def ddp_wrappers(self) -> DDPWrappers:
-        """The ``DistributedDataParallel`` wrappers around these params, their gradient reduction switched off."""
+        """The ``DistributedDataParallel`` wrappers around these params, their reduction switched off."""
         return self._ddps
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` ran: no hooks, no claim on the params."""
+        """Whether :meth:`close` ran (no hooks, no claim on params)."""
         return not self._remove_hooks.alive
 
     @property
@@ -134,11 +135,11 @@ class GradReducer:
 
     @property
     def launched_all(self) -> bool:
-        """Whether it launches nothing more in the current backward pass."""
+        """Whether it launches nothing more in this backward pass."""
         return self._next_launch == len(self._order) or self.accumulating or self.end_of_backward is EndOfBackward.DONE
 
     def close(self, reason: str = "it was closed") -> None:
-        """Remove every hook and give up the params; ``reason`` says why, for later errors (idempotent)."""
+        """Remove every hook, give up the params; ``reason``: why, for later errors (idempotent)."""
         if not self.closed:
             self.closed_because = reason
         self._remove_hooks()
@@ -163,7 +164,7 @@ class GradReducer:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally, with no communication, inside the block."""
+        """Accumulate gradients locally, with no communication, in the block."""
         previous = self._no_sync
         self._no_sync = True
         self._unreduced = True
@@ -177,6 +178,8 @@ class GradReducer:
 
     def before_accumulate(self, k: int, i: int, param: nn.Parameter, grad: Tensor) -> None:
         """Param ``i`` of shard ``k``'s pre-hook: take the deferred gradient, follow what user code did to ``.grad``, swap out a ShardedGrad."""
+        if not accumulates_into_grad(param):  # torch.autograd.grad()
+            return
         self._reset_marks = None
         self.coordinator.take_deferred(self)  # before this accumulation bumps the flat grad's version (stage 1)
         if not self._backward_started:
@@ -200,13 +203,13 @@ class GradReducer:
             self._grads[k].hand_flat_view(i, param)
 
     def _on_ddp_forward(self, no_sync: bool) -> None:
-        """Before a forward of an adopted DDP wrapper: under ``ddp.no_sync()`` its backward accumulates without communication."""
+        """Before an adopted DDP wrapper's forward: under ``ddp.no_sync()`` its backward accumulates locally."""
         self._ddp_forward = True
         self._ddp_no_sync = no_sync
         self._unreduced = self._unreduced or no_sync
 
     def _sync_next_backward(self) -> None:
-        """A framework asked DDP's (released) reducer to reduce the coming backward (``prepare_for_backward``): reduce it."""
+        """A framework asked DDP's released reducer to reduce the coming backward (``prepare_for_backward``)."""
         self._ddp_no_sync = False
 
     def _settle(self, k: int, i: int, param: nn.Parameter) -> None:
@@ -255,7 +258,7 @@ class GradReducer:
             self._grads[k].refuse_partial_write(i, self._grads[k].hooked_before(i, param))
         if self.end_of_backward is EndOfBackward.NONE:
             self._queue_end_of_backward()
-        self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this param's pre-hook (before_accumulate)
+        self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this pre-hook
         if self._ddp_reduced:  # DDP's reducer, hooked after, reads .grad as left here: take it now
             self.take_deferred()
 
@@ -274,7 +277,7 @@ class GradReducer:
         if param.grad is None:  # a hook dropped it: as in DDP, the param is unused on this rank
             self._grads[k].used[i] = False
         if self.stage == 1:
-            self._grads[k].keep_in_flat_grad(i, param)  # a hook may have replaced .grad (None: zeroes this rank's part)
+            self._grads[k].keep_in_flat_grad(i, param)  # a hook may have replaced .grad (None: zeroes it)
         if self._take_grad(k, i, param) and self.overlap_comm:  # only a completed bucket can launch
             self.launch_complete_buckets()
 
