@@ -238,16 +238,16 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
     _step_supports_amp_scaling = True
 
     def scale_loss(self, loss: Tensor) -> Tensor:
-        """``loss`` multiplied by the loss scale (``loss`` itself when no scaling is active), with no host read.
+        """``loss`` times the loss scale (``loss`` when none is active), with no host read.
 
-        A scale kept on the device multiplies as a Python float would: in fp32 for a 16-bit
-        ``loss``, the result in ``loss``'s dtype.
+        A scale kept on the device multiplies as a float would: in fp32 for a 16-bit ``loss``.
         """
         scale = self._loss_scale_value()
         if not isinstance(scale, Tensor):
             return loss if scale is None else loss * scale
         compute = torch.float32 if loss.dtype in (torch.float16, torch.bfloat16) else loss.dtype
-        return (loss.to(compute) * scale.to(compute)).to(loss.dtype)
+        # a copy: the graph must not hold the state the step updates
+        return (loss.to(compute) * scale.to(loss.device, compute, copy=True)).to(loss.dtype)
 
     def backward(self, loss: Tensor) -> None:
         """``scale_loss(loss).backward()``: use it instead of ``loss.backward()`` whenever a loss scale is active."""
