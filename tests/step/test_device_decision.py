@@ -222,30 +222,40 @@ def nccl_group(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cuda_training_step_makes_no_host_sync(nccl_group, dtype):
+@pytest.mark.parametrize("dtype, clip", [(torch.float32, "optimizer"), (torch.bfloat16, "optimizer"), (torch.float16, "optimizer"),
+                                         (torch.float32, "torch"), (torch.bfloat16, "torch")])
+def test_cuda_training_step_makes_no_host_sync(nccl_group, dtype, clip):
     """After the first step, backward + clipped step + zero_grad run under ``torch.cuda.set_sync_debug_mode("error")``
     (which raises at any synchronizing CUDA call), and the result is what the host path gives; fp16 with a dynamic
-    loss scale (``opt.backward``), kept on the device."""
+    loss scale (``opt.backward``), kept on the device; ``clip="torch"``: ``torch.nn.utils.clip_grad_norm_`` on the
+    model's params (HF Trainer's, accelerate's), where the optimizer clips nothing."""
     torch.manual_seed(0)
     models = [TinyNet().to("cuda", dtype) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     scaling = {"loss_scale": zeroshard.DynamicLossScaler(initial_scale=256.0, growth_interval=2)} if dtype == torch.float16 else {}
-    opts = [zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(m), lr=1e-2), max_grad_norm=0.5, **copy.deepcopy(scaling)) for m in models]
+    max_norm = 0.5 if clip == "optimizer" else None
+    opts = [zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(m), lr=1e-2), max_grad_norm=max_norm, **copy.deepcopy(scaling))
+            for m in models]
+
+    def backward(model, opt, loss):
+        opt.backward(loss)
+        if clip == "torch":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
     batches = [[t.cuda() for t in batch(0, step)] for step in range(4)]
     for step, (x, y) in enumerate(batches):
         for k, (model, opt) in enumerate(zip(models, opts)):
             loss = loss_fn(model, x, y)
             if k == 1:  # the reference: the statistics read back (as where the host must decide)
                 with mock.patch.object(zeroshard.ShardedOptimizer, "_on_device", return_value=False):
-                    opt.backward(loss)
+                    backward(model, opt, loss)
                     opt.step()
                 opt.zero_grad()
                 continue
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error" if step else "default")  # the first step creates state on the host's read
             try:
-                opt.backward(loss)
+                backward(model, opt, loss)
                 opt.step()
                 opt.zero_grad()
             finally:
