@@ -137,7 +137,7 @@ class ReduceCoordinator:
             return None
         return reducer
 
-    def _alone(self) -> bool:
+    def alone(self) -> bool:
         """Whether a single reducer is registered: then it is the caller (open, or its hooks would not have run).
 
         The common case, one optimizer per process group, takes this one length check per gradient
@@ -159,17 +159,17 @@ class ReduceCoordinator:
 
     def turn_has_come(self, reducer: Reducer) -> bool:
         """Whether every earlier reducer has launched all it launches in this backward pass."""
-        return self._alone() or all(r.launched_all for r in self._earlier(reducer))
+        return self.alone() or all(r.launched_all for r in self._earlier(reducer))
 
     def drain_earlier(self, reducer: Reducer) -> None:
         """Complete the earlier reducers' reductions in flight, before ``reducer`` launches (one order across replicas too)."""
-        if not self._alone():
+        if not self.alone():
             for r in self._earlier(reducer):
                 r.drain()
 
     def take_deferred(self, reducer: Reducer) -> None:
         """A gradient is about to be accumulated into a param of ``reducer``: every reducer takes the one it deferred (see ``ArrivedGrad``)."""
-        if self._alone():
+        if self.alone():
             reducer.take_deferred()
             return
         for r in self._live():
@@ -177,7 +177,7 @@ class ReduceCoordinator:
 
     def let_later_launch(self, reducer: Reducer) -> None:
         """``reducer`` launched everything: the later reducers taking part in this pass launch their complete buckets."""
-        if not self._alone():
+        if not self.alone():
             for r in self._later(reducer):
                 if r.end_of_backward is EndOfBackward.QUEUED:
                     r.launch_complete_buckets()

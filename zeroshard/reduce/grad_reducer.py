@@ -278,7 +278,8 @@ class GradReducer:
             self._grads[k].used[i] = False
         if self.stage == 1:
             self._grads[k].keep_in_flat_grad(i, param)  # a hook may have replaced .grad (None: zeroes it)
-        if self._take_grad(k, i, param) and self.overlap_comm:  # only a completed bucket can launch
+        # alone, only a just completed bucket can launch
+        if (self._take_grad(k, i, param) or not self.coordinator.alone()) and self.overlap_comm:
             self.launch_complete_buckets()
 
     def _take_grad(self, k: int, i: int, param: nn.Parameter, last: bool = False) -> bool:
@@ -326,7 +327,7 @@ class GradReducer:
             self.end_of_backward = EndOfBackward.QUEUED
 
     def _on_backward_end(self) -> None:
-        """At the end of backward: every reducer of the process group reduces this pass, this one included (ReduceCoordinator.flush)."""
+        """At the end of backward: the group's reducers reduce this pass, this one included (ReduceCoordinator.flush)."""
         if self._outermost.defer():  # the end of a reentrant checkpoint's nested backward: not yet
             self.end_of_backward = EndOfBackward.NONE
             return
@@ -400,7 +401,7 @@ class GradReducer:
             grads.note_flat_version()
 
     def _clear_backward_state(self) -> None:
-        """Forget which params were taken in the current backward pass."""
+        """Forget which params were taken in this backward pass."""
         self._next_launch = 0
         if self.end_of_backward is EndOfBackward.QUEUED:  # DONE stays: its callback is to return at once
             self.end_of_backward = EndOfBackward.NONE
@@ -422,7 +423,7 @@ class GradReducer:
             self.reduce_everything()
 
     def reduce_again(self) -> None:
-        """Have the next :meth:`reduce_for_step` reduce every bucket again (after shards were added mid-step).
+        """Have the next :meth:`reduce_for_step` reduce every bucket again (shards were added mid-step).
 
         Gradients already reduced are not reduced twice: stage 2's ``ShardedGrad`` s add nothing,
         and stage 1 overwrites each slice of the grad shard with the same sum.
@@ -430,7 +431,7 @@ class GradReducer:
         self._unreduced = True
 
     def local_used(self) -> list[list[bool]]:
-        """Per shard, per param: whether the param got a gradient on this rank since the last reset."""
+        """Per shard, per param: whether it got a gradient on this rank since the last reset."""
         return [list(grads.used) for grads in self._grads]
 
     @torch.no_grad()
@@ -467,6 +468,6 @@ class GradReducer:
         return [m for g in self._grads for m in g.marks()]
 
     def grad_buffers(self) -> list[Tensor]:
-        """The gradient buffers this reducer owns right now: stage 1 flat grads, stage 2 staging buckets (pooled too)."""
+        """The gradient buffers it owns now: stage 1 flat grads, stage 2 staging buckets (pooled too)."""
         in_flight = [p.input for p in self._pending] if self.stage == 2 else []
         return [g.flat for g in self._grads if g.flat is not None] + self._staging.buffers() + in_flight
