@@ -49,6 +49,14 @@ def drop_on_rank_0(p: nn.Parameter) -> None:
         p.grad = None  # DDP: unused on rank 0 only, so stepped with rank 1's gradient averaged over both
 
 
+def _reference_pair() -> tuple[nn.Module, nn.Module, DDP, torch.optim.Optimizer]:
+    """(TinyNet for zeroshard, its twin, the twin under DDP(find_unused_parameters=True), AdamW(foreach=False) on the twin), seeded alike."""
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    model = copy.deepcopy(ref_model)
+    return model, ref_model, DDP(ref_model, find_unused_parameters=True), torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
+
+
 def _hooked_training(stage: int, hook, accumulation: str = "none", overlap_comm: bool = True, zero: str = "set_to_none",
                 hook_first: bool = False) -> float:
     """The worst tolerance ratio against DDP + AdamW over STEPS steps of 2 micro-steps (1 with ``accumulation="none"``).
@@ -61,11 +69,7 @@ def _hooked_training(stage: int, hook, accumulation: str = "none", overlap_comm:
     from zeroshard.comm import collectives
 
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    ref_model = TinyNet()
-    model = copy.deepcopy(ref_model)
-    ref = DDP(ref_model, find_unused_parameters=True)
-    ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
+    model, ref_model, ref, ref_opt = _reference_pair()
     hooked = [p for p in ref_model.parameters() if p.requires_grad]
     if hook_first:
         for p in model.parameters():
@@ -141,11 +145,7 @@ def accumulate_in_place_worker() -> list[bool]:
     backward, whether every param's gradient reached its hooks (one registered before the optimizer) already inside the
     flat grad buffer, as the same ``.grad`` object every step, and whether the step equals DDP + AdamW's."""
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    ref_model = TinyNet()
-    model = copy.deepcopy(ref_model)
-    ref = DDP(ref_model, find_unused_parameters=True)
-    ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
+    model, ref_model, ref, ref_opt = _reference_pair()
     seen: dict[nn.Parameter, list[torch.Tensor]] = {p: [] for p in model.parameters() if p.requires_grad}
     for p in seen:
         p.register_post_accumulate_grad_hook(lambda q: seen[q].append(q.grad))
@@ -220,11 +220,7 @@ def autograd_grad_worker(stage: int) -> list[bool]:
     backward ``.grad`` stays ``None``; after a reduced backward it stays the ShardedGrad left there; the step after
     equals DDP + AdamW's."""
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    ref_model = TinyNet()
-    model = copy.deepcopy(ref_model)
-    ref = DDP(ref_model, find_unused_parameters=True)
-    ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
+    model, ref_model, ref, ref_opt = _reference_pair()
     opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage)
     params = [p for p in model.parameters() if p.requires_grad]
     x, y = batch(rank, 0)

@@ -27,7 +27,7 @@ class PendingSkip:
 
     def __init__(self, found_inf: Tensor, steps: list[list[int]], loss_scale: Tensor | None = None) -> None:
         self.steps = steps
-        values = found_inf.reshape(1).double() if loss_scale is None else torch.stack([found_inf.reshape(()).double(), loss_scale])
+        values = found_inf.reshape(1) if loss_scale is None else torch.stack([found_inf.reshape(()).double(), loss_scale])  # a view: no kernel
         if found_inf.device.type == "cuda":
             self._values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self._values.copy_(values, non_blocking=True)
