@@ -114,28 +114,6 @@ def test_a_dcp_checkpoint_loads_without_a_process_group(tmp_path):
     assert torch.equal(state["w"], torch.arange(6.0)) and state["step"] == 3, f"{TORCH}: DCP's _load_state_dict / _EmptyStateDictLoadPlanner"
 
 
-def test_dcp_calls_state_dict_from_its_own_modules(tmp_path):
-    """``called_by_dcp`` looks two frames up from itself: DCP's ``Stateful`` call must be there, a plain call must not."""
-
-    class Probe:
-        def __init__(self) -> None:
-            self.seen: list[bool] = []
-
-        def state_dict(self) -> dict:
-            self.seen.append(compat.called_by_dcp())
-            return {"w": torch.zeros(2)}
-
-        def load_state_dict(self, state_dict: dict) -> None:
-            pass
-
-    probe = Probe()
-    probe.state_dict()
-    dcp.save({"probe": probe}, checkpoint_id=str(tmp_path), no_dist=True)
-    dcp.load({"probe": probe}, checkpoint_id=str(tmp_path), no_dist=True)
-    assert probe.seen[0] is False, f"{TORCH}: a plain state_dict() call counted as DCP's"
-    assert probe.seen[1:] and all(probe.seen[1:]), f"{TORCH}: dcp.save/dcp.load no longer call state_dict() from torch.distributed.checkpoint.*"
-
-
 def test_make_subclass_views_the_storage_without_a_copy():
     class Sub(torch.Tensor):
         pass

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from models import TinyNet, batch, loss_fn, param_groups
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchrun_child import ROOT, SUPPORT
@@ -378,23 +379,34 @@ def test_option_differing_across_ranks_raises_on_every_rank_naming_it(pools, opt
         assert OPTIONS_THAT_DIFFER[option][2] in message, message
 
 
-def dcp_after_consolidate_worker(directory: str) -> None:
+def dcp_after_consolidate_worker(directory: str) -> str:
+    """The full format goes to the caller of ``state_dict()`` on rank 0 after ``consolidate_state_dict``; DCP gets shards after it.
+
+    Returns the error of a ``dcp.save`` made while the consolidation was still pending on rank 0.
+    """
     _, _, model, opt = _pair(2)
     for step in range(2):
         _train_step(model, opt, step)
     opt.consolidate_state_dict(to=0)
+    with pytest.raises(CheckpointException) as error:  # rank 0 hands DCP the full format, the other ranks their shards
+        dcp.save({"optim": opt}, checkpoint_id=directory + "-pending")
+    assert opt._consolidated is None, "the pending consolidation outlived the state_dict() that took it"
+    opt.consolidate_state_dict(to=0)
+    if dist.get_rank() == 0:
+        assert opt.state_dict()["zeroshard"]["format"] == zeroshard.checkpoint.sharded.FULL_FORMAT
     dcp.save({"optim": opt}, checkpoint_id=directory)
     fresh = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(copy.deepcopy(model)), lr=1e-2, foreach=False), stage=2, bucket_size_mb=BUCKET_MB)
     dcp.load({"optim": fresh}, checkpoint_id=directory)
     for ours, theirs in zip(opt.state.values(), fresh.state.values()):
         assert all(torch.equal(ours[key], theirs[key]) for key in ours), "dcp.load after consolidate_state_dict gave other state"
     assert fresh._shard_set.param_steps == opt._shard_set.param_steps
-    if dist.get_rank() == 0:  # the consolidation stays pending for the caller's own state_dict()
-        assert opt.state_dict()["zeroshard"]["format"] == zeroshard.checkpoint.sharded.FULL_FORMAT
+    return str(error.value)
 
 
-def test_dcp_save_after_consolidate_saves_the_shards(pools, tmp_path):
-    pools[2].run(dcp_after_consolidate_worker, str(tmp_path / "ckpt"))
+def test_dcp_save_after_consolidate_saves_the_shards_or_fails_on_every_rank(pools, tmp_path):
+    """Once rank 0 took its full state, ``dcp.save`` saves the shards; while it is pending, every rank raises (no hang, nothing silent)."""
+    for message in pools[2].run(dcp_after_consolidate_worker, str(tmp_path / "ckpt")):
+        assert "Failed to validate global plan" in message, message
 
 
 # -- 10. optimizers whose update is element-wise only: Adagrad ---------------------------------

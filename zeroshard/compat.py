@@ -9,7 +9,6 @@ raises naming the torch version before anything is changed.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -106,16 +105,4 @@ def load_checkpoint_without_process_group(state: dict[str, Any], checkpoint: str
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     _load_state_dict(state, storage_reader=FileSystemReader(checkpoint), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-
-
-def called_by_dcp() -> bool:
-    """Whether the caller's caller belongs to ``torch.distributed.checkpoint``.
-
-    state_dict.py: right after ``consolidate_state_dict()``, ``state_dict()`` returns the full
-    format once (``ZeroRedundancyOptimizer``'s contract, which HF Trainer relies on), but DCP, which
-    calls ``state_dict()`` through its ``Stateful`` protocol on every rank, must get the sharded one.
-    The protocol passes nothing that tells the two callers apart.
-    """
-    caller = sys._getframe(2)  # 0: this function, 1: state_dict(), 2: its caller
-    return caller.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint.")
 

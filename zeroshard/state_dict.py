@@ -23,7 +23,6 @@ from torch import Tensor
 
 from zeroshard.checkpoint import full, sharded, whole_param
 from zeroshard.comm.groups import ShardingGroups
-from zeroshard.compat import called_by_dcp
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.shard_set import ShardSet
 from zeroshard.step.fused_adam import FusedAdam
@@ -98,9 +97,10 @@ class StateDictMixin:
 
         Runs no collective (HF Trainer and accelerate call it on one rank). The first call on
         the rank that just ran :meth:`consolidate_state_dict` (before any ``step()``) returns the
-        full state in plain ``torch.optim`` format, unless ``torch.distributed.checkpoint`` makes
-        it (``dcp.save``/``dcp.load`` need the same format on every rank: they get the sharded
-        one and leave the consolidated state for the next call); every other call the sharded format: per bucket, 1-D
+        full state in plain ``torch.optim`` format, as ``ZeroRedundancyOptimizer``'s does; every
+        other call the sharded format, which ``torch.distributed.checkpoint`` needs on every
+        rank (a ``dcp.save`` that meets a consolidation still pending on its target rank
+        fails on every rank: "Failed to validate global plan"): per bucket, 1-D
         ``DTensor`` s of each per-element state (and fp32 master) that
         ``torch.distributed.checkpoint`` reshards onto any world size (with ``partition="param"``:
         each owned param's state tensors whole, see ``zeroshard/checkpoint/whole_param.py``), with the param groups,
@@ -118,7 +118,7 @@ class StateDictMixin:
         self._settle()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        if self._consolidated is not None and not called_by_dcp():
+        if self._consolidated is not None:
             state_dict, self._consolidated = self._consolidated, None
         else:
             state_dict = self._format.sharded_state_dict(self.checkpoint_view())
