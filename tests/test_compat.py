@@ -107,6 +107,27 @@ def test_post_accumulate_grad_hook_ids_follow_registration_order():
     assert compat.post_accumulate_grad_hook_ids(param) == [first.id], TORCH
 
 
+def test_the_version_counter_moves_as_zeroshard_reads_it():
+    """``Tensor._version`` (see compat.py): in-place writes, views, ``p.data =`` bindings, gradient accumulation."""
+    flat = torch.zeros(6)
+    param = nn.Parameter(torch.ones(2, 2))
+    param.data = flat[1:5].view_as(param)
+    before, flat_before = param._version, flat._version
+    flat.add_(1.0)  # the optimizer's write to the flat buffer
+    assert param._version == before, f"{TORCH}: a write to the flat buffer moved the version of a param bound with p.data ="
+    with torch.no_grad():
+        param.mul_(2.0)  # a user's write to the param
+    assert param._version > before, f"{TORCH}: an in-place write to a param left Tensor._version unchanged"
+    flat[2:4].add_(1.0)
+    assert flat._version > flat_before + 1, f"{TORCH}: a write through a view did not move its base's Tensor._version"
+    grads = torch.zeros(4)
+    param.grad = grads.view(2, 2)
+    seen = grads._version
+    (param * 3.0).sum().backward()
+    assert param.grad is not None and param.grad.data_ptr() == grads.data_ptr(), f"{TORCH}: autograd replaced a .grad view instead of adding into it"
+    assert grads._version > seen, f"{TORCH}: autograd's accumulation into .grad left Tensor._version unchanged"
+
+
 def test_a_dcp_checkpoint_loads_without_a_process_group(tmp_path):
     dcp.save({"w": torch.arange(6.0), "step": 3}, checkpoint_id=str(tmp_path), no_dist=True)
     state: dict = {}

@@ -41,6 +41,14 @@ foreach_norm = torch._foreach_norm
 
 # delegating.py: the hook registries ``torch.optim.Optimizer.__init__`` creates, which its public
 # ``register_step_pre_hook`` and friends fill; a ShardedOptimizer does not run that ``__init__``.
+# ``Tensor._version``, the version counter autograd checks saved tensors with, read directly where a
+# write must be noticed (an attribute read on the per-param hot path, so not wrapped here):
+# layout/local_shard.py (a param written outside the optimizer: its master is refreshed),
+# grad/shard_grads.py and reduce/records.py (user code that wrote a ``.grad``, or its flat grad
+# buffer through a view). They rely on: every in-place write bumps it, a view shares its base's
+# counter, a param bound with ``p.data = flat_view`` keeps a counter of its own (the optimizer's
+# writes to the flat buffer do not move it), and autograd's accumulation into ``.grad`` bumps it.
+
 OPTIMIZER_HOOK_DICTS = (
     "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",

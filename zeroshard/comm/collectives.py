@@ -1,9 +1,5 @@
 """Thin typed wrappers over the ``torch.distributed`` collectives zeroshard uses.
 
-torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in favour of
-``all_gather_single`` / ``reduce_scatter_single``; the wrappers take the new names where they
-exist and fall back to the old ones on torch 2.4 - 2.12.
-
 On gloo (CPU tensors) the bucket reduce-scatter and all-gather run as point-to-point sends and
 receives instead (:class:`PointToPointWork`). gloo runs ``reduce_scatter_tensor`` as a full
 all-reduce, sending ``2 (N-1)/N`` of the input where a reduce-scatter needs ``(N-1)/N``, and its
@@ -23,10 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 # Point-to-point message tags of the two bucket collectives (gloo matches a pair's messages of one
 # tag first in, first out; every rank posts its buckets in the same order).
@@ -110,7 +102,7 @@ def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup, *, input_
         The async work handle; call ``wait()`` before reading ``output`` or writing ``input``.
     """
     if not point_to_point(input, group):
-        return _reduce_scatter_single(output, input, group=group, async_op=True)
+        return dist.reduce_scatter_single(output, input, group=group, async_op=True)
     me, n = dist.get_rank(group), output.numel()
     pieces = list(input.view(-1, n).unbind())
     others = [q for q in range(len(pieces)) if q != me]
@@ -148,7 +140,7 @@ def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> AsyncWork:
         The async work handle; call ``wait()`` before reading ``output``.
     """
     if not point_to_point(input, group):
-        return _all_gather_single(output, input, group=group, async_op=True)
+        return dist.all_gather_single(output, input, group=group, async_op=True)
     own = output.view(-1, input.numel())[dist.get_rank(group)]
     if own.data_ptr() != input.data_ptr():
         own.copy_(input)
@@ -298,7 +290,7 @@ def collective_device(group: ProcessGroup | None) -> torch.device:
     current CUDA device, as torch's object collectives choose it. Other backends: the CPU.
     """
     if dist.get_backend(group) == "nccl":
-        bound = getattr(group, "bound_device_id", None)  # torch >= 2.3
+        bound = getattr(group, "bound_device_id", None)  # None: the default group
         return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
