@@ -1,8 +1,4 @@
-"""The command line ``python -m zeroshard.convert CKPT OUT``: a DCP checkpoint into one file, without a process group.
-
-The conversion itself is :func:`zeroshard.checkpoint.convert.convert`; this module also exports it and
-:func:`~zeroshard.checkpoint.convert.optimizer_to_torch`, as ``zeroshard.convert.convert`` / ``.optimizer_to_torch``.
-"""
+"""The command line ``python -m zeroshard.convert CKPT OUT``; also exports :mod:`zeroshard.checkpoint.convert`'s functions."""
 
 from __future__ import annotations
 

@@ -24,12 +24,10 @@ class MemoryUsage:
         device_bytes: bytes on the params' device (on a CPU-only run, that device is the CPU).
         host_bytes: bytes in host memory when the params live on an accelerator (e.g. the
             wrapped optimizer's CPU ``step`` counters); 0 on a CPU-only run.
-        by_kind: bytes per kind wherever they live: ``"params"`` (flat param buffers),
-            ``"grads"`` (stage 1 flat grad buffers, stage 2 staging buckets in flight),
-            ``"grad_shard"`` (with offload, its host copy too), ``"master"`` (fp32 copies for
-            16-bit params, or every master weight with offload) and
-            ``"optimizer_state"`` (the wrapped optimizer's state, e.g. ``exp_avg``,
-            ``exp_avg_sq``, ``step``).
+        by_kind: bytes per kind wherever they live: ``"params"`` (flat param buffers), ``"grads"`` (stage 1 flat grad
+            buffers, stage 2 staging buckets in flight), ``"grad_shard"`` (with offload, its host copy too),
+            ``"master"`` (fp32 copies for 16-bit params, or every master weight with offload) and ``"optimizer_state"``
+            (the wrapped optimizer's state, e.g. ``exp_avg``, ``exp_avg_sq``, ``step``).
     """
 
     device_bytes: int
@@ -38,42 +36,18 @@ class MemoryUsage:
 
 
 def measure(tensors_by_kind: dict[str, list[Tensor]], device: torch.device) -> MemoryUsage:
-    """Count the bytes (``numel * element_size``) of each kind's tensors, on ``device`` and elsewhere.
-
-    Views are counted at their own size; callers pass each owned storage once.
-    """
-    on_device = elsewhere = 0
-    by_kind = {}
-    for kind, tensors in tensors_by_kind.items():
-        by_kind[kind] = 0
-        for t in tensors:
-            size = t.numel() * t.element_size()
-            by_kind[kind] += size
-            if t.device == device:
-                on_device += size
-            else:
-                elsewhere += size
-    return MemoryUsage(on_device, elsewhere, by_kind)
+    """The bytes (``numel * element_size``) of each kind's tensors, on ``device`` and elsewhere; each view at its own size."""
+    by_kind = {kind: sum(t.numel() * t.element_size() for t in tensors) for kind, tensors in tensors_by_kind.items()}
+    elsewhere = sum(t.numel() * t.element_size() for tensors in tensors_by_kind.values() for t in tensors if t.device != device)
+    return MemoryUsage(sum(by_kind.values()) - elsewhere, elsewhere, by_kind)
 
 
 def owned_memory(shards: list[LocalShard], grad_buffers: list[Tensor], optimizer: torch.optim.Optimizer, device: torch.device) -> MemoryUsage:
-    """What a ``ShardedOptimizer`` owns on this rank (``ShardedOptimizer.memory_usage``), by kind and place.
-
-    Args:
-        shards: its local shards: their flat param buffers, grad shards and chunks (each chunk
-            says what it owns: master, moments, host buffers).
-        grad_buffers: the gradient reducer's buffers (stage 1's flat grads, stage 2's staging).
-        optimizer: the wrapped optimizer, whose own state (keyed by virtual param) counts too,
-            except entries that are views of the chunks' moments (counted once).
-        device: the params' device.
-    """
-    owned: dict[str, list[Tensor]] = {
-        "params": [s.buffer.data for s in shards],
-        "grads": list(grad_buffers),
-        "grad_shard": [s.grad_shard for s in shards],
-        "master": [],
-        "optimizer_state": [],
-    }
+    """What a ``ShardedOptimizer`` owns on this rank (``ShardedOptimizer.memory_usage``), by kind and place: the shards'
+    flat param buffers, grad shards and chunks (master, moments, host buffers), the reducer's ``grad_buffers``, and the
+    wrapped optimizer's own state except views of the chunks' moments (counted once)."""
+    owned: dict[str, list[Tensor]] = {"params": [s.buffer.data for s in shards], "grads": list(grad_buffers),
+                                      "grad_shard": [s.grad_shard for s in shards], "master": [], "optimizer_state": []}
     chunk_storages: set[int] = set()
     for chunk in chunks_of(shards):
         for kind, tensors in chunk.owned_tensors().items():
@@ -85,8 +59,7 @@ def owned_memory(shards: list[LocalShard], grad_buffers: list[Tensor], optimizer
 
 
 def _plain_tensors(value: Tensor) -> list[Tensor]:
-    """The plain tensors that hold ``value``'s data: itself, or a tensor subclass's inner tensors (torchao's 8-bit codes,
-    block scales and quantization map), which is what low-bit state costs."""
+    """The plain tensors that hold ``value``'s data: itself, or a tensor subclass's inner tensors (torchao's codes, scales, qmap)."""
     if not is_subclass_state(value):
         return [value]
     names, _ = value.__tensor_flatten__()  # type: ignore[attr-defined]
@@ -100,21 +73,17 @@ TORCHAO_MIN_QUANTIZED = 4096  # torchao (like bitsandbytes) quantizes state of p
 
 def _low_bit_kind(optimizer_class: str) -> str | None:
     """``"8bit"``, ``"4bit"`` or ``"Fp8"`` for torchao's low-bit Adam/AdamW class names, else ``None``."""
-    for kind in LOW_BIT:
-        if optimizer_class in (f"Adam{kind}", f"AdamW{kind}"):
-            return kind
-    return None
+    return next((kind for kind in LOW_BIT if optimizer_class in (f"Adam{kind}", f"AdamW{kind}")), None)
 
 
 def whole_param_state_bytes(optimizer_class: str, numel: int, state_itemsize: int, block_size: int | None = None) -> int:
     """Bytes of ``exp_avg`` and ``exp_avg_sq`` that ``optimizer_class`` keeps for one whole param of ``numel`` elements.
 
-    torchao's low-bit classes (``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8`` and their Adam twins) keep
-    each moment as a tensor subclass of ``bits`` per element, an fp32 scale per block of ``block_size``
-    (default 256, 128 for 4-bit) and an fp32 quantization map (256 entries for 8-bit, 16 for 4-bit,
-    none for fp8), for params of at least 4096 elements that the block size divides; other params,
-    and ``"AdamW"``/``"Adam"``/``"_AdamW"``, keep plain moments of ``state_itemsize`` bytes per
-    element (torchao's ``_AdamBase._new_buffer``). ``step`` aside.
+    torchao's low-bit classes (``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8`` and their Adam twins) keep each moment as a
+    tensor subclass of ``bits`` per element, an fp32 scale per block of ``block_size`` (default 256, 128 for 4-bit) and
+    an fp32 quantization map (256 entries for 8-bit, 16 for 4-bit, none for fp8), for params of at least 4096 elements
+    that the block size divides; other params, and ``"AdamW"``/``"Adam"``/``"_AdamW"``, keep plain moments of
+    ``state_itemsize`` bytes per element (torchao's ``_AdamBase._new_buffer``). ``step`` aside.
     """
     kind = _low_bit_kind(optimizer_class)
     if kind is None:
@@ -126,57 +95,38 @@ def whole_param_state_bytes(optimizer_class: str, numel: int, state_itemsize: in
     return 2 * (numel * bits // 8 + 4 * (numel // block) + 4 * qmap)
 
 
-def estimate_memory(
-    model_or_numel: nn.Module | int,
-    *,
-    stage: int = 2,
-    world_size: int,
-    dtype: torch.dtype | None = None,
-    offload: str | None = None,
-    shard_size: int | None = None,
-    bucket_size_mb: float = 25.0,
-    device_type: str = "cuda",
-    master_weights: bool = True,
-    optimizer_class: str = "AdamW",
-    block_size: int | None = None,
-) -> MemoryUsage:
+def estimate_memory(model_or_numel: nn.Module | int, *, stage: int = 2, world_size: int, dtype: torch.dtype | None = None, offload: str | None = None,
+                    shard_size: int | None = None, bucket_size_mb: float = 25.0, device_type: str = "cuda", master_weights: bool = True,
+                    optimizer_class: str = "AdamW", block_size: int | None = None) -> MemoryUsage:
     """Per-rank bytes a ``ShardedOptimizer`` around an Adam/AdamW owns between steps.
 
-    Predicts what :meth:`ShardedOptimizer.memory_usage` reports after the first ``step()``, kind
-    by kind, for the same model and options, without building anything (no process group, no
-    allocation). With Ψ trainable elements, param dtype of ``b`` bytes, sharding degree N and
-    fp32 master/state (Rajbhandari et al., "ZeRO", SC'20, §5):
+    Predicts what :meth:`ShardedOptimizer.memory_usage` reports after the first ``step()``, kind by kind, for the same
+    model and options, without building anything (no process group, no allocation). With Ψ trainable elements, param
+    dtype of ``b`` bytes, sharding degree N and fp32 master/state (Rajbhandari et al., "ZeRO", SC'20, §5):
 
-    * ``params``: the flat param buffers, ``b·Ψ_pad`` (all ranks hold the full params).
-    * ``grads``: stage 1 keeps a flat grad buffer, ``b·Ψ_pad``; stage 2 holds none between steps.
-      (During backward stage 2 holds up to 3 staging buckets of ``bucket_size_mb`` each, in
-      ``reduce_dtype``, freed by the end of ``step()``: not included.)
+    * ``params``: the flat param buffers, ``b·Ψ_pad`` (all ranks hold the full params); with offload on CUDA, bf16/fp16
+      params add a pinned staging copy of the shard in the param dtype (``b·Ψ_pad/N``).
+    * ``grads``: stage 1 keeps a flat grad buffer, ``b·Ψ_pad``; stage 2 none between steps (its up to 3 staging buckets of
+      ``bucket_size_mb`` each, in ``reduce_dtype``, are freed by the end of ``step()``: not included).
     * ``grad_shard``: ``4·Ψ_pad/N`` (fp32; fp64 params: 8); with offload twice that (its host copy).
-    * ``master``: ``4·Ψ_pad/N`` for bf16/fp16 params; fp32 params have none (the flat buffer is
-      the master) unless offloaded, when every dtype keeps a host master.
-    * ``optimizer_state``: ``exp_avg`` and ``exp_avg_sq``, ``8·Ψ_pad/N``, plus a 4-byte ``step``
-      tensor per (param ∩ rank slice) piece, counted for the rank with the most pieces.
-    * with offload on CUDA, bf16/fp16 params also keep a pinned staging copy of the shard in the
-      param dtype (``b·Ψ_pad/N``, counted under ``params``).
+    * ``master``: ``4·Ψ_pad/N`` for bf16/fp16 params; fp32 params have none (the flat buffer is the master) unless
+      offloaded, when every dtype keeps a host master.
+    * ``optimizer_state``: ``exp_avg`` and ``exp_avg_sq``, ``8·Ψ_pad/N``, plus a 4-byte ``step`` tensor per
+      (param ∩ rank slice) piece, counted for the rank with the most pieces.
 
-    With ``master_weights=False`` 16-bit params keep no master, and the grad shard and moments
-    take the param dtype (``b`` bytes); the wrapped optimizer's own step runs (no fused update,
-    also for fp32 params), and its state covers its pieces, not the padding. torchao's classes (``optimizer_class`` ``"AdamW8bit"``, ``"AdamW4bit"``,
-    ``"AdamWFp8"``, their Adam twins, or ``"_AdamW"``) run with ``partition="param"``: each param
-    is owned whole by one rank (:func:`~zeroshard.layout.ownership.assign_owners`), so the state is that
-    of the params a rank owns (:func:`whole_param_state_bytes`: 8-bit moments cost about 2 bytes
-    per element, 4-bit about 1) and the kinds are given for the rank that owns the most state
-    (summed over the dtypes of a mixed model, each dtype's such rank: then an upper bound). Owners
-    are assigned as for one param group per dtype; an optimizer built on several param groups
-    (weight decay apart) assigns each group's params alone and may place them otherwise.
+    With ``master_weights=False`` 16-bit params keep no master, the grad shard and moments take the param dtype (``b``
+    bytes), and the wrapped optimizer's own step runs (no fused update, also for fp32 params): its state covers its pieces,
+    not the padding. torchao's classes run with ``partition="param"``: each param is owned whole by one rank
+    (:func:`~zeroshard.layout.ownership.assign_owners`, as for one param group per dtype; an optimizer on several param
+    groups assigns each group alone and may place them otherwise), so the state is that of the params a rank owns
+    (:func:`whole_param_state_bytes`: 8-bit moments cost about 2 bytes per element, 4-bit about 1), given for the rank that
+    owns the most (summed over the dtypes of a mixed model, each dtype's such rank: then an upper bound).
 
-    Ψ_pad is Ψ with padding: params are laid out in reverse registration order, one flat buffer per
-    dtype, and cut into buckets of at most ``bucket_size_mb`` MiB of the param dtype (a larger
-    param gets a bucket of its own); each bucket is padded to a multiple of N, so Ψ_pad - Ψ is
-    below N elements per bucket (see ``zeroshard/layout/partition.py``). A model is laid out exactly as
-    the optimizer lays it out when it is built on ``model.parameters()`` in one param group; each
-    more param group adds its own buckets' padding. An ``int`` counts as one param of that many
-    elements.
+    Ψ_pad is Ψ with padding: params are laid out in reverse registration order, one flat buffer per dtype, in buckets of
+    at most ``bucket_size_mb`` MiB of the param dtype (a larger param gets its own), each padded to a multiple of N, so
+    Ψ_pad - Ψ is below N elements per bucket (``zeroshard/layout/partition.py``). This is exactly the optimizer's layout
+    when built on ``model.parameters()`` in one param group; each more group adds its own buckets' padding. An ``int``
+    counts as one param of that many elements.
 
     Args:
         model_or_numel: the model (its trainable params, tied ones once), or Ψ.
@@ -184,17 +134,14 @@ def estimate_memory(
         world_size: the number of data-parallel ranks.
         dtype: the param dtype; ``None``: each param's own (fp32 for an ``int``).
         offload: ``None`` or ``"cpu"`` (master, moments and a gradient copy in host memory).
-        shard_size: N for hybrid sharding (``zeroshard.hybrid_mesh(shard_size)``); ``None``: N is
-            ``world_size``. Replicas hold the same bytes as one shard group's ranks.
-        bucket_size_mb: as the optimizer's ``bucket_size_mb``.
-        device_type: the params' device type. ``"cpu"``: everything is ``device_bytes`` and no
-            pinned staging exists, as ``memory_usage()`` reports in a CPU-only run. Otherwise the
-            offloaded kinds and the ``step`` tensors (torch keeps them on the host) are
-            ``host_bytes``.
-        master_weights: as the optimizer's ``master_weights``.
-        optimizer_class: the wrapped class's name: ``"AdamW"`` or ``"Adam"`` (``torch.optim``),
-            or torchao's ``"AdamW8bit"``, ``"AdamW4bit"``, ``"AdamWFp8"``, ``"Adam8bit"``,
-            ``"Adam4bit"``, ``"AdamFp8"``, ``"_AdamW"``.
+        shard_size: N for hybrid sharding (``zeroshard.hybrid_mesh(shard_size)``); ``None``: N is ``world_size``.
+            Replicas hold the same bytes as one shard group's ranks.
+        bucket_size_mb, master_weights: as the optimizer's.
+        device_type: the params' device type. ``"cpu"``: everything is ``device_bytes`` and no pinned staging exists, as
+            ``memory_usage()`` reports in a CPU-only run; otherwise the offloaded kinds and the ``step`` tensors (torch
+            keeps them on the host) are ``host_bytes``.
+        optimizer_class: the wrapped class's name: ``"AdamW"`` or ``"Adam"`` (``torch.optim``), or torchao's
+            ``"AdamW8bit"``, ``"AdamW4bit"``, ``"AdamWFp8"``, ``"Adam8bit"``, ``"Adam4bit"``, ``"AdamFp8"``, ``"_AdamW"``.
         block_size: a torchao low-bit class's ``block_size``; ``None``: its default.
 
     Returns:
@@ -202,11 +149,10 @@ def estimate_memory(
 
     Raises:
         TypeError: ``master_weights`` not a ``bool``.
-        ValueError: ``stage`` not 1 or 2, ``world_size`` below 1, ``shard_size`` not dividing it,
-            ``offload`` not ``None``/``"cpu"`` (or ``"cpu"`` with ``master_weights=False`` or a
-            torchao class), a ``model_or_numel`` below 1 or a model without trainable params, a
-            non-floating ``dtype``, an ``optimizer_class`` outside those above, or a
-            ``block_size`` below 1 or given for a class without blocks.
+        ValueError: ``stage`` not 1 or 2, ``world_size`` below 1, ``shard_size`` not dividing it, ``offload`` not
+            ``None``/``"cpu"`` (or ``"cpu"`` with ``master_weights=False`` or a torchao class), a ``model_or_numel`` below
+            1 or a model without trainable params, a non-floating ``dtype``, an ``optimizer_class`` outside those above, or
+            a ``block_size`` below 1 or given for a class without blocks.
     """
     whole = optimizer_class == "_AdamW" or _low_bit_kind(optimizer_class) is not None
     if stage not in (1, 2):
@@ -262,14 +208,13 @@ def estimate_memory(
             per_rank = [sum(2 * master_item * p.numel + 4 for p in ranked) for ranked in pieces]
         most = max(range(shards), key=lambda rank: (per_rank[rank], len(pieces[rank])))  # the rank that keeps the most
         state, steps = per_rank[most], 4 * len(pieces[most])
-        kinds["params"] += item * layout.numel
+        master = master_item * shard if offload or (item < 4 and master_weights) else 0
+        staging = item * shard if offload and on_cuda and item < 4 else 0
+        kinds["params"] += item * layout.numel + staging
         kinds["grads"] += item * layout.numel if stage == 1 else 0
         kinds["grad_shard"] += master_item * shard * (2 if offload else 1)
-        kinds["optimizer_state"] += state
-        master = master_item * shard if offload or (item < 4 and master_weights) else 0
         kinds["master"] += master
-        staging = item * shard if offload and on_cuda and item < 4 else 0
-        kinds["params"] += staging
+        kinds["optimizer_state"] += state
         if on_cuda:
             host += steps + (master + 2 * master_item * shard + master_item * shard + staging if offload else 0)
     total = sum(kinds.values())

@@ -1,11 +1,7 @@
-"""``ShardedOptimizer``'s checkpoint API: ``state_dict``, ``consolidate_state_dict``, ``load_state_dict``,
-and ``params_own_storage`` for saving the model.
+"""``ShardedOptimizer``'s checkpoint API: ``state_dict``, ``consolidate_state_dict``, ``load_state_dict``, ``params_own_storage``.
 
-The formats and their checks live in ``zeroshard/checkpoint/sharded.py`` and ``zeroshard/checkpoint/full.py``
-(``partition="flat"``) and ``zeroshard/checkpoint/whole_param.py`` (``"param"``), each pair behind one
-:class:`CheckpointFormat` that the partition chosen at construction picks; this mixin connects it to
-the optimizer's attributes, declared on :class:`StateDictMixin` (what the host class must provide)
-so that the dependency is written down and type-checked.
+The formats live in ``zeroshard/checkpoint/`` (``sharded.py`` and ``full.py`` for ``partition="flat"``, ``whole_param.py``
+for ``"param"``), each pair behind a :class:`CheckpointFormat`; :class:`StateDictMixin` declares what it needs of the host class.
 """
 
 from __future__ import annotations
@@ -28,28 +24,15 @@ from zeroshard.shard_set import ShardSet
 from zeroshard.step.fused_adam import FusedAdam
 from zeroshard.step.loss_scaler import DynamicLossScaler
 
-# What a load hands the optimizer: the wrapped optimizer's state dict, the per-param step counts, and the masters to
-# copy as (shard, offset in its master shard, 1-D values).
-Loaded = tuple[dict[str, Any], list[int], list[tuple[int, int, torch.Tensor]]]
-
 
 @dataclass(frozen=True)
 class CheckpointFormat:
-    """The two checkpoint formats of one partition mode, as the functions that make and load them.
+    """The two checkpoint formats of one partition mode, as the functions that make and load them."""
 
-    Attributes:
-        sharded_state_dict: ``(view) -> dict``: this rank's shard (the per-rank ``state_dict()``, DCP's).
-        load_sharded: ``(view, state_dict, filled_in_place) -> Loaded``: checks and takes a sharded dict.
-        consolidate: ``(view, to) -> dict | None``: the full ``torch.optim`` format gathered on rank
-            ``to`` (a collective; ``None`` elsewhere).
-        load_full: ``(view, state_dict) -> Loaded``: checks and takes a full-format dict saved at any
-            world size (or by the unsharded optimizer).
-    """
-
-    sharded_state_dict: Callable[[sharded.CheckpointView], dict[str, Any]]
-    load_sharded: Callable[[sharded.CheckpointView, dict[str, Any], bool], Loaded]
-    consolidate: Callable[[sharded.CheckpointView, int], dict[str, Any] | None]
-    load_full: Callable[[sharded.CheckpointView, dict[str, Any]], Loaded]
+    sharded_state_dict: Callable[[sharded.CheckpointView], dict[str, Any]]  # this rank's shard (the per-rank state_dict(), DCP's)
+    load_sharded: Callable[[sharded.CheckpointView, dict[str, Any], bool], sharded.Loaded]  # (view, state_dict, filled_in_place)
+    consolidate: Callable[[sharded.CheckpointView, int], dict[str, Any] | None]  # the full format on rank `to` (None elsewhere); a collective
+    load_full: Callable[[sharded.CheckpointView, dict[str, Any]], sharded.Loaded]  # a full-format dict from any world size or an unsharded optimizer
 
 
 FORMATS = {  # by ShardedOptimizer.partition
@@ -79,34 +62,23 @@ class StateDictMixin:
     _optimizer_load_state_dict_pre_hooks: OrderedDict
     _optimizer_load_state_dict_post_hooks: OrderedDict
 
-    @property
-    def _format(self) -> CheckpointFormat:
-        """The checkpoint formats of this optimizer's partition (fixed at construction)."""
-        return FORMATS[self.partition]
-
     def checkpoint_view(self) -> sharded.CheckpointView:
         """What this optimizer's checkpoints record of it (layout, param groups, steps, mesh, loss scaler), for the checks of a load."""
         self._settle()
-        return sharded.CheckpointView(
-            self.optimizer, self._shards, self._shard_set.group_params, self._shard_set.param_steps,
-            self.groups.mesh, self.process_group, self._scaler,
-        )
+        return sharded.CheckpointView(self.optimizer, self._shards, self._shard_set.group_params, self._shard_set.param_steps,
+                                      self.groups.mesh, self.process_group, self._scaler)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state: this rank's shard, or the full state right after consolidation.
 
-        Runs no collective (HF Trainer and accelerate call it on one rank). The first call on
-        the rank that just ran :meth:`consolidate_state_dict` (before any ``step()``) returns the
-        full state in plain ``torch.optim`` format, as ``ZeroRedundancyOptimizer``'s does; every
-        other call the sharded format, which ``torch.distributed.checkpoint`` needs on every
-        rank (a ``dcp.save`` that meets a consolidation still pending on its target rank
-        fails on every rank: "Failed to validate global plan"): per bucket, 1-D
-        ``DTensor`` s of each per-element state (and fp32 master) that
-        ``torch.distributed.checkpoint`` reshards onto any world size (with ``partition="param"``:
-        each owned param's state tensors whole, see ``zeroshard/checkpoint/whole_param.py``), with the param groups,
-        per-param steps and a layout signature (see ``zeroshard/checkpoint/sharded.py``). The tensors are
-        copies: loading into them never touches the optimizer until :meth:`load_state_dict`.
-        A freshly built optimizer returns zero-filled entries to load into (no dummy step).
+        Runs no collective (HF Trainer and accelerate call it on one rank). The first call on the rank that just ran
+        :meth:`consolidate_state_dict` (before any ``step()``) returns the full state in plain ``torch.optim`` format,
+        as ``ZeroRedundancyOptimizer``'s does (a ``dcp.save`` made while it is pending fails on every rank: "Failed to
+        validate global plan"). Every other call returns the sharded format, which ``torch.distributed.checkpoint``
+        reshards onto any world size: per bucket, a 1-D ``DTensor`` of each per-element state (and of the fp32 master),
+        or with ``partition="param"`` each owned param's state tensors whole; with the param groups, per-param steps and
+        a layout signature (``docs/checkpoint.md``). The tensors are copies, zero-filled in a freshly built optimizer
+        (no dummy step): loading into them never touches the optimizer until :meth:`load_state_dict`.
 
         Hooks registered with ``register_state_dict_pre_hook``/``register_state_dict_post_hook``
         run as in ``torch.optim.Optimizer.state_dict`` (a post hook may return a replacement).
@@ -121,7 +93,7 @@ class StateDictMixin:
         if self._consolidated is not None:
             state_dict, self._consolidated = self._consolidated, None
         else:
-            state_dict = self._format.sharded_state_dict(self.checkpoint_view())
+            state_dict = FORMATS[self.partition].sharded_state_dict(self.checkpoint_view())
             self._issued = {id(t): weakref.ref(t) for t in sharded.issued_tensors(state_dict)}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -131,12 +103,11 @@ class StateDictMixin:
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full optimizer state onto global rank ``to``, one bucket at a time.
 
-        A collective: call it on every rank. Afterwards :meth:`state_dict` on rank ``to``
-        returns the full state in plain ``torch.optim`` format — param-shaped state keyed by the
-        wrapped optimizer's param indices, every hyperparameter, and a ``"zeroshard"`` entry (param
-        shapes and dtypes, fp32 masters of 16-bit params) that plain torch ignores — once, which loads
-        into an unsharded optimizer of the same class, or into a ``ShardedOptimizer`` at any world
-        size. Mirrors ``ZeroRedundancyOptimizer.consolidate_state_dict``.
+        A collective: call it on every rank. Afterwards :meth:`state_dict` on rank ``to`` returns the full state in
+        plain ``torch.optim`` format — param-shaped state keyed by the wrapped optimizer's param indices, every
+        hyperparameter, and a ``"zeroshard"`` entry (param shapes and dtypes, fp32 masters of 16-bit params) that plain
+        torch ignores — once, which loads into an unsharded optimizer of the same class, or into a ``ShardedOptimizer``
+        at any world size. Mirrors ``ZeroRedundancyOptimizer.consolidate_state_dict``.
 
         Raises:
             ValueError: ``to`` is not a rank of the world.
@@ -145,30 +116,27 @@ class StateDictMixin:
             raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
         self.wait_params()
         self._settle()
-        self._consolidated = self._format.consolidate(self.checkpoint_view(), to)
+        self._consolidated = FORMATS[self.partition].consolidate(self.checkpoint_view(), to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a sharded state dict (this layout, any world size via DCP) or a full one (any world size).
 
-        Accepts what :meth:`state_dict` returns — filled by ``dcp.load`` at any world size, or
-        saved with ``torch.save`` at this same world size — and full ``torch.optim``-format dicts:
-        from :meth:`consolidate_state_dict` or from an unsharded optimizer of the same class on
-        the same params. The checkpoint's hyperparameters win, as in ``torch.optim``: the state
-        it must hold is what they keep (an ``SGD(momentum=0.9)`` dict loads into an optimizer
-        built as ``SGD(lr=0.01)``). Afterwards the state is exactly the loaded one, as after a
-        load into a freshly built optimizer: params without state in the dict have none (their
-        moments start from zero), and 16-bit params whose fp32 master the dict lacks take their
-        current value as master. Runs no collective. Everything is checked before anything is
-        written, so on error the optimizer is as it was. Hooks registered with
+        Accepts what :meth:`state_dict` returns — filled by ``dcp.load`` at any world size, or saved with ``torch.save``
+        at this same world size — and full ``torch.optim``-format dicts: from :meth:`consolidate_state_dict` or from an
+        unsharded optimizer of the same class on the same params. The checkpoint's hyperparameters win, as in
+        ``torch.optim``: the state it must hold is what they keep (an ``SGD(momentum=0.9)`` dict loads into an optimizer
+        built as ``SGD(lr=0.01)``). Afterwards the state is exactly the loaded one, as after a load into a freshly built
+        optimizer: params without state in the dict have none (their moments start from zero), and 16-bit params whose
+        fp32 master the dict lacks take their current value as master. Runs no collective. Everything is checked before
+        anything is written, so on error the optimizer is as it was. Hooks registered with
         ``register_load_state_dict_pre_hook`` (which may return a replacement) and
         ``register_load_state_dict_post_hook`` run as in ``torch.optim.Optimizer.load_state_dict``.
 
         Raises:
-            ValueError: anything else, or a state dict for another model (group count, param
-                count, shape or dtype: the param is named as ``param_groups[g]['params'][j]``
-                with both shapes), state that the checkpoint's hyperparameters do not keep
-                (another optimizer's), another ``bucket_size_mb``, a sharded dict from another
-                world size not loaded through DCP, or one saved by an older zeroshard.
+            ValueError: anything else, or a state dict for another model (group count, param count, shape or dtype: the
+                param is named as ``param_groups[g]['params'][j]`` with both shapes), state that the checkpoint's
+                hyperparameters do not keep (another optimizer's), another ``bucket_size_mb``, a sharded dict from
+                another world size not loaded through DCP, or one saved by an older zeroshard.
         """
         self.wait_params()
         self._settle()
@@ -180,10 +148,10 @@ class StateDictMixin:
         if isinstance(meta, dict) and meta.get("format") == sharded.SHARDED_FORMAT:
             tensors = sharded.issued_tensors(state_dict)
             filled_in_place = bool(tensors) and all(self._issued.get(id(t), lambda: None)() is t for t in tensors)
-            inner, steps, masters = self._format.load_sharded(view, state_dict, filled_in_place)
+            inner, steps, masters = FORMATS[self.partition].load_sharded(view, state_dict, filled_in_place)
         elif isinstance(state_dict, dict) and (meta is None or (isinstance(meta, dict) and meta.get("format") == sharded.FULL_FORMAT)):
             state_dict = full.unnested(self.optimizer, state_dict)  # bitsandbytes' own state_dict() nests its state
-            inner, steps, masters = self._format.load_full(view, state_dict)
+            inner, steps, masters = FORMATS[self.partition].load_full(view, state_dict)
         else:
             raise ValueError(f"state_dict is neither a zeroshard state dict nor a torch.optim one (zeroshard entry: {meta!r})")
         self.optimizer.load_state_dict(inner)
@@ -200,22 +168,19 @@ class StateDictMixin:
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-
     @contextlib.contextmanager
     def params_own_storage(self) -> Iterator[None]:
         """Context manager: inside, every trainable param has storage of its own, for saving the model.
 
         The params are views of flat buffers (see ``docs/design.md``), so they share one storage.
-        ``safetensors.torch.save_model`` then refuses to save ("None is covering the entire
-        storage"), ``torch.save`` of any part of ``model.state_dict()`` writes the whole flat
-        buffer, padding included, and a shared-tensor check (older ``transformers``'
-        ``save_pretrained``) may take all params for tied weights. Inside the block each param is
-        a copy of itself (``p.data = p.data.clone()``: the model's bytes once more on its device,
-        for the duration of the block); on exit each becomes a view of its flat buffer again,
-        taking its current values (``FlatParamBuffer.follow``), so a model loaded or edited inside
-        the block keeps those values; bf16/fp16 masters keep their fp32 precision wherever the
-        param value is unchanged. Runs no collective and changes no value; tied params stay one
-        tensor. Do not train inside the block.
+        ``safetensors.torch.save_model`` then refuses to save ("None is covering the entire storage"), ``torch.save`` of
+        any part of ``model.state_dict()`` writes the whole flat buffer, padding included, and a shared-tensor check
+        (older ``transformers``' ``save_pretrained``) may take all params for tied weights. Inside the block each param
+        is a copy of itself (``p.data = p.data.clone()``: the model's bytes once more on its device, for the duration of
+        the block); on exit each becomes a view of its flat buffer again, taking its current values
+        (``FlatParamBuffer.follow``), so a model loaded or edited inside the block keeps those values; bf16/fp16 masters
+        keep their fp32 precision wherever the param value is unchanged. Runs no collective and changes no value; tied
+        params stay one tensor. Do not train inside the block.
 
         Example::
 

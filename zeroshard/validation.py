@@ -1,9 +1,5 @@
-"""Checks of ``ShardedOptimizer``'s arguments and params, all run before any collective.
-
-Each raises ``TypeError`` or ``ValueError`` naming the argument and the offending values (the
-errors ``torch.distributed.optim.ZeroRedundancyOptimizer`` and ``torch.optim`` raise for the same
-mistakes, with the values added).
-"""
+"""Checks of ``ShardedOptimizer``'s arguments and params, run before any collective: each raises the ``TypeError`` or
+``ValueError`` that ``ZeroRedundancyOptimizer`` and ``torch.optim`` raise for the same mistake, naming the argument and values."""
 
 from __future__ import annotations
 
@@ -35,40 +31,33 @@ NOT_ELEMENTWISE = {
     "Muon": "it orthogonalizes each 2-D param's update as a whole (Newton-Schulz)",
 }
 
-
-def _is_number(value: Any) -> bool:
-    """An ``int`` or ``float`` that is not a ``bool``."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 # Optimizers zeroshard cannot run in either partition mode, and why.
 UNSUPPORTED = {
     "LBFGS": "it needs a closure and views of all params as one flat vector for its line search",
     "SparseAdam": "it needs sparse gradients, and zeroshard reduces dense ones",
 }
 
-PARTITIONS = ("flat", "param")
+
+def _is_number(value: Any) -> bool:
+    """An ``int`` or ``float`` that is not a ``bool``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def choose_partition(optimizer: torch.optim.Optimizer, partition: Any, assume_elementwise: Any) -> str:
     """How to shard ``optimizer``'s params: ``"flat"`` (1-D slices) or ``"param"`` (each param whole on one rank).
 
-    ``partition=None`` picks ``"flat"`` for the classes in :data:`ELEMENTWISE` (exactly those
-    classes: a subclass may change the update) and for any class with ``assume_elementwise=True``,
-    and ``"param"`` for every other optimizer, whose update may depend on a param's shape (Muon,
-    Adafactor, Lion or a user's own). ``"param"`` is correct for any optimizer whose update is
-    per param; ``"flat"`` only for element-wise ones.
+    ``partition=None`` picks ``"flat"`` for the classes in :data:`ELEMENTWISE` (exactly those classes: a subclass may change
+    the update) and for any class with ``assume_elementwise=True``, and ``"param"`` (correct for any per-param update) otherwise.
 
     Raises:
         TypeError: ``assume_elementwise`` is not a ``bool``.
-        ValueError: ``partition`` is not ``None``, ``"flat"`` or ``"param"``; LBFGS or
-            SparseAdam (:data:`UNSUPPORTED`); ``partition="flat"`` for a class known not to be
-            element-wise (:data:`NOT_ELEMENTWISE`), or ``assume_elementwise=True`` for one;
-            ``assume_elementwise=True`` with ``partition="param"``. Messages name the class.
+        ValueError: ``partition`` is not ``None``, ``"flat"`` or ``"param"``; LBFGS or SparseAdam (:data:`UNSUPPORTED`);
+            ``partition="flat"`` or ``assume_elementwise=True`` for a class known not to be element-wise
+            (:data:`NOT_ELEMENTWISE`); ``assume_elementwise=True`` with ``partition="param"``. Messages name the class.
     """
     if not isinstance(assume_elementwise, bool):
         raise TypeError(f"assume_elementwise={assume_elementwise!r} must be a bool, got {type(assume_elementwise).__name__}")
-    if partition is not None and partition not in PARTITIONS:
+    if partition is not None and partition not in ("flat", "param"):
         raise ValueError(f"partition={partition!r} must be None, 'flat' or 'param'")
     cls = type(optimizer)
     name = cls.__name__
@@ -88,16 +77,8 @@ def choose_partition(optimizer: torch.optim.Optimizer, partition: Any, assume_el
 
 
 def _refuse_subclass_state(optimizer: torch.optim.Optimizer) -> None:
-    """Raise if ``optimizer``'s class keeps tensor-subclass state for a large 1-D param (one throwaway step on the host).
-
-    Low-bit states (torchao's ``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``) quantize in blocks of a
-    param's elements: on the 1-D slices of ``partition="flat"`` the blocks would follow the world
-    size, and the flat checkpoint formats hold plain per-element tensors. A class that cannot be
-    stepped this way is not refused here.
-
-    Raises:
-        ValueError: it keeps such state; names the class and the way out (``partition="param"``).
-    """
+    """Raise ``ValueError`` (naming the class and the way out) if ``optimizer``'s class keeps tensor-subclass state, such as
+    torchao's low-bit moments, for a large 1-D param (one throwaway step on the host; a class that fails it is not refused)."""
     cls = type(optimizer)
     try:
         state = throwaway_state(cls, optimizer.param_groups[0], (1 << 16,), torch.float32, "cpu")
@@ -111,33 +92,24 @@ def _refuse_subclass_state(optimizer: torch.optim.Optimizer) -> None:
                          "to one rank, which trains and checkpoints it as the unsharded optimizer does")
 
 
-def _unstepped(state: Any) -> bool:
-    """Whether ``state`` is what an optimizer built but never stepped holds (Adagrad's ``sum``): every entry at step 0."""
-    return all("step" in entry and float(entry["step"]) == 0 for entry in state.values())
-
-
 def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_comm: Any, reduce_dtype: Any) -> None:
     """Raise on an argument ``ShardedOptimizer`` cannot use.
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is already wrapped by a
-            ``ShardedOptimizer`` (its params are virtual parameters);
-            ``stage`` not an ``int``; ``bucket_size_mb`` not a number; ``overlap_comm`` not a
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is already wrapped by a ``ShardedOptimizer`` (its
+            params are virtual parameters); ``stage`` not an ``int``; ``bucket_size_mb`` not a number; ``overlap_comm`` not a
             ``bool``; ``reduce_dtype`` not ``None`` or a floating-point dtype.
-        ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` not positive and finite;
-            ``optimizer`` already stepped (state created at construction, as Adagrad's, is
-            fine: see :func:`~zeroshard.sharding.shard_initial_state`).
+        ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` not positive and finite; ``optimizer`` already stepped (state
+            created at construction, as Adagrad's, is fine: see :func:`~zeroshard.sharding.shard_initial_state`).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}")
     for g, group in enumerate(optimizer.param_groups):
         for j, p in enumerate(group["params"]):
             if is_virtual_param(p):
-                raise TypeError(
-                    f"optimizer {type(optimizer).__name__} is already wrapped by a ShardedOptimizer: its {param_name(g, j)} "
-                    f"is a virtual parameter (1-D, shape {tuple(p.shape)}) of that one's shard. Wrap each torch optimizer once; for a "
-                    "new optimizer, build a new torch optimizer on model.parameters() and wrap that"
-                )
+                raise TypeError(f"optimizer {type(optimizer).__name__} is already wrapped by a ShardedOptimizer: its {param_name(g, j)} "
+                                f"is a virtual parameter (1-D, shape {tuple(p.shape)}) of that one's shard. Wrap each torch optimizer once; for a "
+                                "new optimizer, build a new torch optimizer on model.parameters() and wrap that")
     if not isinstance(stage, int) or isinstance(stage, bool):
         raise TypeError(f"stage={stage!r} must be the int 1 or 2, got {type(stage).__name__}")
     if stage not in (1, 2):
@@ -150,7 +122,7 @@ def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_com
         raise TypeError(f"overlap_comm={overlap_comm!r} must be a bool, got {type(overlap_comm).__name__}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise TypeError(f"reduce_dtype={reduce_dtype!r} must be None or a floating-point torch.dtype")
-    if not _unstepped(optimizer.state):
+    if not all("step" in entry and float(entry["step"]) == 0 for entry in optimizer.state.values()):
         raise ValueError(f"optimizer already holds state for {len(optimizer.state)} params; wrap it before its first step and load checkpoints "
                          "through ShardedOptimizer.load_state_dict")
 
@@ -160,15 +132,13 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
     """Raise on a step option ``ShardedOptimizer`` cannot use.
 
     Raises:
-        TypeError: ``max_grad_norm`` or ``collective_timeout_s`` neither ``None`` nor a number;
-            ``loss_scale`` a ``bool``; ``overlap_param_gather`` or ``master_weights`` not a ``bool``.
-        ValueError: ``max_grad_norm`` not positive; a ``DynamicLossScaler`` another open
-            ``ShardedOptimizer`` uses; ``loss_scale`` not ``None``,
-            ``"dynamic"``, a finite positive number or a ``DynamicLossScaler``; ``offload`` not
-            ``None``/``"cpu"``, or ``"cpu"`` with an optimizer other than Adam/AdamW;
-            ``gpu_margin_mem_ratio`` outside [0, 1], or above 0 without ``offload="cpu"``;
-            ``collective_timeout_s`` not finite and positive; ``master_weights=False`` with
-            ``offload="cpu"`` (the offloaded update is the fused one, on fp32 masters).
+        TypeError: ``max_grad_norm`` or ``collective_timeout_s`` neither ``None`` nor a number; ``loss_scale`` a ``bool``;
+            ``overlap_param_gather`` or ``master_weights`` not a ``bool``.
+        ValueError: ``max_grad_norm`` not positive; a ``DynamicLossScaler`` another open ``ShardedOptimizer`` uses;
+            ``loss_scale`` not ``None``, ``"dynamic"``, a finite positive number or a ``DynamicLossScaler``; ``offload`` not
+            ``None``/``"cpu"``, or ``"cpu"`` with an optimizer other than Adam/AdamW; ``gpu_margin_mem_ratio`` outside [0, 1],
+            or above 0 without ``offload="cpu"``; ``collective_timeout_s`` not finite and positive; ``master_weights=False``
+            with ``offload="cpu"`` (the offloaded update is the fused one, on fp32 masters).
     """
     for name, value in (("overlap_param_gather", overlap_param_gather), ("master_weights", master_weights)):
         if not isinstance(value, bool):
@@ -208,56 +178,33 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
 def options_fingerprint(optimizer: torch.optim.Optimizer, stage: int, bucket_size_mb: float, overlap_comm: bool, reduce_dtype: torch.dtype | None,
                         max_grad_norm: float | None, loss_scale: Any, offload: str | None, partition: str = "flat",
                         master_weights: bool = True) -> list[tuple[Any, ...]]:
-    """The options every rank must share, as ``(name, value)`` entries for
-    :func:`~zeroshard.comm.collectives.check_same_on_all_ranks`.
+    """The options every rank must share, as ``(name, value)`` entries for :func:`~zeroshard.comm.collectives.check_same_on_all_ranks`.
 
-    They decide the layout and the collectives (``stage``, ``bucket_size_mb``, ``overlap_comm``,
-    ``reduce_dtype``, ``offload``, ``master_weights``) or the numbers every rank must compute alike (the optimizer
-    class, ``max_grad_norm``, the loss scale). A difference in the first kind makes gloo abort
-    the process; in the second, the ranks' shards drift apart in silence.
-    ``gpu_margin_mem_ratio`` only places this rank's state and may differ.
+    They decide the layout and the collectives (a difference makes gloo abort the process) or the numbers every rank must
+    compute alike (a difference lets the shards drift apart in silence). ``gpu_margin_mem_ratio`` only places this rank's state.
     """
     scale = ("DynamicLossScaler", sorted(vars(loss_scale).items())) if isinstance(loss_scale, DynamicLossScaler) else loss_scale
     return [
-        ("optimizer", f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"),
-        ("stage", stage),
-        ("bucket_size_mb", float(bucket_size_mb)),
-        ("overlap_comm", overlap_comm),
-        ("reduce_dtype", str(reduce_dtype)),
-        ("max_grad_norm", max_grad_norm),
-        ("loss_scale", scale),
-        ("offload", offload),
-        ("partition", partition),
-        ("master_weights", master_weights),
+        ("optimizer", f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"), ("stage", stage), ("bucket_size_mb", float(bucket_size_mb)),
+        ("overlap_comm", overlap_comm), ("reduce_dtype", str(reduce_dtype)), ("max_grad_norm", max_grad_norm), ("loss_scale", scale),
+        ("offload", offload), ("partition", partition), ("master_weights", master_weights),
     ]
 
 
 def check_construction(optimizer: Any, process_group: Any, *, stage: Any, bucket_size_mb: Any, overlap_comm: Any, reduce_dtype: Any,
                        max_grad_norm: Any, loss_scale: Any, offload: Any, gpu_margin_mem_ratio: Any, partition: Any, assume_elementwise: Any,
                        collective_timeout_s: Any, overlap_param_gather: Any, master_weights: Any) -> tuple[str, ShardingGroups]:
-    """``ShardedOptimizer``'s argument checks: :func:`check_arguments`, :func:`choose_partition` and
-    :func:`check_options` on this rank, then (a collective) the options every rank must share
-    (:func:`options_fingerprint`) over each of ``process_group``'s groups.
+    """``ShardedOptimizer``'s argument checks (its arguments, unchecked): :func:`check_arguments`, :func:`choose_partition` and
+    :func:`check_options` on this rank, then (a collective) the options every rank must share (:func:`options_fingerprint`)
+    over each of ``process_group``'s groups. Returns the partition (``"flat"`` or ``"param"``) and the resolved process groups.
 
-    Args:
-        optimizer, process_group: as ``ShardedOptimizer``'s.
-        stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload,
-        gpu_margin_mem_ratio, partition, assume_elementwise, collective_timeout_s,
-        overlap_param_gather, master_weights: its keyword arguments, unchecked.
-
-    Returns:
-        The partition (``"flat"`` or ``"param"``) and the resolved process groups.
-
-    Raises:
-        TypeError, ValueError: from those checks and from :func:`~zeroshard.comm.groups.resolve_groups`;
-            on every rank when ranks pass different options.
-    """
+    Raises ``TypeError`` or ``ValueError`` from those checks and from :func:`~zeroshard.comm.groups.resolve_groups`; on every
+    rank when ranks pass different options."""
     check_arguments(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype)
     chosen = choose_partition(optimizer, partition, assume_elementwise)
     check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio, collective_timeout_s, overlap_param_gather, master_weights)
     groups = resolve_groups(process_group)
-    options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload, chosen,
-                                  master_weights)
+    options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload, chosen, master_weights)
     for group in groups.all():
         collectives.check_same_on_all_ranks("option", options, group)
     return chosen, groups
@@ -266,16 +213,12 @@ def check_construction(optimizer: Any, process_group: Any, *, stage: Any, bucket
 def check_whole_param_steps(optimizer: torch.optim.Optimizer, groups: range, params_of: list[list[nn.Parameter]]) -> None:
     """``partition="param"``: raise, on every rank alike, if the wrapped optimizer refuses a param's shape.
 
-    Each distinct (shape, dtype, param group) gets one step of a throwaway instance of the
-    optimizer's class on a meta-device param with a zero gradient (no memory, no work), so that
-    what the optimizer would raise in ``step()`` on the one rank that owns the param (Muon: "Param
-    gradient must be a 2D matrix", for a param added with ``add_param_group``) is raised here on
-    every rank, before any collective. Shapes the optimizer cannot step on the meta device
-    (Adafactor reads a value) are not checked.
+    Each distinct (shape, dtype, param group) gets one step of a throwaway instance of the class on a meta-device param, so
+    that what ``step()`` would raise on the param's owner alone (Muon: "Param gradient must be a 2D matrix") is raised on
+    every rank, before any collective. Shapes it cannot step on the meta device (Adafactor reads a value) are not checked.
 
     Raises:
-        ValueError: the optimizer raised ``ValueError`` or ``TypeError`` for a param (named, with
-            its shape and the optimizer's message).
+        ValueError: the optimizer raised ``ValueError`` or ``TypeError`` for a param (named, with its shape and message).
     """
     cls = type(optimizer)
     seen = set()
@@ -293,18 +236,13 @@ def check_whole_param_steps(optimizer: torch.optim.Optimizer, groups: range, par
 
 
 def check_params(params_of: list[list[nn.Parameter]], groups: range, device: torch.device | None, first: bool) -> torch.device:
-    """Raise on params that cannot be sharded; return the one device they (and ``device``) share.
-
-    Args:
-        params_of: per param group of ``groups``, its params, about to be sharded.
-        groups: the indices of those groups in ``param_groups`` (for the message).
-        device: the device of the params sharded so far, or ``None``.
-        first: these are the optimizer's first groups (then some param must be trainable).
+    """Raise on params that cannot be sharded; return the one device they (and ``device``, that of the params sharded so
+    far, if any) share. ``params_of`` holds the params of each of the param groups ``groups``; with ``first`` (the optimizer's
+    first groups), some param must be trainable.
 
     Raises:
-        ValueError: no trainable param with elements (first groups only), sparse params,
-            non-floating trainable params, params on several devices, or on the meta device
-            (named as ``param_groups[g]['params'][j]``).
+        ValueError: no trainable param with elements (first groups only), sparse params, non-floating trainable params,
+            params on several devices, or on the meta device (named as ``param_groups[g]['params'][j]``).
     """
     named = [(param_name(g, j), p) for g, params in zip(groups, params_of) for j, p in enumerate(params)]
     params = [p for _, p in named]

@@ -1,23 +1,7 @@
-"""Convert a DCP checkpoint into one file, without a process group: ``python -m zeroshard.convert CKPT OUT``.
+"""A DCP checkpoint into one file, without a process group (``python -m zeroshard.convert``; ``docs/integrations.md``).
 
-In the spirit of DeepSpeed's ``zero_to_fp32.py``. The checkpoint is read whole with
-``torch.distributed.checkpoint``'s own no-process-group loader (``_EmptyStateDictLoadPlanner``, as
-``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does): every ``DTensor`` comes back
-as one full tensor. The optimizer's sharded state — per bucket of every flat buffer, 1-D tensors
-over the bucket's params in layout order (see ``zeroshard/checkpoint/sharded.py``) — is then cut into
-per-param state by the checkpoint's own layout signature (each param's name
-``param_groups[g]['params'][j]`` and shape, params per bucket), keyed like ``torch.optim``.
-
-Outputs:
-
-* ``OUT`` ending in ``.safetensors``: the model's tensors (``CKPT``'s ``"model"`` entry), for
-  ``safetensors.torch.load_file`` / ``load_model``.
-* any other ``OUT``: ``torch.save`` of everything in the checkpoint, with the optimizer entry
-  (``"optim"``) in plain ``torch.optim`` format — ``state`` (per param index: ``exp_avg``,
-  ``exp_avg_sq``, ..., ``step``; params never stepped have none), ``param_groups`` (every
-  hyperparameter) — plus a ``"zeroshard"`` entry (fp32 masters of bf16/fp16 params, loss scaler)
-  that ``torch.optim`` ignores. It loads into ``torch.optim.AdamW(model.parameters())`` of the
-  unsharded model, or into a ``ShardedOptimizer`` at any world size.
+The checkpoint is read whole by DCP's no-process-group loader (every ``DTensor`` comes back full), and
+the optimizer's sharded state is cut into per-param ``torch.optim`` state by the checkpoint's layout signature.
 """
 
 from __future__ import annotations
@@ -44,8 +28,8 @@ def load_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """Everything in the DCP checkpoint directory ``checkpoint``, as full tensors; no process group.
 
     Raises:
-        ValueError: naming the file that is missing, truncated or corrupted (``.metadata`` or a
-            data file), as :func:`zeroshard.verify_checkpoint` finds it.
+        ValueError: naming the file that is missing, truncated or corrupted (``.metadata`` or a data file), as
+            :func:`zeroshard.verify_checkpoint` finds it.
     """
     if not (Path(checkpoint) / METADATA).is_file():
         verify_checkpoint(checkpoint)  # raises at once, naming the missing .metadata (before DCP logs its own tracebacks)
@@ -59,12 +43,8 @@ def load_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
 
 
 def _with_subclasses(entry: dict[str, torch.Tensor], subclasses: dict[str, dict[str, Any]], source: str) -> dict[str, Any]:
-    """A ``partition="param"`` entry's state (``master`` aside), each tensor-subclass state (torchao's 8-bit and 4-bit
-    moments) rebuilt from its ``"<key>.<inner>"`` tensors with the class, context and size the checkpoint records.
-
-    Raises:
-        ValueError: the recorded class cannot be imported (its package is not installed; named).
-    """
+    """A ``partition="param"`` entry's state (``master`` aside), tensor subclasses rebuilt as the checkpoint records them;
+    ``ValueError`` if a recorded class cannot be imported (its package is not installed; named)."""
     state = {key: value.clone() for key, value in entry.items() if key != "master" and key.split(".", 1)[0] not in subclasses}
     for key, sub in subclasses.items():
         module, qualname = sub["cls"].split(":")
@@ -80,23 +60,21 @@ def _with_subclasses(entry: dict[str, torch.Tensor], subclasses: dict[str, dict[
 
 
 def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") -> dict[str, Any]:
-    """A zeroshard sharded optimizer state dict with full tensors (as :func:`load_checkpoint` gives
-    it) in plain ``torch.optim`` format.
+    """A zeroshard sharded optimizer state dict with full tensors (as :func:`load_checkpoint` gives it) in ``torch.optim`` format.
 
-    Each param's state is its run of every bucket tensor, reshaped to the param's shape and kept
-    in the saved dtype (fp32 for 16-bit params), or with ``partition="param"`` its saved entry,
-    whole; ``step`` (a 0-dim fp32 tensor, as ``torch.optim``
-    keeps it) comes from the per-param step counts and is written for every optimizer but SGD
-    (a param group with ``dampening``), which keeps none (``partition="param"`` records which
-    groups keep one). Params never stepped get no entry.
+    Each param's state is its run of every bucket tensor, reshaped to the param's shape and kept in the saved dtype
+    (fp32 for 16-bit params), or with ``partition="param"`` its saved entry, whole; ``step`` (a 0-dim fp32 tensor, as
+    ``torch.optim`` keeps it) comes from the per-param step counts and is written for every optimizer but SGD (a param
+    group with ``dampening``), which keeps none (``partition="param"`` records which groups keep one). Params never
+    stepped get no entry.
 
     Args:
         sharded: the ``"optim"`` entry of a loaded checkpoint.
         source: what errors call the checkpoint (its path).
 
     Raises:
-        ValueError: ``sharded`` is not a zeroshard sharded state dict of a version this zeroshard
-            reads, or a bucket's size does not match its params' shapes (both named).
+        ValueError: ``sharded`` is not a zeroshard sharded state dict of a version this zeroshard reads, or a bucket's
+            size does not match its params' shapes (both named).
     """
     meta = sharded.get("zeroshard") if isinstance(sharded, dict) else None
     if not isinstance(meta, dict) or meta.get("format") != SHARDED_FORMAT:
@@ -152,7 +130,7 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
 
 
 def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key: str = "model", optim_key: str = "optim") -> None:
-    """Write the DCP checkpoint ``checkpoint`` to the single file ``out`` (see the module docstring).
+    """Write the DCP checkpoint ``checkpoint`` to the single file ``out`` (see ``docs/integrations.md``).
 
     Args:
         checkpoint: the directory given to ``dcp.save``.
@@ -163,8 +141,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key:
     Raises:
         ValueError: a bad checkpoint file (named); no ``optim_key`` entry (``torch.save``
             output) or no ``model_key`` entry (safetensors output) in it, naming the keys found.
-        ModuleNotFoundError: safetensors output without the ``safetensors`` package (the
-            ``integrations`` extra).
+        ModuleNotFoundError: safetensors output without the ``safetensors`` package (the ``integrations`` extra).
     """
     state = load_checkpoint(checkpoint)
     if str(out).endswith(".safetensors"):

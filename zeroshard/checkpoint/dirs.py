@@ -1,14 +1,4 @@
-"""Checkpoint directories on disk: is one complete and readable, and which is the latest good one.
-
-``torch.distributed.checkpoint`` writes every rank's data files first and the ``.metadata`` file
-last (atomically, through a rename), so a save killed midway leaves a directory without
-``.metadata``. Save each checkpoint to a new directory (e.g. ``ckpt/step_000500``) and resume from
-:func:`latest_checkpoint`: an interrupted save is then never mistaken for a good one, and the
-previous checkpoint is untouched.
-
-Both functions only read files and run no collective: called on every rank, they raise the same
-error on every rank, so no rank is left waiting in ``dcp.load``.
-"""
+"""Checkpoint directories on disk (``docs/checkpoint.md``, Crash safety): file reads only, no collective, so every rank raises alike."""
 
 from __future__ import annotations
 
@@ -87,11 +77,8 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
 
 
 def latest_checkpoint(parent: str | os.PathLike) -> Path | None:
-    """The most recently completed checkpoint directory directly under ``parent``, or ``None``.
-
-    Complete means it has ``.metadata``; the newest is the one whose ``.metadata`` was written
-    last. Directories of saves that did not finish are skipped.
-    """
+    """The most recently completed checkpoint directory directly under ``parent``, or ``None``: the one whose ``.metadata``
+    was written last (directories without it, saves that did not finish, are skipped)."""
     root = Path(parent)
     if not root.is_dir():
         return None

@@ -1,7 +1,4 @@
-"""The full checkpoint format: the whole optimizer state gathered onto one rank, plain ``torch.optim``.
-
-See ``zeroshard/checkpoint/sharded.py`` for both formats and the helpers they share.
-"""
+"""The full checkpoint format of ``partition="flat"``: the whole state gathered onto one rank, plain ``torch.optim`` (see ``sharded.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +12,7 @@ from zeroshard.checkpoint.sharded import (
     FULL_FORMAT,
     FULL_FORMAT_VERSION,
     CheckpointView,
+    Loaded,
     group_state_keys,
     groups_without_params,
     inner_state_dict,
@@ -28,24 +26,21 @@ from zeroshard.comm import collectives
 def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
     """Gather the full state onto global rank ``to`` one bucket at a time; the full dict there, else ``None``.
 
-    A collective over ``to``'s shard group (other shard groups, replicas of it, return at once).
-    Ranks other than ``to`` never hold more than their own slice of one bucket. Each shard's
-    state and master are gathered in its own master dtype (fp32 for 16-bit and fp32 params, fp64
-    for fp64 ones; the param dtype with ``master_weights=False``), so every value arrives unrounded.
+    A collective over ``to``'s shard group (other shard groups return at once); other ranks never hold more than their slice
+    of one bucket. Each value is gathered in its shard's master dtype (fp32 for 16- and 32-bit params, fp64 for fp64 ones;
+    the param dtype with ``master_weights=False``), so it arrives unrounded.
     """
     if to not in dist.get_process_group_ranks(view.shard_group):
         return None
     group_keys = group_state_keys(view, view.optimizer.param_groups)
     here = dist.get_rank() == to
-    flat_params = [p for params in view.group_params for p in params]
     group_of_param = [g for g, params in enumerate(view.group_params) for _ in params]
-    state: dict[int, dict[str, Any]] = {
-        i: {"step": torch.tensor(float(s))} if group_keys[group_of_param[i]][1] else {} for i, s in enumerate(view.param_steps) if s
-    }
+    state: dict[int, dict[str, Any]] = {i: {"step": torch.tensor(float(s))} if group_keys[group_of_param[i]][1] else {}
+                                        for i, s in enumerate(view.param_steps) if s}
     masters: dict[int, Tensor] = {}
     for k, shard in enumerate(view.shards):
         layout = shard.buffer.layout
-        keys, _ = group_keys[view.shards[k].group]
+        keys, _ = group_keys[shard.group]
         for bucket in layout.buckets:
             size = bucket.shard_numel(view.world_size)
             for key in keys + (["master"] if saves_master(shard) else []):
@@ -61,9 +56,9 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
                     continue
                 full = torch.cat(pieces)
                 for i in bucket.params:
-                    slot = layout.slots[i]
-                    index = view.shards[k].param_indices[i]
-                    value = full[slot.offset - bucket.offset : slot.offset - bucket.offset + slot.numel].clone().view(flat_params[index].shape)
+                    slot, index = layout.slots[i], shard.param_indices[i]
+                    start = slot.offset - bucket.offset
+                    value = full[start : start + slot.numel].clone().view(view.flat_params[index].shape)
                     if key == "master":
                         masters[index] = value
                     elif index in state:
@@ -72,17 +67,11 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
 
 
 def check_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
-    """The checks every full state dict passes: its structure, and the groups, param counts,
-    shapes and dtypes of this optimizer. Returns (the saved index of each of our params, in
-    ``torch.optim`` order; the ``"zeroshard"`` entry or ``{}`` for a plain ``torch.optim`` dict).
-
-    Raises:
-        ValueError: not a state dict; another group count, param count, param shape or dtype (named).
-    """
+    """The checks every full state dict passes (its structure; this optimizer's groups, param counts, shapes and dtypes).
+    Returns the saved index of each of our params in ``torch.optim`` order, and the ``"zeroshard"`` entry (``{}`` for a plain
+    ``torch.optim`` dict). Raises ``ValueError`` for a non-state dict or another group count, param count, shape or dtype (named)."""
     if not isinstance(state_dict.get("state"), dict) or not isinstance(state_dict.get("param_groups"), list):
         raise ValueError("state_dict has no 'state' dict and 'param_groups' list: neither a zeroshard nor a torch.optim state dict")
-    names = param_names(view)
-    flat_params = [p for params in view.group_params for p in params]
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(view.group_params):
         raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(view.group_params)}")
@@ -91,8 +80,9 @@ def check_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[list[i
             raise ValueError(f"state_dict param_groups[{g}] has {len(saved['params'])} params, this optimizer {len(params)}")
     order = [i for saved in saved_groups for i in saved["params"]]  # saved index of each of our params
     meta = state_dict.get("zeroshard") or {}
-    for ours, (saved_index, p) in enumerate(zip(order, flat_params)):
-        if meta.get("params"):
+    if meta.get("params"):  # zeroshard's full dicts record each param's shape and dtype
+        names = param_names(view)
+        for ours, (saved_index, p) in enumerate(zip(order, view.flat_params)):
             shape, dtype = meta["params"][saved_index]
             if (tuple(shape), dtype) != (tuple(p.shape), str(p.dtype)):
                 raise ValueError(f"{names[ours]} was saved with shape {tuple(shape)} and {dtype}, this model has {tuple(p.shape)} and {p.dtype}")
@@ -101,14 +91,13 @@ def check_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[list[i
 
 def full_envelope(view: CheckpointView, state: dict[int, dict[str, Any]], masters: dict[int, Tensor]) -> dict[str, Any]:
     """A full state dict around ``state`` (per ``torch.optim`` index) and the fp32 ``masters`` of 16-bit params."""
-    flat_params = [p for params in view.group_params for p in params]
     return {
         "state": state,
         "param_groups": groups_without_params(view.optimizer, view.group_params),
         "zeroshard": {
             "format": FULL_FORMAT,
             "version": FULL_FORMAT_VERSION,
-            "params": [(tuple(p.shape), str(p.dtype)) for p in flat_params],
+            "params": [(tuple(p.shape), str(p.dtype)) for p in view.flat_params],
             "master": masters,
             "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
         },
@@ -116,19 +105,12 @@ def full_envelope(view: CheckpointView, state: dict[int, dict[str, Any]], master
 
 
 def unnested(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` (full format) with state that ``optimizer``'s own ``state_dict()`` nests put back flat.
+    """``state_dict`` (full format, not modified) with the state ``optimizer``'s own ``state_dict()`` nests put back flat.
 
-    bitsandbytes' 8-bit optimizers (0.45 on) move each entry's quantization state (``state1``,
-    ``absmax1``, ``qmap1``, ...) under a key of their own, ``_FSDP_WRAPPED_QUANT_STATE_KEY``
-    (``"__bnb_optimizer_quant_state__"``), so FSDP's gather skips it; ``optimizer.state``, their
-    ``load_state_dict`` and zeroshard's formats hold it flat. Any other dict is returned as it is;
-    ``state_dict`` is not modified. Follows bitsandbytes' ``Optimizer8bit.state_dict`` /
-    ``load_state_dict`` (bitsandbytes/optim/optimizer.py).
-
-    Args:
-        optimizer: the wrapped optimizer (its class attribute names the nesting key, if any).
-        state_dict: a full-format state dict (``{"state": {index: entry}, "param_groups": ...}``).
-    """
+    bitsandbytes' 8-bit optimizers (0.45 on) move each entry's quantization state (``state1``, ``absmax1``, ``qmap1``, ...)
+    under the key their class attribute ``_FSDP_WRAPPED_QUANT_STATE_KEY`` names (``"__bnb_optimizer_quant_state__"``), so
+    FSDP's gather skips it; ``optimizer.state``, their ``load_state_dict`` and zeroshard's formats hold it flat. Other dicts
+    come back as they are. Follows bitsandbytes' ``Optimizer8bit.state_dict`` / ``load_state_dict`` (bitsandbytes/optim/optimizer.py)."""
     key = getattr(optimizer, "_FSDP_WRAPPED_QUANT_STATE_KEY", None)
     state = state_dict.get("state")
     if not isinstance(key, str) or not isinstance(state, dict):
@@ -138,22 +120,20 @@ def unnested(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> di
     return {**state_dict, "state": flat}
 
 
-def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[int], list[tuple[int, int, Tensor]]]:
-    """Check a full ``torch.optim``-format state dict and cut this rank's shard out of it.
+def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> Loaded:
+    """Check a full ``torch.optim``-format state dict and cut this rank's shard out of it; nothing is written here.
 
-    Accepts dicts from :func:`consolidate` and from a plain unsharded ``torch.optim`` optimizer
-    of the same class over the same params, whatever the live optimizer's hyperparameters: the
-    state each param must hold is what its saved param group's hyperparameters keep. A 16-bit
-    param whose fp32 master the dict does not carry (a plain ``torch.optim`` dict) gets its
-    current value as master, as in a freshly built optimizer. Nothing is written here.
+    Accepts dicts from :func:`consolidate` and from an unsharded ``torch.optim`` optimizer of the same class over the same
+    params, whatever the live optimizer's hyperparameters: each param must hold the state its saved param group's
+    hyperparameters keep. A 16-bit param whose fp32 master the dict lacks (a plain ``torch.optim`` dict) gets its current
+    value as master, as in a freshly built optimizer.
 
     Raises:
-        ValueError: another group count, param count, param shape or dtype (named), or state
-            keys that the saved hyperparameters do not keep (named).
+        ValueError: another group count, param count, param shape or dtype (named), or state keys that the saved
+            hyperparameters do not keep (named).
     """
     order, meta = check_full(view, state_dict)
-    names = param_names(view)
-    flat_params = [p for params in view.group_params for p in params]
+    names, flat_params = param_names(view), view.flat_params
     saved_groups = state_dict["param_groups"]
     group_of_param = [g for g, params in enumerate(view.group_params) for _ in params]
     group_keys = group_state_keys(view, saved_groups)
@@ -165,10 +145,8 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[st
         g = group_of_param[ours]
         keys, has_step = group_keys[g]
         if sorted(k for k in entry if k != "step") != keys:
-            raise ValueError(
-                f"state_dict state of {names[ours]} has {sorted(entry)}, {type(view.optimizer).__name__} keeps "
-                f"{keys + (['step'] if has_step else [])} with the state_dict's hyperparameters of param_groups[{g}]"
-            )
+            raise ValueError(f"state_dict state of {names[ours]} has {sorted(entry)}, {type(view.optimizer).__name__} keeps "
+                             f"{keys + (['step'] if has_step else [])} with the state_dict's hyperparameters of param_groups[{g}]")
         for key in keys:
             if tuple(entry[key].shape) != tuple(flat_params[ours].shape):
                 raise ValueError(f"state_dict {key!r} of {names[ours]} has shape {tuple(entry[key].shape)}, the param {tuple(flat_params[ours].shape)}")
@@ -177,20 +155,17 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[st
     masters = []
     saved_masters = meta.get("master") or {}
     for k, shard in enumerate(view.shards):
-        keys, has_step = group_keys[view.shards[k].group]
+        keys, has_step = group_keys[shard.group]
         for piece, vparam in zip(shard.pieces, shard.virtual_params):
-            ours = view.shards[k].param_indices[piece.param]
-            entry = state_dict["state"].get(order[ours])
+            ours = shard.param_indices[piece.param]
+            span = slice(piece.param_offset, piece.param_offset + piece.numel)  # the piece within its param
             if steps[ours]:
-                state[vparam] = {key: entry[key].reshape(-1)[piece.param_offset : piece.param_offset + piece.numel].clone() for key in keys}
+                entry = state_dict["state"][order[ours]]
+                state[vparam] = {key: entry[key].reshape(-1)[span].clone() for key in keys}
                 if has_step:
                     state[vparam]["step"] = torch.tensor(float(steps[ours]))
             if saves_master(shard):
                 master = saved_masters.get(order[ours])
-                values = (
-                    shard.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel]
-                    if master is None
-                    else master.reshape(-1)[piece.param_offset : piece.param_offset + piece.numel]
-                )
+                values = shard.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel] if master is None else master.reshape(-1)[span]
                 masters.append((k, piece.shard_offset, values))
     return inner_state_dict(view, state, saved_groups), steps, masters

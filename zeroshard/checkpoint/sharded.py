@@ -1,36 +1,17 @@
-"""Optimizer checkpoints that load at any world size: a sharded (DCP) format and the full torch format.
+"""The sharded (DCP) checkpoint format of ``partition="flat"``, and what all formats share (``docs/checkpoint.md``).
 
-See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for the buffers named here.
-
-Two formats, both world-size independent (bucket boundaries depend on the params and
-``bucket_size_mb`` only, never on the world size):
-
-* **sharded** (``ShardedOptimizer.state_dict()``): per bucket of every flat buffer, one 1-D
-  ``DTensor`` per per-element state (``exp_avg``, ...) and for the fp32 master of 16-bit params,
-  over the bucket's unpadded length with placement ``Shard(0)`` (``[Replicate(), Shard(0)]`` for
-  hybrid meshes). ``Shard(0)`` splits like ``torch.chunk`` — ``ceil(n/N)`` per rank — which is
-  exactly zeroshard's "pad to a multiple of N, ``1/N`` each", so every rank's slice is its local
-  shard and ``torch.distributed.checkpoint`` reshards it onto any other world size. Built with no
-  collective.
-* **full** (after ``consolidate_state_dict``; built and read by ``zeroshard/checkpoint/full.py``): plain ``torch.optim`` format keyed by the index of
-  each param in the wrapped optimizer's ``param_groups`` (as ``torch.optim.Optimizer.state_dict``
-  numbers them), param-shaped state, plus a ``"zeroshard"`` entry (format, param shapes and
-  dtypes, fp32 masters, loss scaler) that plain torch ignores. Loads into an unsharded ``torch.optim`` optimizer
-  and back, at any world size. Each state tensor keeps its param group's dtype (fp32, or fp64 for
-  fp64 params).
-
-Both formats carry the param groups' hyperparameters, which win on load (as in ``torch.optim``):
-the state a checkpoint must hold is derived from them, not from the live optimizer's
-(:func:`state_keys`).
-
-Per-param steps are kept replicated on every rank (``ShardSet.param_steps``): a param is
-stepped exactly when it got a gradient on some rank, which every rank knows after ``step()``.
+Bucket boundaries depend on the params and ``bucket_size_mb`` only, and ``DTensor``'s ``Shard(0)`` splits a bucket like
+``torch.chunk`` (``ceil(n/N)`` per rank), exactly as zeroshard pads it to a multiple of N, ``1/N`` each: every rank's
+slice is its local shard, and ``torch.distributed.checkpoint`` reshards it onto any world size. The hyperparameters saved
+with a checkpoint win on load (as in ``torch.optim``): its state is checked against what they keep (:func:`state_keys`).
+The buffers are those of [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,30 +33,22 @@ FULL_FORMAT = "zeroshard.full"
 # ``state_keys`` is per param group. Version 1 recorded param indices only.
 SHARDED_FORMAT_VERSION = 2
 FULL_FORMAT_VERSION = 1
+# What a load hands the optimizer: the wrapped optimizer's state dict, the per-param step counts, and the masters to
+# copy as (shard, offset in its master shard, 1-D values).
+Loaded = tuple[dict[str, Any], list[int], list[tuple[int, int, Tensor]]]
 
 
 @dataclass
 class CheckpointView:
-    """What the checkpoint code reads and writes of a ``ShardedOptimizer``.
+    """What the checkpoint code reads and writes of a ``ShardedOptimizer``."""
 
-    Attributes:
-        optimizer: the wrapped optimizer (its params are the virtual parameters).
-        shards: the local shards, in flat-buffer order (each knows its param group and its
-            params' ``torch.optim`` indices).
-        group_params: per param group, the user's params in order (frozen ones included).
-        param_steps: per param (``torch.optim`` numbering): how many updates it has had; replicated.
-        mesh: the device mesh the DTensors live on (1-D shard, or 2-D replicate x shard).
-        shard_group: the process group that shares one copy of the state.
-        loss_scaler: the dynamic loss scaler, whose state travels in both formats, or ``None``.
-    """
-
-    optimizer: torch.optim.Optimizer
-    shards: list[LocalShard]
-    group_params: list[list[nn.Parameter]]
-    param_steps: list[int]
-    mesh: DeviceMesh
-    shard_group: dist.ProcessGroup
-    loss_scaler: DynamicLossScaler | None = None
+    optimizer: torch.optim.Optimizer  # the wrapped optimizer (its params are the virtual parameters)
+    shards: list[LocalShard]  # in flat-buffer order; each knows its param group and its params' torch.optim indices
+    group_params: list[list[nn.Parameter]]  # per param group, the user's params in order (frozen ones included)
+    param_steps: list[int]  # per param (torch.optim numbering): how many updates it has had; replicated
+    mesh: DeviceMesh  # the DTensors' mesh (1-D shard, or 2-D replicate x shard)
+    shard_group: dist.ProcessGroup  # the ranks that share one copy of the state
+    loss_scaler: DynamicLossScaler | None = None  # its state travels in both formats
 
     @property
     def rank(self) -> int:
@@ -85,25 +58,21 @@ class CheckpointView:
     def world_size(self) -> int:
         return dist.get_world_size(self.shard_group)
 
-
-# -- what the wrapped optimizer keeps ----------------------------------------------------------
+    @cached_property
+    def flat_params(self) -> list[nn.Parameter]:
+        """The user's params in ``torch.optim`` order."""
+        return [p for params in self.group_params for p in params]
 
 
 def state_keys(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], dtype: torch.dtype,
                device: torch.device) -> tuple[list[str], bool]:
-    """The per-element state keys (e.g. ``exp_avg``) that ``optimizer``'s class keeps for a param
-    group with ``hyperparameters``, and whether it keeps ``step``.
-
-    Read from one step of a throwaway instance of the same class, built with those
-    hyperparameters (``"params"`` and keys its constructor does not take are left out) on a
-    2-element param of ``dtype`` on ``device``; the optimizer itself is never touched. The keys
-    follow the hyperparameters (``SGD`` keeps ``momentum_buffer`` only with ``momentum != 0``), so
-    a checkpoint's state is checked against its own hyperparameters, which win on load.
+    """The per-element state keys (e.g. ``exp_avg``) that ``optimizer``'s class keeps for a param group with
+    ``hyperparameters`` (``SGD`` keeps ``momentum_buffer`` only with ``momentum != 0``), and whether it keeps ``step``:
+    from one step of a throwaway instance of the class on a 2-element param of ``dtype`` on ``device``.
 
     Raises:
-        ValueError: the class cannot be built or stepped with these hyperparameters, or it keeps
-            scalar state other than ``step`` (e.g. NAdam's ``mu_product``), which zeroshard
-            checkpoints do not carry.
+        ValueError: the class cannot be built or stepped with these hyperparameters, or it keeps scalar state other than
+            ``step`` (e.g. NAdam's ``mu_product``), which zeroshard checkpoints do not carry.
     """
     name = type(optimizer).__name__
     try:
@@ -120,8 +89,7 @@ def state_keys(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
 
 def group_state_keys(view: CheckpointView, groups: Sequence[dict[str, Any]]) -> list[tuple[list[str], bool]]:
     """:func:`state_keys` for each of ``groups`` (the live param groups, or a checkpoint's)."""
-    device = view.shards[0].buffer.device
-    return [state_keys(view.optimizer, group, view.shards[0].master_dtype, device) for group in groups]
+    return [state_keys(view.optimizer, group, view.shards[0].master_dtype, view.shards[0].buffer.device) for group in groups]
 
 
 def groups_without_params(optimizer: torch.optim.Optimizer, group_params: list[list[nn.Parameter]]) -> list[dict[str, Any]]:
@@ -134,19 +102,17 @@ def groups_without_params(optimizer: torch.optim.Optimizer, group_params: list[l
 
 
 def layout_signature(view: CheckpointView) -> list[tuple[Any, ...]]:
-    """Per flat buffer, independent of world size: (dtype, (name, shape) of each param in layout
-    order, params per bucket, or ``"whole params"`` for ``partition="param"``); a param is named
-    ``param_groups[g]['params'][j]``."""
+    """Per flat buffer, independent of world size: (dtype, (name, shape) of each param in layout order, params per
+    bucket, or ``"whole params"`` for ``partition="param"``); a param is named ``param_groups[g]['params'][j]``."""
     names = param_names(view)
-    flat_params = [p for params in view.group_params for p in params]
     return [
         (
             str(s.buffer.dtype),
-            tuple((names[i], tuple(flat_params[i].shape)) for i in view.shards[k].param_indices),
+            tuple((names[i], tuple(view.flat_params[i].shape)) for i in s.param_indices),
             # whole params: the buckets depend on the world size, and the format does not use them
             "whole params" if s.buffer.layout.whole_params else tuple(len(b.params) for b in s.buffer.layout.buckets),
         )
-        for k, s in enumerate(view.shards)
+        for s in view.shards
     ]
 
 
@@ -155,43 +121,30 @@ def _as_tuples(value: Any) -> Any:
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def _layout_mismatch(theirs: list[tuple[Any, ...]], ours: list[tuple[Any, ...]]) -> str:
-    """Why two unequal layout signatures differ, naming params with both shapes where shapes differ."""
+def check_layout(view: CheckpointView, saved_layout: Any) -> None:
+    """Raise ``ValueError`` unless ``saved_layout`` (a sharded checkpoint's ``layout`` entry) matches this optimizer, naming
+    every param saved with another shape (both shapes), or else what differs."""
+    theirs, ours = _as_tuples(saved_layout), _as_tuples(layout_signature(view))
+    if theirs == ours:
+        return
     saved = {name: shape for _, params, _ in theirs for name, shape in params}
     here = {name: shape for _, params, _ in ours for name, shape in params}
     reshaped = [f"{name} was saved with shape {saved[name]}, this model has {shape}" for name, shape in here.items() if name in saved and saved[name] != shape]
     if reshaped:
-        return "; ".join(reshaped)
+        raise ValueError("; ".join(reshaped))
     if saved.keys() != here.keys():
-        return (
-            f"state_dict has optimizer state for {sorted(saved.keys() - here.keys())} that this optimizer does not train, and none for "
-            f"{sorted(here.keys() - saved.keys())}: saved for another model, param groups or frozen params"
-        )
+        raise ValueError(f"state_dict has optimizer state for {sorted(saved.keys() - here.keys())} that this optimizer does not train, and none for "
+                         f"{sorted(here.keys() - saved.keys())}: saved for another model, param groups or frozen params")
     for k, (a, b) in enumerate(zip(theirs, ours)):
         if a != b:
-            return (f"state_dict flat buffer {k} has (dtype, params, params per bucket) {a}, this optimizer {b}: "
-                    "saved for another model, param groups or bucket_size_mb")
-    return f"state_dict has {len(theirs)} flat buffers, this optimizer {len(ours)}: saved for another model"
-
-
-def check_layout(view: CheckpointView, saved_layout: Any) -> None:
-    """Raise unless ``saved_layout`` (a sharded checkpoint's ``layout`` entry) matches this optimizer.
-
-    Raises:
-        ValueError: naming the first param saved with another shape (both shapes), or what else differs.
-    """
-    theirs, ours = _as_tuples(saved_layout), _as_tuples(layout_signature(view))
-    if theirs != ours:
-        raise ValueError(_layout_mismatch(list(theirs), list(ours)))
+            raise ValueError(f"state_dict flat buffer {k} has (dtype, params, params per bucket) {a}, this optimizer {b}: "
+                             "saved for another model, param groups or bucket_size_mb")
+    raise ValueError(f"state_dict has {len(theirs)} flat buffers, this optimizer {len(ours)}: saved for another model")
 
 
 def master_hint(found: Any, wanted: Any) -> str:
-    """A sentence for a load whose state differs from the expected by ``"master"`` alone (``master_weights`` changed), else ``""``.
-
-    Args:
-        found: the state keys the loaded entry holds (``None``: no entry).
-        wanted: the keys this optimizer expects (``"master"`` among them when it keeps fp32 masters).
-    """
+    """A sentence for a load whose state keys ``found`` (``None``: no entry) differ from the expected ``wanted`` by ``"master"``
+    alone (``master_weights`` changed), else ``""``."""
     if found is None or set(found) ^ set(wanted) != {"master"}:
         return ""
     saved = "master" in found
@@ -200,13 +153,13 @@ def master_hint(found: Any, wanted: Any) -> str:
 
 
 def saves_master(shard: LocalShard) -> bool:
-    """Whether checkpoints carry this shard's master: only 16-bit params have one that differs from
-    the params (an fp32 master kept in host memory by offload equals them), so the formats do not
-    depend on where the master lives."""
+    """Whether checkpoints carry this shard's master: only 16-bit params have one that differs from the params (an fp32
+    master kept in host memory by offload equals them), so the formats do not depend on where the master lives."""
     return shard.has_master and shard.buffer.dtype.itemsize < 4
 
 
 def param_names(view: CheckpointView) -> list[str]:
+    """Each param's name, ``param_groups[g]['params'][j]``, in ``torch.optim`` order."""
     return [param_name(g, j) for g, params in enumerate(view.group_params) for j in range(len(params))]
 
 
@@ -263,23 +216,21 @@ def _to_local(value: Any) -> Any:
 
 
 def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
-    """This rank's shard as DTensors (see the module docstring). Copies; runs no collective."""
+    """This rank's shard: per bucket, a 1-D DTensor of each state and the master (``docs/checkpoint.md``). Copies; runs no collective."""
     group_keys = group_state_keys(view, view.optimizer.param_groups)
     buckets: dict[str, dict[str, DTensor]] = {}
     for k, shard in enumerate(view.shards):
-        keys, _ = group_keys[view.shards[k].group]
+        keys, _ = group_keys[shard.group]
         for bucket in shard.buffer.layout.buckets:
             lo, hi = _local_range(view, k, bucket.index)
             entry = {key: _dtensor(view, local_state(view, k, bucket.index, key, hi - lo), bucket.numel) for key in keys}
             if saves_master(shard):  # this rank's slice starts the bucket's part of the master shard
-                start = bucket.shard_offset
-                entry["master"] = _dtensor(view, shard.master_view(start, hi - lo).to(shard.buffer.device, copy=True), bucket.numel)
+                entry["master"] = _dtensor(view, shard.master_view(bucket.shard_offset, hi - lo).to(shard.buffer.device, copy=True), bucket.numel)
             buckets[f"{k}.{bucket.index}"] = entry
     return {
         "zeroshard": {
             "format": SHARDED_FORMAT, "version": SHARDED_FORMAT_VERSION, "partition": "flat", "layout": layout_signature(view),
-            "state_keys": [keys for keys, _ in group_keys],
-            "rank": view.rank, "world_size": view.world_size,
+            "state_keys": [keys for keys, _ in group_keys], "rank": view.rank, "world_size": view.world_size,
             "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
         },
         "shapes": param_shapes(view),
@@ -290,52 +241,33 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
 
 
 def param_shapes(view: CheckpointView) -> dict[str, Tensor]:
-    """Per sharded param, by name, an empty tensor of shape ``(0, *param.shape)``: the param's shape in DCP's metadata, at no cost on disk.
-
-    ``dcp.load`` compares every entry's saved size with the one handed to it before it reads
-    anything, in the order of the state dict. These come before the buckets, so a param saved with
-    another shape fails there, named with both shapes ("Size mismatch between saved
-    torch.Size([0, 13]) and current: torch.Size([0, 14]) for optim.shapes.param_groups[1]['params'][4]"),
-    instead of at the bucket that holds it.
-    """
+    """Per sharded param, by name, an empty tensor of shape ``(0, *param.shape)``: its shape in DCP's metadata, free on disk.
+    ``dcp.load`` checks every entry's size in the state dict's order before it reads anything, and these come before the
+    buckets, so a param saved with another shape fails here, named with both shapes (``docs/checkpoint.md``, What is checked)."""
     return {name: torch.empty((0, *param.shape)) for shard in view.shards for name, param in zip(shard.buffer.names, shard.buffer.params)}
 
 
 def _check_version(meta: dict[str, Any]) -> None:
     version = meta.get("version")
     if version == 1:
-        raise ValueError(
-            "state_dict is a sharded zeroshard checkpoint of format version 1, whose layout signature does not record param shapes, "
-            f"so it cannot be checked against this model; this version reads version {SHARDED_FORMAT_VERSION}. Load it with the "
-            "zeroshard version that saved it, call consolidate_state_dict(to=0) and save the full format, which loads here at any world size"
-        )
+        raise ValueError("state_dict is a sharded zeroshard checkpoint of format version 1, whose layout signature does not record param shapes, "
+                         f"so it cannot be checked against this model; this version reads version {SHARDED_FORMAT_VERSION}. Load it with the "
+                         "zeroshard version that saved it, call consolidate_state_dict(to=0) and save the full format, which loads here at any world size")
     if version != SHARDED_FORMAT_VERSION:
         raise ValueError(f"state_dict has zeroshard sharded format version {version!r}; this version reads {SHARDED_FORMAT_VERSION}")
 
 
 def check_saver(view: CheckpointView, meta: dict[str, Any], filled_in_place: bool, partition: str) -> None:
-    """Raise unless a sharded checkpoint's ``meta`` was saved with ``partition`` and, unless
-    ``filled_in_place``, by this rank at this world size.
-
-    DCP fills the tensors this rank handed out and overwrites plain entries such as the saver's
-    rank with one rank's copy, so the saver's coordinates only mean something when the tensors
-    came from elsewhere (``torch.load`` of a file saved by one rank).
-
-    Raises:
-        ValueError: another partition mode (with the way out: the full format), or another
-            rank's shard.
-    """
+    """Raise ``ValueError`` unless a sharded checkpoint's ``meta`` was saved with ``partition`` (else naming the way out: the
+    full format) and, unless ``filled_in_place``, by this rank at this world size (DCP overwrites plain entries such as the
+    saver's rank with one rank's copy, so they only mean something in a file saved by one rank)."""
     saved = meta.get("partition", "flat")  # checkpoints from before partition="param" are flat
     if saved != partition:
-        raise ValueError(
-            f"state_dict is a sharded checkpoint of partition={saved!r}, this optimizer has partition={partition!r}: call "
-            "consolidate_state_dict(to=0) where it was saved and load that full torch.optim-format state dict, which loads in either mode"
-        )
+        raise ValueError(f"state_dict is a sharded checkpoint of partition={saved!r}, this optimizer has partition={partition!r}: call "
+                         "consolidate_state_dict(to=0) where it was saved and load that full torch.optim-format state dict, which loads in either mode")
     if not filled_in_place and (meta.get("rank"), meta.get("world_size")) != (view.rank, view.world_size):
-        raise ValueError(
-            f"state_dict is the shard of rank {meta.get('rank')} of {meta.get('world_size')}, this is rank {view.rank} of "
-            f"{view.world_size}: load each rank's own shard, or reshard with torch.distributed.checkpoint (dcp.load)"
-        )
+        raise ValueError(f"state_dict is the shard of rank {meta.get('rank')} of {meta.get('world_size')}, this is rank {view.rank} of "
+                         f"{view.world_size}: load each rank's own shard, or reshard with torch.distributed.checkpoint (dcp.load)")
 
 
 def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys: list[tuple[list[str], bool]], filled_in_place: bool) -> None:
@@ -343,48 +275,38 @@ def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys:
     check_layout(view, meta.get("layout", []))
     saved_keys = [list(keys) for keys in meta.get("state_keys", [])]
     if saved_keys != [keys for keys, _ in group_keys]:
-        raise ValueError(
-            f"state_dict holds optimizer state {saved_keys} per param group; {type(view.optimizer).__name__} with the state_dict's "
-            f"hyperparameters keeps {[keys for keys, _ in group_keys]}"
-        )
+        raise ValueError(f"state_dict holds optimizer state {saved_keys} per param group; {type(view.optimizer).__name__} with the state_dict's "
+                         f"hyperparameters keeps {[keys for keys, _ in group_keys]}")
     for k, shard in enumerate(view.shards):
-        keys, _ = group_keys[view.shards[k].group]
+        keys, _ = group_keys[shard.group]
         for bucket in shard.buffer.layout.buckets:
             entry = state_dict["buckets"].get(f"{k}.{bucket.index}")
             wanted = keys + (["master"] if saves_master(shard) else [])
             if entry is None or sorted(entry) != sorted(wanted):
                 found = None if entry is None else sorted(entry)
                 if filled_in_place:
-                    raise ValueError(
-                        f"the checkpoint holds optimizer state {sorted(wanted)} for bucket {k}.{bucket.index}, but this optimizer's "
-                        f"state_dict() gave dcp.load {found} to fill: its hyperparameters keep other state than the checkpoint's. "
-                        "Build the optimizer with the checkpoint's hyperparameters, or load a full or per-rank state dict"
-                    )
+                    raise ValueError(f"the checkpoint holds optimizer state {sorted(wanted)} for bucket {k}.{bucket.index}, but this optimizer's "
+                                     f"state_dict() gave dcp.load {found} to fill: its hyperparameters keep other state than the checkpoint's. "
+                                     "Build the optimizer with the checkpoint's hyperparameters, or load a full or per-rank state dict")
                 raise ValueError(f"state_dict bucket {k}.{bucket.index} holds {found}, expected {sorted(wanted)}.{master_hint(found, wanted)}")
             lo, hi = _local_range(view, k, bucket.index)
             for key, value in entry.items():
                 local = _to_local(value)
                 if tuple(value.shape) != (bucket.numel,) or local.numel() != hi - lo:
-                    raise ValueError(
-                        f"state_dict bucket {k}.{bucket.index} {key!r} has shape {tuple(value.shape)} with {local.numel()} local elements; "
-                        f"this rank expects ({bucket.numel},) with {hi - lo}: a sharded state dict saved at another world size loads through "
-                        "torch.distributed.checkpoint (dcp.load), which reshards it"
-                    )
+                    raise ValueError(f"state_dict bucket {k}.{bucket.index} {key!r} has shape {tuple(value.shape)} with {local.numel()} local elements; "
+                                     f"this rank expects ({bucket.numel},) with {hi - lo}: a sharded state dict saved at another world size loads through "
+                                     "torch.distributed.checkpoint (dcp.load), which reshards it")
 
 
-def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_place: bool) -> tuple[dict[str, Any], list[int], list[tuple[int, int, Tensor]]]:
-    """Check a sharded state dict and turn it into (wrapped optimizer state dict, param steps,
-    master values as (shard, offset in its master shard, 1-D values)).
+def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_place: bool) -> Loaded:
+    """Check a sharded state dict and turn it into what a load hands the optimizer (:data:`Loaded`); nothing is written here.
 
-    ``filled_in_place``: the DTensors are the ones this rank's last ``state_dict()`` returned
-    (``dcp.load`` filled them for this rank). The state keys expected are those the saved
-    hyperparameters keep. Nothing is written here; the caller applies the result.
+    ``filled_in_place``: the DTensors are those this rank's last ``state_dict()`` returned (``dcp.load`` filled them).
 
     Raises:
-        ValueError: another format version (version 1, saved before the layout named params,
-            with a way out), another rank's shard, a param saved with another shape (named, with
-            both shapes), another layout, optimizer state that the saved hyperparameters do not
-            keep, or local shard geometry.
+        ValueError: another format version (version 1, saved before the layout named params, with a way out), another
+            rank's shard, a param saved with another shape (named, with both shapes), another layout, optimizer state
+            that the saved hyperparameters do not keep, or local shard geometry.
     """
     _check_version(state_dict["zeroshard"])
     check_saver(view, state_dict["zeroshard"], filled_in_place, "flat")
@@ -399,11 +321,11 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
     state: dict[Tensor, dict[str, Any]] = {}
     masters = []
     for k, shard in enumerate(view.shards):
-        keys, has_step = group_keys[view.shards[k].group]
+        keys, has_step = group_keys[shard.group]
         for bucket in shard.buffer.layout.buckets:
             entry = {key: _to_local(v) for key, v in state_dict["buckets"][f"{k}.{bucket.index}"].items()}
             for piece, vparam, offset in bucket_pieces(view, k, bucket.index):
-                step = steps[view.shards[k].param_indices[piece.param]]
+                step = steps[shard.param_indices[piece.param]]
                 if step:
                     state[vparam] = {key: entry[key][offset : offset + piece.numel].clone() for key in keys}
                     if has_step:
@@ -416,14 +338,9 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
 def inner_state_dict(view: CheckpointView, state: dict[Tensor, dict[str, Any]], saved_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The wrapped optimizer's ``state_dict`` format over its virtual params, with the saved
     hyperparameters (the caller has checked that there are as many groups)."""
-    index_of: dict[Tensor, int] = {}
-    groups = []
-    for group, saved in zip(view.optimizer.param_groups, saved_groups):
-        ids = []
-        for vparam in group["params"]:
-            index_of[vparam] = len(index_of)
-            ids.append(index_of[vparam])
-        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    index_of = {vparam: i for i, vparam in enumerate(p for group in view.optimizer.param_groups for p in group["params"])}
+    groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": [index_of[p] for p in group["params"]]}
+              for group, saved in zip(view.optimizer.param_groups, saved_groups)]
     return {"state": {index_of[v]: s for v, s in state.items()}, "param_groups": groups}
 
 

@@ -1,25 +1,15 @@
-"""Checkpoints of whole-param shards (``partition="param"``): each param's state, whole, on its owner.
+"""Both checkpoint formats of ``partition="param"``: each param's state, whole, on its owner (``docs/shape_aware.md``).
 
-The same two formats as ``zeroshard/checkpoint/sharded.py`` (sharded) and ``zeroshard/checkpoint/full.py``
-(full), with the same envelope (param groups, per-param steps, loss scaler, layout signature) and
-another payload, because an optimizer such as Muon or Adafactor keeps state that is not
-per-element (Adafactor's ``row_var``/``col_var``) and each param lives on one rank:
+The envelope of ``sharded.py`` and ``full.py`` (param groups, per-param steps, loss scaler, layout signature) around
+another payload, as such optimizers (Muon, Adafactor) keep state that is not per-element:
 
-* **sharded**: ``"params"``: for each param this rank owns, keyed by its ``torch.optim`` index
-  (a ``str``), every state tensor the wrapped optimizer keeps for it, whole and in its own shape
-  (Muon's ``momentum_buffer``; Adafactor's ``row_var`` and ``col_var``, or ``variance`` for a
-  vector), and the fp32 ``master`` of a 16-bit param. Plain tensors, not DTensors: each entry is
-  written by its owner (by one of its replicas with hybrid sharding: ``torch.distributed.checkpoint``
-  writes a key held by several ranks once), and ``dcp.load`` at any other world size hands each new
-  owner the whole entries of its params. Entries of params not yet stepped are zeros; the steps
-  say which hold state. Built with no collective.
-* **full**: plain ``torch.optim`` format (``full.full_envelope``); each owner sends its
-  params' state to the consolidating rank, point to point, one tensor at a time.
+* **sharded**: ``"params"``: per param this rank owns, keyed by its ``torch.optim`` index (a ``str``), each state tensor
+  whole and the fp32 ``master`` of a 16-bit param: plain tensors, which DCP writes once and hands whole to each new owner
+  at any world size. Params not yet stepped hold zeros (the steps say which hold state). Built with no collective.
+* **full**: plain ``torch.optim`` format (``full.full_envelope``), sent by each owner to the consolidating rank point to point.
 
-Which state tensors an optimizer keeps for a param, with their shapes, comes from one step of a
-throwaway instance on a zero param of that shape (:func:`state_spec`): on the meta device where
-the optimizer allows it (no memory, no work; Muon does), else in host memory (Adafactor reads a
-value with ``.item()``).
+Which state tensors an optimizer keeps for a param, with their shapes, comes from one step of a throwaway instance on a
+zero param of that shape (:func:`state_spec`): on the meta device where the optimizer allows it, else in host memory.
 """
 
 from __future__ import annotations
@@ -37,6 +27,7 @@ from zeroshard.checkpoint.sharded import (
     SHARDED_FORMAT,
     SHARDED_FORMAT_VERSION,
     CheckpointView,
+    Loaded,
     _check_version,
     check_layout,
     check_saver,
@@ -53,14 +44,9 @@ from zeroshard.step.wrapped import constructor_kwargs, is_subclass_state, throwa
 
 
 class Subclass(NamedTuple):
-    """A state tensor kept as a tensor subclass (torchao's ``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``): how to rebuild it.
-
-    Such a tensor is made of plain inner tensors (8-bit ``codes``, fp32 block ``scale``, a ``qmap``)
-    and a context of plain values, as PyTorch's traceable-subclass protocol gives them
-    (``__tensor_flatten__`` / ``__tensor_unflatten__``). Checkpoints carry the inner tensors, bit
-    for bit, as ``"<key>.<inner>"`` entries of the sharded format; the class and context come
-    from the spec (the same optimizer class and hyperparameters on the same shape make the same).
-    """
+    """A state tensor kept as a tensor subclass (torchao's ``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``): how to
+    rebuild it from its plain inner tensors (``codes``, ``scale``, ``qmap``), which the sharded format carries as
+    ``"<key>.<inner>"`` entries, and the context ``__tensor_flatten__`` gives."""
 
     cls: type
     context: Any
@@ -70,10 +56,8 @@ class Subclass(NamedTuple):
 
 
 class StateSpec(NamedTuple):
-    """What an optimizer keeps for one param: each state tensor's shape and dtype (``step`` aside), and whether it keeps ``step``.
-
-    ``subclasses``: the state tensors that are tensor subclasses (see :class:`Subclass`), by key.
-    """
+    """What an optimizer keeps for one param: each state tensor's shape and dtype (``step`` aside), whether it keeps ``step``,
+    and (``subclasses``, by key) which state tensors are tensor subclasses."""
 
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype]
@@ -85,10 +69,7 @@ class StateSpec(NamedTuple):
         found: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for key, shape in self.shapes.items():
             sub = self.subclasses.get(key)
-            if sub is None:
-                found[key] = (shape, self.dtypes[key])
-            else:
-                found.update({f"{key}.{name}": inner for name, inner in sub.inner.items()})
+            found.update({key: (shape, self.dtypes[key])} if sub is None else {f"{key}.{name}": inner for name, inner in sub.inner.items()})
         return found
 
     def flatten(self, state: dict[str, Any], device: torch.device) -> dict[str, Tensor]:
@@ -157,16 +138,13 @@ _SPECS: dict[tuple[Any, ...], StateSpec] = {}
 
 def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], shape: torch.Size | tuple[int, ...],
                dtype: torch.dtype) -> StateSpec:
-    """The state ``optimizer``'s class keeps for a param of ``shape`` and ``dtype`` in a param group with ``hyperparameters``.
-
-    Read from one step of a throwaway instance of the class (see the module docstring); the
-    optimizer itself is never touched. Cached per class, hyperparameters (the learning rate aside),
-    shape and dtype.
+    """The state ``optimizer``'s class keeps for a param of ``shape`` and ``dtype`` in a param group with ``hyperparameters``,
+    from one step of a throwaway instance of the class (see the module docstring), cached per class, hyperparameters (the
+    learning rate aside), shape and dtype.
 
     Raises:
-        ValueError: the class cannot be built or stepped with these hyperparameters on such a
-            param, or it keeps state that is not a tensor (other than ``step``), which zeroshard
-            checkpoints do not carry.
+        ValueError: the class cannot be built or stepped with these hyperparameters on such a param, or it keeps state
+            that is not a tensor (other than ``step``), which zeroshard checkpoints do not carry.
     """
     cls = type(optimizer)
     hyperparameters = {**instance_options(optimizer, hyperparameters), **hyperparameters}
@@ -202,12 +180,8 @@ def instance_options(optimizer: torch.optim.Optimizer, hyperparameters: dict[str
         names = inspect.signature(type(optimizer).__init__).parameters
     except (TypeError, ValueError):
         return {}
-    found = {}
-    for name in names:
-        value = getattr(optimizer, name, None) if name not in ("self", "params") and name not in hyperparameters else None
-        if isinstance(value, (bool, int, float, str)):
-            found[name] = value
-    return found
+    found = {name: getattr(optimizer, name, None) for name in names if name not in ("self", "params") and name not in hyperparameters}
+    return {name: value for name, value in found.items() if isinstance(value, (bool, int, float, str))}
 
 
 def _owned(view: CheckpointView) -> Iterator[tuple[int, LocalShard, Any, nn.Parameter, int]]:
@@ -276,16 +250,12 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
     }
 
 
-def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_place: bool) -> tuple[dict[str, Any], list[int], list[tuple[int, int, Tensor]]]:
-    """Check a sharded ``partition="param"`` state dict and turn it into (wrapped optimizer state
-    dict, param steps, masters as (shard, offset in its master shard, 1-D values)).
-
-    As :func:`zeroshard.checkpoint.sharded.load_sharded`; nothing is written here.
+def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_place: bool) -> Loaded:
+    """As :func:`zeroshard.checkpoint.sharded.load_sharded`, for a ``partition="param"`` state dict.
 
     Raises:
-        ValueError: another format version or partition mode, another rank's shard (not through
-            DCP), another layout (a param named with both shapes), or a param's entry with other
-            state than the saved hyperparameters keep or with other shapes (named).
+        ValueError: another format version or partition mode, another rank's shard (not through DCP), another layout (a
+            param named with both shapes), or a param's entry with other state or shapes than the saved hyperparameters keep.
     """
     meta = state_dict["zeroshard"]
     _check_version(meta)
@@ -326,9 +296,8 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
 def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
     """Gather the full state onto global rank ``to``; the full dict there, else ``None``.
 
-    A collective over ``to``'s shard group (other shard groups return at once): every owner sends
-    its stepped params' state tensors, and the master of each 16-bit param, to ``to`` one at a
-    time, in the same order on every rank. Ranks other than ``to`` hold nothing extra.
+    A collective over ``to``'s shard group (other shard groups return at once): every owner sends its stepped params'
+    state tensors, and the master of each 16-bit param, to ``to`` one at a time, in the same order on every rank.
     """
     if to not in dist.get_process_group_ranks(view.shard_group):
         return None
@@ -347,14 +316,13 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
             owner, index = owners[i], shard.param_indices[i]
             if owner != view.rank and not here:
                 continue
-            spec = _spec(view, groups, shard, param.shape)
+            spec, step = _spec(view, groups, shard, param.shape), view.param_steps[index]
             # A subclass state tensor travels as its inner tensors (plain: send and recv take no subclass), rebuilt on ``to``.
-            wanted = {**(spec.entries() if view.param_steps[index] else {}),
-                      **({"master": (tuple(param.shape), shard.master_dtype)} if saves_master(shard) else {})}
+            wanted = {**(spec.entries() if step else {}), **({"master": (tuple(param.shape), shard.master_dtype)} if saves_master(shard) else {})}
             held = {}
             if owner == view.rank:
                 piece, vparam = mine[i]
-                held = spec.flatten(view.optimizer.state.get(vparam, {}), shard.buffer.device) if view.param_steps[index] else {}
+                held = spec.flatten(view.optimizer.state.get(vparam, {}), shard.buffer.device) if step else {}
                 if saves_master(shard):
                     held["master"] = _master(shard, piece, param.shape)
             values: dict[str, Tensor] = {}
@@ -370,19 +338,14 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
             if here:
                 if "master" in values:
                     masters[index] = values.pop("master")
-                if view.param_steps[index]:
-                    state[index] = {**({"step": torch.tensor(float(view.param_steps[index]))} if spec.has_step else {}), **spec.unflatten(values)}
+                if step:
+                    state[index] = {**({"step": torch.tensor(float(step))} if spec.has_step else {}), **spec.unflatten(values)}
     return full_envelope(view, dict(sorted(state.items())), masters) if here else None
 
 
 def _check_shapes_everywhere(view: CheckpointView) -> None:
-    """Before the state travels point to point: every rank checks that its params' state has the shapes every other rank
-    expects (from the spec), and all learn of a mismatch anywhere in one all-reduce, so all raise together instead of a
-    receive of the wrong size aborting the process group (or waiting forever).
-
-    Raises:
-        RuntimeError: some rank's state has other shapes than the spec (this rank's mismatches are named).
-    """
+    """Raise ``RuntimeError`` on every rank (naming this rank's mismatches) if some rank's params' state has other shapes than
+    the spec: one all-reduce, so that no receive of the wrong size aborts the process group (or waits forever)."""
     names, groups = param_names(view), view.optimizer.param_groups
     bad = []
     for _, shard, _, vparam, index in _owned(view):
@@ -398,16 +361,13 @@ def _check_shapes_everywhere(view: CheckpointView) -> None:
                            "throwaway optimizer built from the param group's hyperparameters and the options the optimizer keeps as attributes")
 
 
-def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[int], list[tuple[int, int, Tensor]]]:
-    """Check a full ``torch.optim``-format state dict and take this rank's params' state from it.
-
-    As :func:`zeroshard.checkpoint.full.load_full` (dicts from either partition mode, or from an
-    unsharded optimizer of the same class): every param's entry is checked on every rank, so a
-    bad dict raises alike everywhere. Nothing is written here.
+def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> Loaded:
+    """As :func:`zeroshard.checkpoint.full.load_full`, taking this rank's params' state whole; every param's entry is
+    checked on every rank, so a bad dict raises alike everywhere.
 
     Raises:
-        ValueError: as :func:`zeroshard.checkpoint.full.check_full`, or a param's state with other keys
-            or shapes than the saved hyperparameters keep (named).
+        ValueError: as :func:`zeroshard.checkpoint.full.check_full`, or a param's state with other keys or shapes than the
+            saved hyperparameters keep (named).
     """
     order, meta = check_full(view, state_dict)
     names = param_names(view)
