@@ -1,15 +1,5 @@
-"""How :class:`~zeroshard.ShardedOptimizer` applies an update once the gradient statistics are in.
-
-Two ways. Where the host has the statistics (:class:`~zeroshard.step.grad_norm.GradStats`, read
-back in the step's one host sync), it decides there: skip on overflow (backing off a dynamic loss
-scale), else the clip coefficient as a float, then the fused update or the wrapped optimizer's
-``step()``. Where the Triton kernel updates every chunk and nothing else needs the decision on the
-host (:meth:`UpdateMixin._on_device`), the norm, the clip coefficient and the overflow flag stay on
-the device, as with ``torch.optim.AdamW(fused=True)`` driven by a ``torch.amp.GradScaler``: the
-kernel reads them and is a no-op on overflow, the host counts the step as taken, and a
-:class:`~zeroshard.step.pending_skip.PendingSkip` takes the count back if the flag, read later (the
-next ``step()``, ``step_was_skipped``, the state), was set. No host sync per step then.
-"""
+"""How :class:`~zeroshard.ShardedOptimizer` applies an update once the gradient statistics are in: decided on the host after
+the step's one host sync, or on the device with no host sync (:meth:`UpdateMixin._on_device`). See docs/numerics.md, "One step"."""
 
 from __future__ import annotations
 
@@ -41,9 +31,7 @@ class UpdateMixin:
     _fused: FusedAdam | None
     _reducer: GradReducer
     _gather: ParamGather
-    _stats: GradStats | ReducedStats | None
     _clip_norm: float | None
-    _consolidated: dict | None
     _pending: PendingSkip | None
     _step_was_skipped: bool
     _skipped_steps: int
@@ -61,11 +49,9 @@ class UpdateMixin:
     def _on_device(self, stats: ReducedStats) -> bool:
         """Whether the step can keep the norm, the clip coefficient and the overflow decision on the device.
 
-        It can where the Triton kernel updates every chunk (:func:`takes_device_scalars`), nothing
-        needs the overflow decision on the host (no GradScaler; a dynamic loss scale is updated on
-        the device, :meth:`DynamicLossScaler.to_device`), every param
-        got a gradient on this rank (so on some rank: the used-flags need no reading) and has
-        been stepped before (a skipped first step must create no state).
+        It can where the Triton kernel updates every chunk (:func:`takes_device_scalars`), no GradScaler needs the decision on
+        the host (a dynamic loss scale moves to the device: :meth:`DynamicLossScaler.to_device`), every param got a gradient on
+        this rank (so the used-flags need no reading) and every param has been stepped before (a skipped first step must create no state).
         """
         return (self._fused is not None and takes_device_scalars(self._shards) and not self._shard_set.amp.unscaled
                 and getattr(self, "grad_scale", None) is None and stats.used_everywhere

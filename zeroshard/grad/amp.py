@@ -1,24 +1,9 @@
 """``torch.amp.GradScaler`` driving a ``ShardedOptimizer``: the scale it applied, the overflow it is told.
 
-The AMP recipe (``scaler.scale(loss).backward()``, optionally ``scaler.unscale_(opt)`` and a clip,
-``scaler.step(opt)``, ``scaler.update()``) runs unchanged, as it does under HF Trainer's and
-accelerate's ``fp16`` and Lightning's ``"16-mixed"``. A GradScaler checks and unscales the
-optimizer's gradients itself, rank by rank; here no rank holds them whole, so zeroshard takes the
-two calls over:
-
-* ``scaler.unscale_(opt)`` (and the check ``scaler.step`` runs when ``unscale_`` was not called)
-  reaches the virtual params' between-step gradients (``VirtualGrad`` s, views of the grad shard):
-  they are unscaled in place, as torch does, so a clip after it (``torch.nn.utils.clip_grad_norm_``
-  or ``opt.clip_grad_norm_``) measures unscaled gradients; the ``found_inf`` flags it fills are
-  this rank's, and are handed to this link to get every rank's answer at ``step()``.
-* ``scaler.step(opt)`` calls ``opt.step()`` (``_step_supports_amp_scaling``), which divides by the
-  GradScaler's scale, checks for inf/NaN over every rank (the one all-reduce of the step) and
-  writes the answer into the ``found_inf`` tensors the GradScaler reads in ``update()``: every rank
-  skips together and every rank's scale backs off alike.
-
-This follows the contract ``GradScaler.step`` documents for optimizers with
-``_step_supports_amp_scaling``: it sets ``grad_scale`` (the scale, unless ``unscale_`` ran) and
-``found_inf`` on the optimizer for the duration of ``step()``.
+``scaler.unscale_(opt)`` (and the check ``scaler.step`` runs without it) unscales the virtual params' ``VirtualGrad`` s in place
+and hands its ``found_inf`` flags, this rank's, to the link; ``scaler.step(opt)`` sets ``grad_scale`` and ``found_inf`` on the
+optimizer for the duration of ``opt.step()`` (the contract of ``_step_supports_amp_scaling``), which decides the overflow over every
+rank and fills those flags, so every rank skips and backs off alike. See docs/numerics.md, "Loss scaling".
 """
 
 from __future__ import annotations
@@ -40,17 +25,6 @@ class GradScalerLink:
         self.found_infs.append(found_inf)
         self.unscaled = True
 
-    def scale(self, optimizer: Any) -> float | None:
-        """The GradScaler's scale of the current gradients, or ``None`` when no GradScaler is driving this step.
-
-        Inside ``GradScaler.step``, ``optimizer.grad_scale`` is its scale if ``unscale_`` was not
-        called; after ``unscale_`` the gradients are unscaled: 1.0.
-        """
-        grad_scale = getattr(optimizer, "grad_scale", None)
-        if grad_scale is not None:
-            return float(grad_scale)
-        return 1.0 if self.unscaled else None
-
     def check_one_scale(self, optimizer: Any, loss_scale: float | Tensor | None) -> None:
         """Raise if a GradScaler and ``loss_scale`` both scale ``optimizer``'s gradients; reads no device value.
 
@@ -63,16 +37,18 @@ class GradScalerLink:
                                "use one (loss_scale=None with the GradScaler, or opt.backward(loss) without it)")
 
     def gradient_scale(self, optimizer: Any, loss_scale: float | None) -> float:
-        """What ``optimizer``'s gradients are multiplied by: ``loss_scale`` or the GradScaler's scale; 1.0 for neither.
+        """What ``optimizer``'s gradients are multiplied by: ``loss_scale``, or the GradScaler's scale (1.0 after its ``unscale_``); 1.0 for neither.
 
-        On CUDA, reading the GradScaler's scale waits for the device: ``step()`` reads it after the
-        gradient statistics, whose read waited already.
+        Inside ``GradScaler.step``, ``optimizer.grad_scale`` is its scale unless ``unscale_`` ran. On CUDA reading it waits for
+        the device: ``step()`` reads it after the gradient statistics, whose read waited already.
 
         Raises:
             RuntimeError: both scale them (:meth:`check_one_scale`).
         """
         self.check_one_scale(optimizer, loss_scale)
-        return self.scale(optimizer) or loss_scale or 1.0
+        grad_scale = getattr(optimizer, "grad_scale", None)
+        scale = float(grad_scale) if grad_scale is not None else 1.0 if self.unscaled else None
+        return scale or loss_scale or 1.0
 
     def finish_step(self, found_inf: bool) -> None:
         """Tell the GradScaler whether any rank's gradients had inf/NaN (its ``update()`` reads it), and forget the step."""

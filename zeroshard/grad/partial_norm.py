@@ -1,24 +1,10 @@
 """Gradient norms whose cross-rank reduction waits until a value is read: ``PartialNorm``.
 
-A gradient norm over sharded gradients needs one collective: each rank holds a part of every
-gradient (``ShardedGrad``, a model param's) or a part of the param list (``VirtualGrad`` s, the
-wrapped optimizer's). ``torch.nn.utils.clip_grad_norm_`` takes one norm per gradient, stacks them
-and takes the norm of the stack; a ``PartialNorm`` keeps this rank's sum of ``|x| ** ord`` (the
-largest ``|x|`` for ``inf``) through ``torch.stack``, ``.to(device)`` and that outer norm, and
-reduces over the ranks at the first read of a value (arithmetic, ``.item()``, printing). So a whole
-clip costs one all-reduce, foreach or not, as FSDP2's DTensor norms with a partial placement do
-(``torch/distributed/tensor/_ops/_math_ops.py``).
-
-What a norm means follows what the gradient is:
-
-* a ``ShardedGrad`` (a model param's gradient): the norm of the whole param's gradient over every
-  rank: its value is reduced whenever it is read;
-* a ``VirtualGrad`` (a virtual param's, this rank's piece of a param): the piece is this rank's own
-  tensor, so its norm alone is local; a norm over several of them (the stack's) spans the optimizer's
-  params on every rank, which is what clipping ``opt.param_groups`` means: it is reduced.
-
-Reading a value is a collective over the shard group (``collective_timeout_s`` bounds it): every
-rank must read the same norms in the same order (see ``docs/design.md``).
+A ``PartialNorm`` keeps this rank's sum of ``|x| ** ord`` (the largest ``|x|`` for ``inf``) through ``torch.stack``,
+``.to(device)`` and the outer norm of ``torch.nn.utils.clip_grad_norm_``, and reduces over the shard group at the first read
+of a value, so a whole clip costs one all-reduce, as FSDP2's DTensor norms with a partial placement do
+(``torch/distributed/tensor/_ops/_math_ops.py``). What the norms mean and which reads are collectives: docs/design.md,
+"Gradients that user code reads".
 """
 
 from __future__ import annotations
@@ -43,10 +29,7 @@ _HINT = "read the same gradient values alike (a norm, a clip or full_tensor() of
 
 @dataclass(frozen=True)
 class GradComm:
-    """Where the pieces of one optimizer's gradients are: its shard group, and the bound on each wait.
-
-    The grad shards are the same in every replica of hybrid sharding, so the shard group covers them.
-    """
+    """Where the pieces of one optimizer's gradients are: its shard group (every replica's grad shards are the same), and the bound on each wait."""
 
     group: ProcessGroup
     timeout: datetime.timedelta | None
@@ -57,21 +40,13 @@ class GradComm:
         return dist.get_world_size(self.group)
 
     def sum_(self, tensor: Tensor, what: str) -> Tensor:
-        """All-reduce ``tensor`` in place (SUM) over the group and return it (no collective for a group of one).
-
-        Raises:
-            RuntimeError: with a timeout, a rank did not join in time (names ``what``).
-        """
+        """All-reduce ``tensor`` in place (SUM) over the group and return it (no collective for a group of one); a timeout raises naming ``what``."""
         if self.size > 1:
             collectives.wait(collectives.all_reduce(tensor, self.group), self.timeout, what, _HINT)
         return tensor
 
     def max(self, tensor: Tensor, what: str) -> Tensor:
-        """Elementwise maximum of ``tensor`` over the group, NaN-propagating (gloo's MAX drops a NaN unless rank 0 holds it).
-
-        Raises:
-            RuntimeError: with a timeout, a rank did not join in time (names ``what``).
-        """
+        """Elementwise maximum of ``tensor`` over the group, NaN-propagating (gloo's MAX drops a NaN unless rank 0 holds it); as :meth:`sum_`."""
         if self.size == 1:
             return tensor
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
@@ -80,15 +55,19 @@ class GradComm:
 
 
 def norm_order(ord: Any) -> float:
-    """``ord`` of a vector norm as a float (``"fro"`` is 2).
-
-    Raises:
-        ValueError: an order whose parts cannot be summed over ranks (``<= 0``, ``-inf``, a string other than ``"fro"``).
-    """
+    """``ord`` of a vector norm as a float (``"fro"`` is 2); ``ValueError`` for an order whose parts cannot be summed over ranks
+    (``<= 0``, ``-inf``, a string other than ``"fro"``)."""
     value = 2.0 if ord is None or ord == "fro" else ord
     if isinstance(value, str) or not float(value) > 0:
         raise ValueError(f"ord={ord!r}: a norm of a sharded gradient takes a positive order or inf (its parts are summed over ranks)")
     return float(value)
+
+
+def norm_arguments(args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, torch.dtype | None]:
+    """``(ord, dim, dtype)`` of ``vector_norm(x, ord, dim, keepdim, dtype=)``, ``norm(x, p, dim, keepdim, dtype=)`` or ``Tensor.norm``."""
+    ord = kwargs.get("ord", kwargs.get("p", args[0] if args else 2.0))
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    return ord, dim, kwargs.get("dtype")
 
 
 def local_power_sum(pieces: Sequence[Tensor], ord: float) -> Tensor:
@@ -113,49 +92,33 @@ class ParamSpace:
 class PartialNorm(Tensor):
     """A norm (0-dim, or 1-D after ``torch.stack``) whose cross-rank reduction is pending.
 
-    Made by the norms of ``ShardedGrad`` and ``VirtualGrad`` (``zeroshard/grad/sharded_grad.py``), never
-    directly. Each element is the norm of one gradient: a ``ShardedGrad``'s (:data:`SHARDED`: its
-    power sum is summed over the ranks when read), a ``VirtualGrad``'s (:data:`VIRTUAL`: local when
-    read alone) or a plain tensor stacked in (:data:`PLAIN`: counted once). ``torch.stack`` of 0-dim
-    norms, ``.to(device)`` and a norm of a stack with the same ``ord`` (an *aggregate*) stay
-    pending; any other use resolves the value (one collective, then cached) and runs on plain tensors.
-
-    An aggregate is resolved as torch computes it over DDP's gradients: each gradient's norm, exact
-    (fp64 power sums), rounded to the norm's dtype, then ``torch.linalg.vector_norm`` of those in
-    stack order (the ``VirtualGrad`` s' gathered per param first, after the others).
-
-    Attributes:
-        local: fp64, one per element: this rank's ``sum |x| ** ord`` (``max |x|`` for inf); 0 for plain ones.
-        plain: fp64, one per element: a plain element's norm; 0 for the others.
-        kinds: per element, :data:`SHARDED`, :data:`VIRTUAL` or :data:`PLAIN`.
-        slots, spaces: per virtual element, its param's index in its optimizer and that optimizer's :class:`ParamSpace` (else -1, ``None``).
-        aggregate: whether this 0-dim tensor is the norm of its elements (else it is the elements themselves).
-        ord: the order of every pending element.
-        comm: the group the pending elements reduce over.
-        exact: per element: its ``local`` is the norm itself, taken by the one rank that holds the whole
-            gradient (0 on the others), not a power sum.
-        dtypes: per element, the dtype of the norm it was before ``torch.stack`` promoted them to one:
-            each is rounded to its own first, as torch's own stack of DDP's norms holds them.
+    Made by the norms of ``ShardedGrad`` and ``VirtualGrad`` (``sharded_grad.py``). Each element is the norm of one gradient:
+    a ``ShardedGrad``'s (:data:`SHARDED`: its power sum is summed over the ranks when read), a ``VirtualGrad``'s
+    (:data:`VIRTUAL`: local when read alone) or a plain tensor stacked in (:data:`PLAIN`: counted once). ``torch.stack`` of
+    0-dim norms, ``.to(device)`` and a norm of a stack with the same ``ord`` (an *aggregate*) stay pending; any other use
+    resolves the value (one collective, then cached) and runs on plain tensors. An aggregate is resolved as torch computes it
+    over DDP's gradients: each gradient's norm, exact (fp64 power sums), rounded to the norm's dtype, then
+    ``torch.linalg.vector_norm`` of those in stack order (the ``VirtualGrad`` s' gathered per param first, after the others).
     """
 
-    local: Tensor
-    plain: Tensor
-    kinds: tuple[str, ...]
-    slots: tuple[int, ...]
-    spaces: tuple[ParamSpace | None, ...]
-    aggregate: bool
-    ord: float
-    comm: GradComm
+    local: Tensor  # fp64, one per element: this rank's ``sum |x| ** ord`` (``max |x|`` for inf); 0 for plain ones
+    plain: Tensor  # fp64, one per element: a plain element's norm; 0 for the others
+    kinds: tuple[str, ...]  # per element, SHARDED, VIRTUAL or PLAIN
+    slots: tuple[int, ...]  # per virtual element, its param's index in its optimizer (else -1)
+    spaces: tuple[ParamSpace | None, ...]  # per virtual element, that optimizer's ParamSpace (else None)
+    aggregate: bool  # whether this 0-dim tensor is the norm of its elements (else it is the elements themselves)
+    ord: float  # the order of every pending element
+    comm: GradComm  # the group the pending elements reduce over
+    # per element, its norm's dtype before torch.stack promoted them (each is rounded to its own first, as torch's stack of DDP's norms)
     dtypes: tuple[torch.dtype, ...]
-    exact: tuple[bool, ...]
-    _value: Tensor | None
+    exact: tuple[bool, ...]  # per element: its ``local`` is the norm itself, taken by the one rank that holds the whole gradient (0 on the others)
+    _value: Tensor | None  # the resolved value, once read
 
     @staticmethod
     def make(local: Tensor, plain: Tensor, kinds: Sequence[str], ord: float, comm: GradComm, dtype: torch.dtype, device: torch.device,
              *, shape: Sequence[int] = (), aggregate: bool = False, slots: Sequence[int] = (-1,),
              spaces: Sequence[ParamSpace | None] = (None,), dtypes: Sequence[torch.dtype] = (), exact: Sequence[bool] = ()) -> PartialNorm:
-        """A pending norm of ``dtype`` on ``device``, of ``shape`` (elements: ``local`` and ``plain``, 1-D fp64; ``dtypes``: each
-        one's own, default ``dtype``)."""
+        """A pending norm of ``dtype`` on ``device``, of ``shape`` (the attributes, ``dtypes`` by default all ``dtype``)."""
         out = make_subclass(PartialNorm, torch.full(tuple(shape), math.nan, dtype=dtype, device=device))
         out.local, out.plain, out.kinds, out.aggregate, out.ord, out.comm, out._value = local, plain, tuple(kinds), aggregate, ord, comm, None
         out.slots, out.spaces, out.dtypes = tuple(slots), tuple(spaces), tuple(dtypes) or (dtype,) * len(out.kinds)
@@ -190,8 +153,7 @@ class PartialNorm(Tensor):
         return self.comm.max(vector, what) if math.isinf(self.ord) else self.comm.sum_(vector, what)
 
     def _norms(self, sharded: list[int], reduced: Tensor) -> Tensor:
-        """Per element its norm (fp64), rounded to its own dtype: the ``sharded`` ones from their ``reduced`` power sums, plain
-        ones as given, virtual ones local."""
+        """Per element its norm (fp64) rounded to its own dtype: ``sharded`` ones from their ``reduced`` power sums, plain as given, virtual local."""
         norms = self._root(self.local.clone())
         norms[sharded] = self._root(reduced)
         exact = [j for j, i in enumerate(sharded) if self.exact[i]]  # their reduced value is the norm itself
@@ -211,11 +173,10 @@ class PartialNorm(Tensor):
     def _aggregate_value(self) -> Tensor:
         """The norm of the elements, as ``torch.linalg.vector_norm`` of DDP's per-param norms computes it (one collective).
 
-        Virtual elements are this rank's pieces of params: their power sums go into one vector
-        indexed by param (``VirtualGrad.slot``, the param's ``torch.optim`` index), the same length
-        on every rank, reduced with the sharded elements' and a count of pieces per param; each
-        param's norm is then rounded to the norm's dtype as DDP's is. Virtual elements of several
-        optimizers are summed into one entry instead.
+        Virtual elements are this rank's pieces of params: their power sums go into one vector indexed by param
+        (``VirtualGrad.slot``), the same length on every rank, reduced with the sharded elements' and a count of pieces per
+        param; each param's norm is then rounded to the norm's dtype as DDP's is. Virtual elements of several optimizers are
+        summed into one entry instead.
         """
         sharded = [i for i, kind in enumerate(self.kinds) if kind == SHARDED]
         virtual = [i for i, kind in enumerate(self.kinds) if kind == VIRTUAL]
@@ -248,15 +209,13 @@ class PartialNorm(Tensor):
                 return func(*args, **kwargs)
         if name == "stack" and _stackable(args, kwargs):
             return _stack(args[0])
-        if name in ("to", "cpu", "cuda") and isinstance(args[0], PartialNorm):
-            moved = _moved(args[0], func, args[1:], kwargs)
-            if moved is not None:
-                return moved
-        if name in ("linalg_vector_norm", "norm", "linalg_norm") and isinstance(args[0], PartialNorm):
-            total = _aggregate(args[0], args[1:], kwargs)
-            if total is not None:
-                return total
-        return _run_resolved(func, args, kwargs)
+        if name in ("to", "cpu", "cuda") and isinstance(args[0], PartialNorm) and (moved := _moved(args[0], func, args[1:], kwargs)) is not None:
+            return moved
+        if name in ("linalg_vector_norm", "norm", "linalg_norm") and isinstance(args[0], PartialNorm) \
+                and (total := _aggregate(args[0], args[1:], kwargs)) is not None:
+            return total
+        with DisableTorchFunctionSubclass():
+            return func(*_resolved(args), **{k: _resolved(v) for k, v in kwargs.items()})
 
 
 def _resolved(value: Any) -> Any:
@@ -265,11 +224,6 @@ def _resolved(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_resolved(v) for v in value)
     return value
-
-
-def _run_resolved(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    with DisableTorchFunctionSubclass():
-        return func(*_resolved(args), **{k: _resolved(v) for k, v in kwargs.items()})
 
 
 def _stackable(args: Any, kwargs: dict[str, Any]) -> bool:
@@ -304,20 +258,14 @@ def _moved(norm: PartialNorm, func: Any, args: Any, kwargs: dict[str, Any]) -> P
         probe = func(torch.empty(0, dtype=norm.dtype, device=norm.device), *args, **kwargs)
     if probe.dtype != norm.dtype:
         return None
-    if probe.device == norm.device:
-        return norm
-    return norm._like(device=probe.device)
+    return norm if probe.device == norm.device else norm._like(device=probe.device)
 
 
 def _aggregate(norms: PartialNorm, args: Any, kwargs: dict[str, Any]) -> PartialNorm | None:
-    """The norm of a stack of norms (same ``ord``), still pending; ``None`` if the call is not that.
-
-    Raises:
-        ValueError: another ``ord`` over norms of ``VirtualGrad`` s, which cannot be combined across ranks.
-    """
-    ord = kwargs.get("ord", kwargs.get("p", args[0] if args else 2.0))
-    if norms.aggregate or kwargs.get("dim", args[1] if len(args) > 1 else None) is not None or kwargs.get("dtype") is not None \
-            or kwargs.get("out") is not None:
+    """The norm of a stack of norms (same ``ord``), still pending; ``None`` if the call is not that. Another ``ord`` over norms of
+    ``VirtualGrad`` s, which cannot be combined across ranks, raises ``ValueError``."""
+    ord, dim, dtype = norm_arguments(args, kwargs)
+    if norms.aggregate or dim is not None or dtype is not None or kwargs.get("out") is not None:
         return None
     try:
         same = norm_order(ord) == norms.ord

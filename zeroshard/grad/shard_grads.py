@@ -1,7 +1,4 @@
-"""``ShardGrads``: what the gradient reducer tracks for one local shard, in one record.
-
-See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for the flat grad buffer.
-"""
+"""``ShardGrads``: what the gradient reducer tracks for one local shard (the flat grad buffer: [Note: zeroshard buffers] in ``layout/flat_buffer.py``)."""
 
 from __future__ import annotations
 
@@ -19,58 +16,34 @@ from zeroshard.layout.partition import ShardPiece
 
 @dataclass
 class ShardGrads:
-    """The gradient bookkeeping of one :class:`~zeroshard.layout.local_shard.LocalShard` (``GradReducer``'s, per shard).
+    """The gradient bookkeeping of one :class:`~zeroshard.layout.local_shard.LocalShard` (``GradReducer``'s, per shard); per param: in layout order."""
 
-    Attributes:
-        shard: the local shard (its params, grad shard and names).
-        flat: stage 1: 1-D, param dtype, the flat param buffer's layout: the params' ``.grad`` are
-            views of it. ``None`` under stage 2.
-        flat_version: ``flat._version`` when zeroshard last wrote it (a later version means user
-            code wrote the gradients: ``model.zero_grad(set_to_none=False)``, a clip).
-        pieces_of: per param (layout order), this rank's pieces of it.
-        whole: per param: it lies whole in one rank's slice (this one's or another's), so that rank
-            can take its norm as torch takes DDP's (``ShardedGrad``'s norms).
-        ready: per param: its gradients of the current backward pass were taken (all that are expected).
-        ready_count: per bucket: how many of its params are ready.
-        arrivals: per param: how many gradients were taken in the current backward pass (more than
-            one: a param used in several reentrant checkpoints; see ``zeroshard/reduce/nested_backward.py``).
-        expected: per param: the most gradients taken in one backward pass so far (at least 1);
-            the param is ready once that many arrived, or at the end of the pass.
-        used: per param: it got a gradient on this rank since the last reset.
-        continued: per param: an earlier backward of this step reduced the gradient it holds, so a
-            hook in this backward sees this rank's gradient, where DDP shows the all-reduced sum.
-        comm: the shard group the grad shard's pieces are spread over (for the ``ShardedGrad`` s' reads).
-        live: a reduction left gradients in the grad shard that no ``step()`` has consumed yet (``reset``).
-        edited: a ``ShardedGrad`` of this shard was edited in place (not zeroed) since the last reset.
-        hook_ids: per param, the handle id of zeroshard's post-accumulate-grad hook on it.
-        landed: per bucket: a reduction has been launched into its slice of the grad shard since
-            the last reset (stage 2's next one adds to it; see ``zeroshard/reduce/bucket.py``).
-        reduced, reduced_versions: per param, the ``ShardedGrad`` left in its ``.grad`` once reduced
-            (made once) and its version when left (absent: none left since).
-        zeroed: stage 1, per param: its view of :attr:`flat` holds zeros since the last reset and
-            was not taken since (:meth:`flat_view`; :meth:`hand_flat_view`).
-    """
-
-    shard: LocalShard
-    flat: Tensor | None
-    flat_version: int
-    pieces_of: list[list[ShardPiece]]
-    ready: list[bool]
-    ready_count: list[int]
-    used: list[bool]
+    shard: LocalShard  # its params, grad shard and names
+    flat: Tensor | None  # stage 1: 1-D, param dtype, the flat param buffer's layout: the params' .grad are views of it; None under stage 2
+    flat_version: int  # flat._version when zeroshard last wrote it (a later version: user code wrote the gradients)
+    pieces_of: list[list[ShardPiece]]  # per param, this rank's pieces of it
+    ready: list[bool]  # per param: its gradients of the current backward pass were taken (all that are expected)
+    ready_count: list[int]  # per bucket: how many of its params are ready
+    used: list[bool]  # per param: it got a gradient on this rank since the last reset
+    # per param: an earlier backward of this step reduced the gradient it holds, so a hook in this backward sees this rank's
+    # gradient, where DDP shows the all-reduced sum
     continued: list[bool]
-    comm: GradComm
-    whole: list[bool] = field(default_factory=list)
-    live: bool = False
-    edited: bool = False
-    reduced: dict[int, ShardedGrad] = field(default_factory=dict)
+    comm: GradComm  # the shard group the grad shard's pieces are spread over (for the ShardedGrads' reads)
+    whole: list[bool] = field(default_factory=list)  # per param: it lies whole in one rank's slice, whose norm of it is torch's of DDP's
+    live: bool = False  # a reduction left gradients in the grad shard that no step() has consumed yet (reset)
+    edited: bool = False  # a ShardedGrad of this shard was edited in place (not zeroed) since the last reset
+    reduced: dict[int, ShardedGrad] = field(default_factory=dict)  # per param, the ShardedGrad left in its .grad once reduced (made once)
     flat_views: list[Tensor] = field(default_factory=list)  # stage 1, per param: its view of ``flat`` (flat_view)
-    reduced_versions: dict[int, int] = field(default_factory=dict)
-    hook_ids: dict[int, int] = field(default_factory=dict)
+    reduced_versions: dict[int, int] = field(default_factory=dict)  # per param, that ShardedGrad's version when left (absent: none left since)
+    hook_ids: dict[int, int] = field(default_factory=dict)  # per param, the handle id of zeroshard's post-accumulate-grad hook on it
+    # per bucket: a reduction was launched into its slice of the grad shard since the last reset (stage 2's next one adds to it)
     landed: list[bool] = field(default_factory=list)
+    # per param: how many gradients were taken in the current backward pass (more than one: a param used in several reentrant
+    # checkpoints; see zeroshard/reduce/nested_backward.py)
     arrivals: list[int] = field(default_factory=list)
+    # per param: the most gradients taken in one backward pass so far (at least 1): it is ready once that many arrived, or at the end
     expected: list[int] = field(default_factory=list)
-    zeroed: list[bool] = field(default_factory=list)
+    zeroed: list[bool] = field(default_factory=list)  # stage 1, per param: its view of flat holds zeros since the last reset and was not taken since
 
     @classmethod
     def for_shard(cls, shard: LocalShard, flat: bool, comm: GradComm) -> ShardGrads:
@@ -82,9 +55,8 @@ class ShardGrads:
             pieces_of[piece.param].append(piece)
         n = len(layout.slots)
         version = flat_grad._version if flat_grad is not None else 0
-        whole = [layout.within_one_slice(i) for i in range(n)]
         return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n, comm,
-                   whole, landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n, zeroed=[flat] * n)
+                   [layout.within_one_slice(i) for i in range(n)], landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n, zeroed=[flat] * n)
 
     def note_flat_version(self) -> None:
         """Record that zeroshard wrote :attr:`flat` last."""
@@ -115,8 +87,7 @@ class ShardGrads:
         self.used = [False] * len(self.used)
         self.continued = [False] * len(self.continued)
         self.landed = [False] * len(self.landed)
-        self.live = False
-        self.edited = False
+        self.live = self.edited = False
 
     def sharded_grad(self, i: int, param: nn.Parameter) -> ShardedGrad:
         """The ShardedGrad to leave in param ``i``'s ``.grad`` once reduced (made once), its version noted as left."""
@@ -149,15 +120,13 @@ class ShardGrads:
             view.zero_()
         elif grad is not view and grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
-            self.zeroed[i] = False
             param.grad = view
 
     def hand_flat_view(self, i: int, param: nn.Parameter) -> None:
         """Stage 1, before autograd accumulates into param ``i``: with no ``.grad`` yet, make it the param's zeroed view of :attr:`flat`.
 
-        Autograd then adds the gradient straight into the flat grad buffer (in place, with grad mode
-        off as in a plain backward), and :meth:`keep_in_flat_grad` finds it there: no copy, and the
-        same ``.grad`` object every step (DDP's ``gradient_as_bucket_view``).
+        Autograd then adds the gradient straight into the flat grad buffer, where :meth:`keep_in_flat_grad` finds it: no copy,
+        and the same ``.grad`` object every step (DDP's ``gradient_as_bucket_view``).
         """
         if self.zeroed[i] and param.grad is None:
             param.grad = self.flat_view(i)
@@ -167,12 +136,8 @@ class ShardGrads:
         return param.grad is not None and param.grad.data_ptr() == self.flat_view(i).data_ptr()
 
     def leave_sharded_grads(self) -> None:
-        """After a reduction: every param's ``.grad`` is its ``ShardedGrad`` (DDP's averaged gradient; ``zeroshard/grad/sharded_grad.py``).
-
-        Params that got no gradient on this rank get one too: another rank's may be in the grad
-        shard, and every rank must present the same gradients to a clip. Stage 2 left the others'
-        in ``take`` already; a gradient that arrived after its bucket was reduced stays local until
-        ``step()`` reduces it (``GradReducer._take_grad``).
+        """After a reduction: every param's ``.grad`` is its ``ShardedGrad`` (DDP's averaged gradient), also of a param with no
+        gradient on this rank (another rank's may be in the grad shard, and every rank must present the same gradients to a clip).
         """
         self.live = True
         for i, param in enumerate(self.shard.buffer.params):
@@ -181,10 +146,8 @@ class ShardGrads:
                 param.grad = self.sharded_grad(i, param)
 
     def drop_unused(self, used: list[bool]) -> None:
-        """At ``step()``: params no rank gave a gradient (``used``, per param) keep ``.grad = None``, as under DDP.
-
-        :meth:`leave_sharded_grads` gave them a ``ShardedGrad`` of zeros, which
-        ``zero_grad(set_to_none=False)`` would turn into a zero gradient that a later step applies.
+        """At ``step()``: params no rank gave a gradient (``used``, per param) keep ``.grad = None``, as under DDP (not the
+        ``ShardedGrad`` of zeros :meth:`leave_sharded_grads` gave them, which ``zero_grad(set_to_none=False)`` would make a step apply).
         """
         if all(used):
             return
@@ -200,30 +163,22 @@ class ShardGrads:
                 self.shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
 
     def settle(self, i: int, param: nn.Parameter, take: bool = False) -> None:
-        """Follow what user code did to param ``i``'s ``.grad`` since its gradient was reduced.
+        """Follow what user code did to param ``i``'s ``.grad`` since its gradient was reduced (docs/design.md, "What user code does").
 
-        ``.grad`` set to ``None`` drops the gradient (this rank's pieces of it in the grad shard are
-        zeroed, and the param counts as unused, as in ``torch.optim``); zeroed in place
-        (``set_to_none=False``) leaves a zero gradient, which ``torch.optim`` still steps. Stage 1
-        zeroes the param's running local sum in the flat grad buffer too. Replaced by a tensor
-        (``p.grad = p.grad * 0.5``, a full tensor: the ``ShardedGrad`` gathers for it): with
-        ``take`` (at ``step()``) its elements become this rank's pieces and ``.grad`` the
-        ``ShardedGrad`` again; otherwise (another reduction follows, which reduces the new tensor
-        with whatever backward adds to it, as DDP would) the old pieces are dropped.
+        Set to ``None``: the gradient is dropped (the param counts as unused); zeroed in place: a zero gradient, still
+        stepped. Replaced by a full tensor: with ``take`` (at ``step()``) its elements become this rank's pieces and ``.grad``
+        the ``ShardedGrad`` again; otherwise (another reduction follows, which reduces the new tensor) the old pieces are dropped.
         """
         version = self.reduced_versions.get(i)
         if version is None:
             return
         grad, left = param.grad, self.reduced[i]
-        with DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call
-            unchanged = grad is left and grad._version == version
-        if unchanged:
-            return
-        if grad is left:
-            with DisableTorchFunctionSubclass():
-                if left.data_ptr() != left.placeholder:
-                    raise RuntimeError(f"{self.shard.buffer.names[i]}: Tensor.set_() replaced the storage of its sharded gradient, which "
-                                       "zeroshard cannot follow; assign a new gradient instead (p.grad = t)")
+        with DisableTorchFunctionSubclass():  # a ShardedGrad's version and data pointer without a Python call
+            if grad is left and grad._version == version:
+                return
+            if grad is left and left.data_ptr() != left.placeholder:
+                raise RuntimeError(f"{self.shard.buffer.names[i]}: Tensor.set_() replaced the storage of its sharded gradient, which "
+                                   "zeroshard cannot follow; assign a new gradient instead (p.grad = t)")
         if take and grad is not None and grad is not left and not isinstance(grad, ShardedGrad):
             values = grad.detach().reshape(-1).to(self.shard.grad_shard.dtype)
             for piece in self.pieces_of[i]:
@@ -231,7 +186,6 @@ class ShardGrads:
                 self.shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(values[start:end])
             if self.flat is not None:
                 self.flat_view(i).copy_(grad)
-                self.zeroed[i] = False
             self.used[i] = True
             param.grad = left
             self.reduced_versions[i] = left._version
@@ -239,20 +193,17 @@ class ShardGrads:
         if self.flat is not None and self.used[i]:  # else untouched since the reset zeroed it
             self.flat_view(i).zero_()
         self.drop_pieces(i)
+        self.used[i] = grad is left
         if grad is left:
-            self.used[i] = True
             self.reduced_versions[i] = grad._version
         else:
-            self.used[i] = False
             del self.reduced_versions[i]
 
     def before_accumulate(self, i: int, param: nn.Parameter, reduced: bool, follow: bool) -> None:
         """Before autograd accumulates a new gradient into param ``i``: note whether it holds one ``reduced`` in this step, swap its ``ShardedGrad`` out.
 
-        ``continued[i]``: it holds a gradient reduced in this step (one not zeroed since; see
-        :meth:`refuse_partial_write`). With ``follow``, what user code did to it is followed
-        (:meth:`settle`). Then autograd stores the new gradient (stage 2: ``.grad`` is ``None``) or
-        adds it to the running local sum (stage 1: ``.grad`` is its flat grad view).
+        Sets ``continued[i]`` (see :meth:`refuse_partial_write`); with ``follow``, follows what user code did to it (:meth:`settle`).
+        Then autograd stores the new gradient (stage 2: ``.grad`` is ``None``) or adds it to the running local sum (stage 1).
         """
         if not reduced and i not in self.reduced_versions:  # the common case: nothing reduced in this step, no ShardedGrad left
             self.continued[i] = False
@@ -269,11 +220,8 @@ class ShardGrads:
                 del self.reduced_versions[i]
 
     def refuse_edits_before_rereduction(self) -> None:
-        """Stage 1, at a backward after one that reduced this step: raise if a ``ShardedGrad`` was edited in place since.
-
-        Raises:
-            RuntimeError: stage 1 reduces the running local sums again, which would drop the edit.
-        """
+        """Stage 1, at a backward after one that reduced this step: raise ``RuntimeError`` if a ``ShardedGrad`` was edited in place
+        since (reducing the running local sums again would drop the edit)."""
         if self.flat is not None and self.edited:
             raise RuntimeError(
                 "the params' .grad were edited in place after zeroshard reduced them, and another backward now adds to them: "
@@ -281,18 +229,13 @@ class ShardGrads:
                 "backward of the step (accumulate micro-steps with opt.no_sync()), or use stage=2")
 
     def refuse_partial_write(self, i: int, changed: bool) -> None:
-        """Raise if a hook ``changed`` param ``i``'s gradient in a backward after one that reduced it in this step.
-
-        Raises:
-            RuntimeError: the hook saw this rank's gradient (stage 2: this backward's only);
-                under DDP it would have seen and changed the all-reduced sum, which no rank holds.
-        """
+        """Raise ``RuntimeError`` if a hook ``changed`` param ``i``'s gradient in a backward after one that reduced it in this step:
+        the hook saw this rank's gradient (stage 2: this backward's only), where DDP shows the all-reduced sum."""
         if self.continued[i] and changed:
             raise RuntimeError(
                 f"{self.shard.buffer.names[i]}: a post-accumulate-grad hook changed its gradient (or, registered before the optimizer, "
                 "may have) in a backward after one that reduced it in this step, so the hook saw this rank's gradient, not the "
-                "all-reduced sum DDP shows it. Accumulate micro-steps with opt.no_sync() (reduced once, at the last)"
-            )
+                "all-reduced sum DDP shows it. Accumulate micro-steps with opt.no_sync() (reduced once, at the last)")
 
     def hooked_before(self, i: int, param: nn.Parameter) -> bool:
         """Whether param ``i`` has post-accumulate-grad hooks registered before zeroshard's (they ran before it)."""
@@ -302,13 +245,10 @@ class ShardGrads:
     def follow_flat_writes(self, reduced: bool) -> None:
         """Stage 1: follow in-place writes to the params' ``.grad`` since zeroshard last wrote :attr:`flat`.
 
-        Zeroed (``zero_grad(set_to_none=False)``): every param with a ``.grad`` has a zero gradient,
-        which ``torch.optim`` steps, and what was already reduced is dropped. Any other write after
-        the gradients were reduced (``reduced``; ``torch.nn.utils.clip_grad_norm_`` clips by this
-        rank's unreduced norm) cannot be honoured: it raises.
+        Zeroed: every param with a ``.grad`` has a zero gradient, and what was already reduced is dropped.
 
         Raises:
-            RuntimeError: gradients written in place after they were reduced, not to zero.
+            RuntimeError: gradients written in place, not to zero, after they were ``reduced`` (a clip of this rank's own gradient).
         """
         if self.flat is None or self.flat._version == self.flat_version:
             return
@@ -317,12 +257,10 @@ class ShardGrads:
                 raise RuntimeError(
                     "the params' .grad were modified in place after zeroshard reduced them (torch.nn.utils.clip_grad_norm_ or a "
                     "framework's clipping?): under ZeRO stage 1 .grad holds this rank's own, unreduced gradient, so the change "
-                    "cannot be honoured. Clip with ShardedOptimizer(..., max_grad_norm=...) or opt.clip_grad_norm_(...)"
-                )
+                    "cannot be honoured. Clip with ShardedOptimizer(..., max_grad_norm=...) or opt.clip_grad_norm_(...)")
         else:
             self.shard.grad_shard.zero_()
-            for i, param in enumerate(self.shard.buffer.params):
-                self.used[i] = param.grad is not None
+            self.used[:] = [param.grad is not None for param in self.shard.buffer.params]
         self.flat_version = self.flat._version
 
     def settle_all(self) -> None:

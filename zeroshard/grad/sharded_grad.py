@@ -1,33 +1,7 @@
 """The ``.grad`` user code reads once zeroshard has reduced a backward: ``ShardedGrad`` and ``VirtualGrad``.
 
-See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for the grad shard.
-
-After a backward is reduced, a param's averaged gradient exists only as pieces in the grad shards
-of the shard group's ranks. DDP leaves that averaged gradient in ``.grad``; FSDP2 leaves a DTensor.
-zeroshard leaves a ``ShardedGrad``: a tensor of the param's shape and dtype with no storage of its
-own (one element, expanded) that answers torch's gradient code as DDP's averaged gradient would:
-
-* norms (``torch.linalg.vector_norm``, ``torch.norm``, ``Tensor.norm``, ``torch._foreach_norm``)
-  give the whole gradient's norm over every rank, as a :class:`~zeroshard.grad.partial_norm.PartialNorm`
-  reduced at the first read (a whole ``torch.nn.utils.clip_grad_norm_``: one all-reduce);
-* elementwise in-place edits (``mul_``, ``div_``, ``clamp_``, ``zero_``, ``nan_to_num_``, ``add_``,
-  ``copy_``, their ``_foreach`` forms, ...) with scalars, 0-dim tensors or tensors of the param's
-  shape edit this rank's pieces in the grad shard, which the step then uses;
-* ``full_tensor()`` (as DTensor's), and any other torch function that reads values (``isfinite``,
-  ``clone``, ``sum``, ``p.grad[0]``, ...), gathers the whole gradient first: one all-reduce of the
-  param's size, then the function runs on the gathered tensor;
-* ``.data`` and ``.detach()`` are the gradient itself; ``.to()`` to its own device and dtype too
-  (``model.to(...)``); an in-place function not listed raises, naming the param.
-
-Every value read is a collective over the shard group: all ranks must read alike (they do in
-clipping and logging code run on every rank; see ``docs/design.md``). Once ``step()`` has consumed
-the gradients, reads raise until the next backward is reduced; ``zero_()`` and setting ``.grad``
-to ``None`` are always allowed (``model.zero_grad()``), and the reducer follows both.
-
-A virtual param's ``.grad`` between steps is a ``VirtualGrad``: its piece of the grad shard itself,
-a plain local tensor for every torch function but norms (pending, summed over the ranks when norms
-of several are combined: clipping ``opt.param_groups``, as Lightning and Fabric do) and
-``GradScaler.unscale_`` (unscaled in place; the overflow is decided over every rank in ``step()``).
+What each answers to torch's gradient code, and which calls are collectives: docs/design.md, "Gradients that user code
+reads". See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for the grad shard.
 """
 
 from __future__ import annotations
@@ -40,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.compat import DisableTorchFunctionSubclass, foreach_norm, make_subclass
-from zeroshard.grad.partial_norm import SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_order
+from zeroshard.grad.partial_norm import SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_arguments, norm_order
 
 if TYPE_CHECKING:
     from zeroshard.grad.amp import GradScalerLink
@@ -89,16 +63,11 @@ class ShardedGrad(Tensor):
     """A model param's ``.grad`` after zeroshard reduced it: DDP's averaged gradient, held as pieces across the ranks.
 
     Shape and dtype of the param, one element of storage (stride 0, NaN). Made once per param by
-    :meth:`zeroshard.grad.shard_grads.ShardGrads.sharded_grad` and reused; see the module docstring for
-    what it answers and which calls are collectives.
-
-    Attributes:
-        home: the reducer's record of the shard (its grad shard, this param's pieces, whether they are live).
-        param_index: the param's index in its flat buffer (layout order).
+    :meth:`zeroshard.grad.shard_grads.ShardGrads.sharded_grad` and reused.
     """
 
-    home: GradHome
-    param_index: int
+    home: GradHome  # the reducer's record of the shard (its grad shard, this param's pieces, whether they are live)
+    param_index: int  # the param's index in its flat buffer (layout order)
     placeholder: int  # the data pointer of its one element: ``Tensor.set_`` (which no torch function sees) changes it
 
     @property
@@ -129,12 +98,10 @@ class ShardedGrad(Tensor):
     def full_tensor(self) -> Tensor:
         """The whole averaged gradient as a plain tensor of the param's shape and dtype (DTensor's name).
 
-        A collective over the shard group: one all-reduce of the param's size (each rank adds its
-        pieces into zeros). Call it on every rank.
+        A collective over the shard group, to call on every rank: one all-reduce of the param's size (each rank adds its pieces into zeros).
 
         Raises:
-            RuntimeError: the gradient was consumed by ``step()``; with ``collective_timeout_s``, a
-                rank did not join in time.
+            RuntimeError: the gradient was consumed by ``step()``; with ``collective_timeout_s``, a rank did not join in time.
         """
         self._check_live("full_tensor")
         grad_shard = self.home.shard.grad_shard
@@ -150,17 +117,17 @@ class ShardedGrad(Tensor):
         clip sees DDP's numbers bit for bit; a param spread over slices, this rank's power sum of its pieces."""
         self._check_live("norm")
         pieces = [piece for _, piece in self.local_pieces()]
-        if not self.home.whole[self.param_index]:
+        exact = self.home.whole[self.param_index]
+        if not exact:
             local = local_power_sum(pieces or [self.home.shard.grad_shard[:0]], ord).reshape(1)
-            return PartialNorm.make(local, torch.zeros_like(local), [SHARDED], ord, self.home.comm, dtype or self.dtype, self.device)
-        local = torch.zeros(1, dtype=torch.float64, device=self.home.shard.grad_shard.device)
-        if pieces:  # this rank holds the whole gradient (values of the param dtype: reduced in it)
-            whole = pieces[0].view(tuple(self.shape)).to(self.dtype)
-            with DisableTorchFunctionSubclass():
-                value = foreach_norm([whole], ord, dtype=dtype)[0] if foreach else torch.linalg.vector_norm(whole, ord, dtype=dtype)
-            local[0] = value.to(torch.float64)
-        return PartialNorm.make(local, torch.zeros_like(local), [SHARDED], ord, self.home.comm, dtype or self.dtype, self.device,
-                                exact=[True])
+        else:
+            local = torch.zeros(1, dtype=torch.float64, device=self.home.shard.grad_shard.device)
+            if pieces:  # this rank holds the whole gradient (values of the param dtype: reduced in it)
+                whole = pieces[0].view(tuple(self.shape)).to(self.dtype)
+                with DisableTorchFunctionSubclass():
+                    value = foreach_norm([whole], ord, dtype=dtype)[0] if foreach else torch.linalg.vector_norm(whole, ord, dtype=dtype)
+                local[0] = value.to(torch.float64)
+        return PartialNorm.make(local, torch.zeros_like(local), [SHARDED], ord, self.home.comm, dtype or self.dtype, self.device, exact=[exact])
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -187,7 +154,7 @@ class ShardedGrad(Tensor):
             if name == "detach" or (name in _CONVERSIONS and _converts_to_itself(self, func, args[1:], kwargs)):
                 return self
             if name in _NORMS:
-                ord, dim, dtype = _norm_arguments(args[1:], kwargs)
+                ord, dim, dtype = norm_arguments(args[1:], kwargs)
                 if dim is None and not kwargs.get("keepdim", args[3] if len(args) > 3 else False) and _vector_norm(name, ord, self):
                     return self._norm(norm_order(ord), dtype)
             elif name in _INPLACE:
@@ -225,30 +192,23 @@ class ShardedGrad(Tensor):
 class VirtualGrad(Tensor):
     """A virtual param's ``.grad`` between steps: its piece of the grad shard, with norms reduced over the ranks when combined.
 
-    Shares storage with the grad shard (1-D master dtype, or shaped like the param with
-    ``partition="param"``): every torch function runs on it as on a plain tensor, except norms
-    (:class:`~zeroshard.grad.partial_norm.PartialNorm`: local alone, reduced when norms of several are
-    combined, as clipping ``opt.param_groups`` does) and ``GradScaler.unscale_`` (unscaled in
-    place; its ``found_inf`` flags get every rank's answer at ``step()``).
-
-    Attributes:
-        comm: where the other ranks' pieces are.
-        amp_link: the optimizer's :class:`~zeroshard.grad.amp.GradScalerLink`.
+    Shares storage with the grad shard (1-D master dtype, or shaped like the param with ``partition="param"``): every torch
+    function runs on it as on a plain tensor, except norms (:class:`~zeroshard.grad.partial_norm.PartialNorm`) and
+    ``GradScaler.unscale_`` (unscaled in place; its ``found_inf`` flags get every rank's answer at ``step()``).
     """
 
-    comm: GradComm
+    comm: GradComm  # where the other ranks' pieces are
     space: ParamSpace
     slot: int  # its param's torch.optim index in ``space``
-    amp_link: GradScalerLink | None = None
+    amp_link: GradScalerLink | None = None  # the optimizer's (zeroshard/grad/amp.py)
     elsewhere: str = ""  # the param's name when the piece is on another device than the virtual param (offload on CUDA)
 
     @staticmethod
     def of(piece: Tensor, comm: GradComm, space: ParamSpace, slot: int, vparam: Tensor, name: str) -> VirtualGrad:
         """A ``VirtualGrad`` sharing ``piece`` 's storage, for ``vparam`` (param ``name``, index ``slot`` of the optimizer's ``space``).
 
-        A virtual param in host memory (offload) with its piece on the GPU gets a placeholder of its
-        device that refuses every torch function but metadata instead: ``.grad`` must be on the param's device.
-        """
+        A ``vparam`` in host memory (offload) with its piece on the GPU gets instead a placeholder on its own device (``.grad``
+        must be on the param's) that refuses every torch function but metadata."""
         if piece.device == vparam.device:
             grad = make_subclass(VirtualGrad, piece)
         else:
@@ -267,7 +227,7 @@ class VirtualGrad(Tensor):
                                "cannot run on its .grad; clip with ShardedOptimizer(..., max_grad_norm=...) or torch.nn.utils.clip_grad_norm_ "
                                "over the model's params")
         if name in _NORMS and args and isinstance(args[0], VirtualGrad):
-            ord, dim, dtype = _norm_arguments(args[1:], kwargs)
+            ord, dim, dtype = norm_arguments(args[1:], kwargs)
             if dim is None and _vector_norm(name, ord, args[0]):
                 return _virtual_norm(args[0], norm_order(ord), dtype)
         if name == "_foreach_norm" and args:
@@ -334,11 +294,8 @@ def _sliced(value: Any, grad: ShardedGrad, offset: int, numel: int) -> Any:
 
 
 def _gathered(value: Any, edited: ShardedGrad | None = None) -> Any:
-    """``value`` with every ``ShardedGrad`` (also inside lists) replaced by its gathered full tensor (a collective each).
-
-    Raises:
-        RuntimeError: ``value`` holds ``edited`` itself: an in-place edit reading the gradient it edits.
-    """
+    """``value`` with every ``ShardedGrad`` (also inside lists) replaced by its gathered full tensor (a collective each); raises
+    ``RuntimeError`` where it holds ``edited`` itself (an in-place edit reading the gradient it edits)."""
     if edited is not None and value is edited:
         raise RuntimeError(f"{edited.param_name}: an in-place edit reading the gradient itself is not supported on sharded gradients; "
                            "gather it with p.grad.full_tensor()")
@@ -347,13 +304,6 @@ def _gathered(value: Any, edited: ShardedGrad | None = None) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_gathered(v, edited) for v in value)
     return value
-
-
-def _norm_arguments(args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, torch.dtype | None]:
-    """``(ord, dim, dtype)`` of ``vector_norm(x, ord, dim, keepdim, dtype=)``, ``norm(x, p, dim, keepdim, dtype=)`` or ``Tensor.norm``."""
-    ord = kwargs.get("ord", kwargs.get("p", args[0] if args else 2.0))
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    return ord, dim, kwargs.get("dtype")
 
 
 def _vector_norm(name: str, ord: Any, grad: Tensor) -> bool:
@@ -377,10 +327,9 @@ def make_sharded_grad(param: nn.Parameter, home: GradHome, index: int) -> Sharde
 
 
 def bind_virtual_grads(shard: LocalShard, comm: GradComm, space: ParamSpace) -> None:
-    """Give each virtual param of ``shard`` its between-step ``.grad``: a ``VirtualGrad`` over its piece of the grad shard, norms reduced over ``comm``.
+    """Give each virtual param of ``shard`` its between-step ``.grad``: a ``VirtualGrad`` over its piece, norms reduced over ``comm``.
 
-    ``space`` numbers the optimizer's params (the shard's ``param_indices``); it grows to hold them.
-    """
+    ``space`` numbers the optimizer's params (the shard's ``param_indices``); it grows to hold them."""
     space.size = max([space.size, *(i + 1 for i in shard.param_indices)])
     shard.idle_grads = [VirtualGrad.of(shard.grad_shard[p.shard_offset : p.shard_offset + p.numel].view(v.shape), comm, space,
                                        shard.param_indices[p.param], v, shard.buffer.names[p.param])

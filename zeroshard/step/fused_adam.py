@@ -1,21 +1,8 @@
 """The fused Adam/AdamW update over this rank's chunks: the math as free functions, one class to orchestrate.
 
-See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for chunks, masters and shards.
-
-For ``torch.optim.Adam`` and ``AdamW`` without ``amsgrad``, ``capturable`` or ``differentiable``,
-``exp_avg`` and ``exp_avg_sq`` live in one flat buffer per chunk (:class:`~zeroshard.layout.chunk.Chunk`,
-this rank's slice of one bucket) in the master dtype (fp32; fp64 for fp64 params), and the
-wrapped optimizer's ``state[virtual_param]`` entries are views of them — so ``state_dict()``,
-checkpoints and LR schedulers see ordinary ``torch.optim`` state while the update runs over whole
-runs of pieces. A :class:`Run` is a maximal sequence of adjacent pieces of one chunk that got a
-gradient and share a step count (on CPU, also: each piece starts a whole number of 64-byte cache
-lines into the run; see :meth:`FusedAdam._runs`).
-
-Chunks on the device take :func:`device_adam`: :func:`zeroshard.kernels.fused_adamw_` on CUDA
-(16-bit params receive the cast of the updated master in the same pass) and torch's own
-functional Adam/AdamW elsewhere (the ``foreach``/``fused`` implementation the user configured).
-Chunks in host memory (``offload="cpu"``) take torch's fused CPU Adam/AdamW kernel
-(:func:`host_adam`) chunk by chunk, between the copies of :class:`~zeroshard.offload.pipeline.OffloadPipeline`.
+The moments live in one flat buffer per chunk, the wrapped optimizer's state entries are views of them, and the update runs
+over whole runs of pieces: :func:`device_adam` on the device, :func:`host_adam` for chunks in host memory. See docs/numerics.md,
+"One step", docs/offload.md, and [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for chunks and runs.
 """
 
 from __future__ import annotations
@@ -41,24 +28,16 @@ from zeroshard.offload.tracer import MemoryTracer
 
 
 class Run(NamedTuple):
-    """1-D views of one run of adjacent pieces of one chunk, all of the same length.
+    """1-D views of one run of adjacent pieces of one chunk, all of the same length (master dtype but ``param_out``)."""
 
-    Attributes:
-        param: the master weights (master dtype), updated in place.
-        grad: the gradient (master dtype): the grad shard's, or the chunk's host copy.
-        exp_avg, exp_avg_sq: the chunk's moments (master dtype), updated in place.
-        param_out: the flat param buffer's elements (16-bit) to receive the cast of the updated
-            master, or ``None`` (fp32 params, whose buffer is ``param``; host chunks, copied back
-            by the offload pipeline).
-        step: the pieces' step number after this update (>= 1).
-    """
-
-    param: Tensor
-    grad: Tensor
-    exp_avg: Tensor
+    param: Tensor  # the master weights, updated in place
+    grad: Tensor  # the gradient: the grad shard's, or the chunk's host copy
+    exp_avg: Tensor  # the chunk's moments, updated in place
     exp_avg_sq: Tensor
+    # the flat param buffer's elements (16-bit) to receive the cast of the updated master, or None (fp32 params, whose buffer is
+    # param; host chunks, copied back by the offload pipeline)
     param_out: Tensor | None
-    step: int
+    step: int  # the pieces' step number after this update (>= 1)
 
 
 def fused_adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
@@ -75,15 +54,8 @@ def fused_adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 def functional_adam(runs: list[Run], group: dict, adamw: bool, foreach: bool | None, fused: bool | None) -> None:
-    """torch's functional Adam/AdamW over ``runs`` in place, one call per step count.
-
-    Args:
-        runs: the runs, all on one device.
-        group: the param group's hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``,
-            ``maximize``).
-        adamw: decoupled weight decay (AdamW) instead of L2 (Adam).
-        foreach, fused: torch's implementation flags, as the user configured them.
-    """
+    """torch's functional Adam/AdamW (``adamw``: decoupled weight decay) over ``runs`` (on one device) in place, one call per
+    step count, with the param ``group``'s hyperparameters and torch's implementation flags as the user configured them."""
     for step in sorted({run.step for run in runs}):
         batch = [run for run in runs if run.step == step]
         (torch_functional_adamw if adamw else torch_functional_adam)(
@@ -99,22 +71,13 @@ def functional_adam(runs: list[Run], group: dict, adamw: bool, foreach: bool | N
 def host_adam(runs: list[Run], group: dict, adamw: bool, grad_scale: Tensor | None = None) -> None:
     """torch's fused CPU Adam/AdamW kernel over ``runs`` (host memory) in place, in one call.
 
-    ``torch._fused_adamw_``/``torch._fused_adam_`` is the kernel that ``AdamW(fused=True).step()``
-    (and :func:`functional_adam` with ``fused=True``) ends in; called here with the same
-    arguments, so the results are bitwise equal. Called directly, it skips the functional
-    wrapper's work per call (argument checks, grouping by device and dtype, a step tensor per run
-    and their increment): about 15 µs per chunk, 100 µs under the profiler (measured on 2 AMD EPYC
-    cores). Runs of different step counts share the call: the kernel reads each run's step on its own.
-
-    Args:
-        runs: the runs of one host chunk (master dtype, contiguous 1-D views).
-        group: the param group's hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``,
-            ``maximize``); ``lr`` and ``betas`` are floats (see :func:`fused_adam_kind`).
-        adamw: decoupled weight decay (AdamW) instead of L2 (Adam).
-        grad_scale: 1-element fp32 tensor the gradients are divided by as they are read, or ``None``.
+    ``torch._fused_adamw_``/``torch._fused_adam_`` is the kernel ``AdamW(fused=True).step()`` ends in, called with the same
+    arguments, so the results are bitwise equal; called directly, it skips the functional wrapper's work per call (about
+    15 µs per chunk, measured on 2 AMD EPYC cores). Runs of different step counts share the call. ``group``: as for
+    :func:`functional_adam` (``lr`` and ``betas`` floats); ``grad_scale``: a 1-element fp32 tensor the gradients are divided
+    by as they are read, or ``None``.
     """
-    # 0-D fp32 step tensors, one per step count, holding the step after this update: torch's
-    # optimizer increments its state["step"] to that value just before the same call.
+    # 0-D fp32 step tensors, one per step count, holding the step after this update (as torch's state["step"] at the call).
     steps = {step: torch.scalar_tensor(float(step), dtype=torch.float32) for step in {run.step for run in runs}}
     (compat.fused_adamw_ if adamw else compat.fused_adam_)(
         [r.param for r in runs], [r.grad for r in runs], [r.exp_avg for r in runs], [r.exp_avg_sq for r in runs], [],
@@ -127,14 +90,11 @@ def device_adam(runs: list[Run], group: dict, multiplier: float | Tensor, adamw:
                 found_inf: Tensor | None = None) -> None:
     """One Adam/AdamW step in place over ``runs`` on ``device``, the gradients multiplied by ``multiplier``.
 
-    CUDA: :func:`~zeroshard.kernels.fused_adamw_` per run, ``param_out`` written in the same pass
-    (launched asynchronously). Elsewhere, and for fp64: the gradients are multiplied in place (they are
-    consumed), then torch's functional Adam/AdamW runs with the group's ``foreach``/``fused``
-    flags, and ``param_out`` receives the cast of the updated master.
-
-    ``multiplier`` may be a 1-element fp32 device tensor and ``found_inf`` a 1-element fp32 device
-    flag (non-zero: leave everything untouched), as :func:`takes_device_scalars` allows: then
-    nothing is read back to the host.
+    CUDA: :func:`~zeroshard.kernels.fused_adamw_` per run, ``param_out`` written in the same pass. Elsewhere, and for fp64:
+    the gradients are multiplied in place (they are consumed), then :func:`functional_adam` runs with the group's
+    ``foreach``/``fused`` flags, and ``param_out`` receives the cast of the updated master. Where
+    :func:`takes_device_scalars`, ``multiplier`` may be a 1-element fp32 device tensor and ``found_inf`` a 1-element fp32
+    device flag (non-zero: leave everything untouched): then nothing is read back to the host.
     """
     fp64 = bool(runs) and runs[0].grad.dtype == torch.float64  # (one shard's runs share a dtype)
     grad_scale = multiplier if isinstance(multiplier, Tensor) else (
@@ -174,8 +134,7 @@ def _kernel_backend(device: torch.device, fp64: bool) -> str | None:
 
 
 def takes_device_scalars(shards: list[LocalShard]) -> bool:
-    """Whether every chunk's update runs the Triton kernel, which reads the gradient multiplier
-    and the overflow flag from the device: every chunk on the device (none offloaded), not fp64."""
+    """Whether every chunk's update runs the Triton kernel, which reads the multiplier and the overflow flag from the device."""
     return all(not chunk.on_host and _kernel_backend(chunk.device, chunk.grad.dtype == torch.float64) is not None
                for shard in shards for chunk in shard.chunks)
 
@@ -183,13 +142,8 @@ def takes_device_scalars(shards: list[LocalShard]) -> bool:
 class FusedAdam:
     """The fused update of every chunk, and the binding of the wrapped optimizer's state to the chunks' moments.
 
-    The moments themselves belong to the chunks (:attr:`~zeroshard.layout.chunk.Chunk.exp_avg`,
-    :attr:`~zeroshard.layout.chunk.Chunk.exp_avg_sq`); this class allocates them on first use, keeps
-    each piece's ``state["exp_avg"]``/``state["exp_avg_sq"]`` a view of them, and runs the update.
-
-    Args:
-        optimizer: the wrapped ``torch.optim.Adam``/``AdamW``.
-        kind: ``"adam"`` or ``"adamw"`` (see :func:`fused_adam_kind`).
+    The moments belong to the chunks; this class allocates them on first use, keeps each piece's ``state["exp_avg"]`` and
+    ``state["exp_avg_sq"]`` a view of them, and runs the update of the wrapped ``optimizer`` (``kind``: :func:`fused_adam_kind`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, kind: str) -> None:
@@ -198,18 +152,14 @@ class FusedAdam:
         self._pipeline = OffloadPipeline()
         self.placement: Placement | None = None  # where place_once put the chunks
         self._margin: tuple[MemoryTracer, float, torch.device] | None = None  # (tracer, ratio, device) until place_once
-        # id(virtual param) -> (its state, its chunk's exp_avg and exp_avg_sq, the addresses of the state's views) as bind()
-        # left them: the same state and moments, and the state's tensors still at those addresses, mean the views are in place
-        # (the old check without its address arithmetic; a virtual param lives as long as its chunk, so as this object)
+        # id(virtual param) -> (its state, its chunk's exp_avg and exp_avg_sq, the addresses of the state's views) as bind() left
+        # them: all unchanged means the views are in place (a virtual param lives as long as its chunk, so as this object)
         self._bound: dict[int, tuple[dict, Tensor | None, Tensor | None, int, int]] = {}
 
     @torch.no_grad()
     def bind(self, shards: list[LocalShard]) -> None:
-        """Allocate every chunk's moments where missing; make each piece's state a view of them.
-
-        A state entry that is not yet such a view (fresh from ``load_state_dict``, or left behind
-        by a chunk that moved) is copied into the chunk's moments and replaced by the view.
-        """
+        """Allocate every chunk's moments where missing; make each piece's state a view of them (copying a state entry that is
+        not yet one, fresh from ``load_state_dict`` or left behind by a chunk that moved, into the moments)."""
         for shard in shards:
             for chunk in shard.chunks:
                 chunk.allocate_moments()
@@ -237,39 +187,31 @@ class FusedAdam:
         weakref.finalize(self, tracer.cancel)  # dropped before its first step: stop sampling
         self._margin = (tracer, ratio, device)
 
+    @torch.no_grad()
     def place_once(self, shards: list[LocalShard], model_data_bytes: Callable[[], int]) -> Placement | None:
-        """At the first step after :meth:`start_margin_trace`: end its tracer and :meth:`place` (``model_data_bytes()``: what the optimizer owns on the device).
+        """At the first step after :meth:`start_margin_trace`: end its tracer and move ``ratio`` of the measured margin's worth of
+        chunks to the device (:func:`~zeroshard.offload.placement.place_chunks`; ``model_data_bytes()``: what the optimizer owns there).
 
-        Returns the new :attr:`placement`, or ``None`` when there is nothing to place (no margin measured, or placed already).
+        Masters are refreshed first (params loaded or written since construction reach them) and every chunk gets its moments
+        before it moves. Returns the new :attr:`placement`, or ``None`` when there is nothing to place (no margin measured, or placed already).
         """
         if self._margin is None:
             return None
         tracer, ratio, device = self._margin
         self._margin = None
         tracer.stop()
-        self.placement = self.place(shards, tracer, model_data_bytes(), ratio, device)
-        return self.placement
-
-    @torch.no_grad()
-    def place(self, shards: list[LocalShard], tracer: MemoryTracer, model_data_bytes: int, ratio: float, device: torch.device) -> Placement:
-        """Move ``ratio`` of the measured margin's worth of chunks to ``device`` (see :func:`~zeroshard.offload.placement.place_chunks`).
-
-        Masters are refreshed first (params loaded or written since construction reach them) and
-        every chunk gets its moments before it moves; afterwards the state entries are views of
-        the moved moments.
-        """
+        data_bytes = model_data_bytes()
         for shard in shards:
             shard.refresh_master()
         self.bind(shards)
-        placement = place_chunks(chunks_of(shards), tracer, model_data_bytes, ratio, device)
+        self.placement = place_chunks(chunks_of(shards), tracer, data_bytes, ratio, device)
         self.bind(shards)
-        return placement
+        return self.placement
 
     @torch.no_grad()
     def load(self, shards: list[LocalShard]) -> None:
-        """Take the state the wrapped optimizer has just loaded: every moment buffer is zeroed and
-        each loaded piece's state copied in, so pieces without loaded state start from zero, as
-        in a freshly built optimizer (not from the moments they had before the load)."""
+        """Take the state the wrapped optimizer has just loaded: every moment buffer is zeroed and each loaded piece's state
+        copied in, so pieces without loaded state start from zero, as in a freshly built optimizer."""
         for chunk in chunks_of(shards):
             if chunk.exp_avg is not None and chunk.exp_avg_sq is not None:
                 chunk.exp_avg.zero_()
@@ -280,20 +222,17 @@ class FusedAdam:
     def step(self, shards: list[LocalShard], steps: list[list[int]], multiplier: float | Tensor, found_inf: Tensor | None = None) -> None:
         """Update every used piece of every shard; afterwards each chunk's slice of the flat param buffer holds its updated params.
 
-        Unused pieces and their state stay untouched. The host chunks' gradient copies are
-        queued first, then the device chunks' updates launched (on CUDA they run while the host
-        works), then the host chunks take the CPU update one by one between their copies. On
-        CUDA the current stream is ordered after all of it, so the all-gathers the caller queues
-        next read the updated params.
+        Unused pieces and their state stay untouched. The host chunks' gradient copies are queued first, then the device
+        chunks' updates launched, then the host chunks take the CPU update one by one between their copies (docs/offload.md).
 
         Args:
             shards: this rank's shards (each knows its param group, whose hyperparameters apply).
-            steps: per shard, per param: its step number after this update (the optimizer's
-                replicated host count), or 0 when it got no gradient on any rank.
-            multiplier: what the gradients are multiplied by (``1/loss_scale`` times the clip
-                coefficient), folded into the update; a device tensor only with ``found_inf``.
-            found_inf: the device's overflow flag (non-zero: the update leaves everything
-                untouched), where :func:`takes_device_scalars`; else ``None``.
+            steps: per shard, per param: its step number after this update (the optimizer's replicated host count), or 0
+                when it got no gradient on any rank.
+            multiplier: what the gradients are multiplied by (``1/loss_scale`` times the clip coefficient), folded into the
+                update; a device tensor only with ``found_inf``.
+            found_inf: the device's overflow flag (non-zero: the update leaves everything untouched), where
+                :func:`takes_device_scalars`; else ``None``.
         """
         device_runs: dict[int, list[Run]] = defaultdict(list)  # per shard
         host_runs: dict[Chunk, list[Run]] = defaultdict(list)  # per host chunk, in layout order
@@ -325,8 +264,7 @@ class FusedAdam:
 
     @torch.no_grad()
     def undo_step_counts(self, shards: list[LocalShard], steps: list[list[int]]) -> None:
-        """After an update the device skipped (overflow): each piece stepped to ``steps`` (as given
-        to :meth:`step`) gets ``state["step"]`` back to one less."""
+        """After an update the device skipped (overflow): each piece stepped to ``steps`` (as given to :meth:`step`) gets one less."""
         for shard, shard_steps in zip(shards, steps):
             for chunk in shard.chunks:
                 for piece, vparam in zip(chunk.pieces, chunk.virtual_params):
@@ -336,16 +274,10 @@ class FusedAdam:
     def _runs(self, chunk: Chunk, steps: list[int]) -> Iterator[Run]:
         """The runs of ``chunk``; records the new step of every used piece in its state.
 
-        Steps come from the host counts in ``steps`` (per param of the shard), never from
-        reading ``state["step"]`` (which torch may keep on the device): no host-device
-        synchronization per piece. A host chunk's runs read its host gradient copy (allocated here).
-
-        On CPU, torch's fused Adam kernel runs a tensor's last ``numel % W`` elements (``W``: its
-        vector width, at most one 64-byte cache line) through a scalar tail loop, which can round
-        ``exp_avg_sq`` differently from the vector body. So a piece joins a run only where the run
-        so far is a whole number of cache lines: each element then takes the path it takes in
-        torch's own per-param step, and a whole param's update is bitwise torch's. (CUDA chunks
-        take zeroshard's Triton kernel, the same code for every element: no such limit.)
+        Steps come from the host counts in ``steps`` (per param of the shard), never from ``state["step"]`` (which torch may
+        keep on the device). A host chunk's runs read its host gradient copy (allocated here). On CPU a piece joins a run only
+        where the run so far is a whole number of 64-byte cache lines, so that each element takes the path (vector body or
+        scalar tail loop) it takes in torch's own per-param fused step: see docs/numerics.md, "What is bitwise".
         """
         unit = 64 // chunk.master_dtype.itemsize if chunk.device.type == "cpu" else 1  # elements per cache line
         start: int | None = None  # the current run's first piece
@@ -353,10 +285,13 @@ class FusedAdam:
         counts: dict[int, list[Tensor]] = defaultdict(list)  # step -> the state["step"] tensors to set to it
         for i, (piece, vparam) in enumerate(zip(chunk.pieces, chunk.virtual_params)):
             step = steps[piece.param]
-            if not step:
-                if start is not None:
+            if start is not None:  # the run ends unless this piece is used, follows it and starts on a cache line
+                previous = chunk.pieces[i - 1]
+                if step != run_step or previous.shard_offset + previous.numel != piece.shard_offset \
+                        or (piece.shard_offset - chunk.pieces[start].shard_offset) % unit:
                     yield self._run(chunk, start, i, run_step)
-                start = None
+                    start = None
+            if not step:
                 continue
             state = self.optimizer.state[vparam]
             if not state:
@@ -364,11 +299,6 @@ class FusedAdam:
                 state["exp_avg"] = chunk.shaped(piece, chunk.exp_avg)
                 state["exp_avg_sq"] = chunk.shaped(piece, chunk.exp_avg_sq)
             counts[step].append(state["step"])
-            joins = (start is not None and chunk.pieces[i - 1].shard_offset + chunk.pieces[i - 1].numel == piece.shard_offset
-                     and (piece.shard_offset - chunk.pieces[start].shard_offset) % unit == 0)
-            if start is not None and (step != run_step or not joins):
-                yield self._run(chunk, start, i, run_step)
-                start = None
             if start is None:
                 start, run_step = i, step
         for step, tensors in counts.items():  # one operator per step count, not one per piece

@@ -1,16 +1,8 @@
-"""The global gradient norm, the overflow check and "which params got a gradient", in one all-reduce.
+"""The global gradient norm, the overflow check and "which params got a gradient", in one all-reduce (docs/numerics.md, "One step").
 
-See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for the grad shard.
-
-Every rank computes the sum of squares of its grad shards (padding is zero, and a tied param
-lives in one flat-buffer slot, so each element of each param counts once) and sends it with one
-flag per param in one SUM all-reduce over the shard group. With hybrid sharding the replicas hold
-identical grad shards, so only replica 0 contributes its sum to the second all-reduce (over the
-replicate group) while every replica contributes its flags. An inf or NaN anywhere makes the sum
-non-finite: that is the overflow check (as in ZeRO's and Megatron's ``found_inf``). The infinity
-norm sends a count of non-finite shards in the sum's place, and takes its value from a MAX
-all-reduce of the largest magnitude: the overflow check never rests on MAX, which gloo computes
-with ``std::max`` and so drops a NaN unless rank 0 holds it.
+An inf or NaN anywhere makes the sum of squares non-finite: that is the overflow check (ZeRO's and Megatron's ``found_inf``).
+The infinity norm sends a count of non-finite shards in the sum's place and takes its value from a MAX all-reduce: the
+overflow check never rests on MAX, which gloo computes with ``std::max`` and so drops a NaN unless rank 0 holds it.
 """
 
 from __future__ import annotations
@@ -33,23 +25,15 @@ NORM_TYPES = (2.0, math.inf)
 
 @dataclass(frozen=True)
 class GradStats:
-    """What one step needs to know about the reduced gradients of all ranks.
+    """What one step needs to know about the reduced gradients of all ranks."""
 
-    Attributes:
-        norm: the global norm (of the ``norm_type`` asked for) of the gradients as they sit in
-            the grad shards (still multiplied by the loss scale, if any); inf or NaN on overflow.
-        used: per shard, per param: whether the param got a gradient on some rank.
-        dtype: the norm's dtype, as ``torch.nn.utils.clip_grad_norm_`` returns it: fp64 when any
-            grad shard is fp64 (fp64 params), else fp32.
-        clip_norm: the norm the clip coefficient and ``grad_norm`` take when it is not ``norm``
-            (scaled alike): the norm over several optimizers' params that
-            ``zeroshard.clip_grad_norm_`` gathered for one driven by a ``torch.amp.GradScaler``,
-            while its own ``norm`` decides whether it skips (zeroshard/clip.py).
-    """
-
+    # the global norm (of the norm_type asked for) of the gradients as they sit in the grad shards (still multiplied by the loss
+    # scale, if any); inf or NaN on overflow
     norm: float
-    used: list[list[bool]]
-    dtype: torch.dtype = torch.float32
+    used: list[list[bool]]  # per shard, per param: whether the param got a gradient on some rank
+    dtype: torch.dtype = torch.float32  # as torch.nn.utils.clip_grad_norm_ returns it: fp64 when any grad shard is fp64, else fp32
+    # the norm the clip coefficient and grad_norm take instead of norm (scaled alike): the joint norm of zeroshard.clip_grad_norm_
+    # for an optimizer under a torch.amp.GradScaler, whose own norm decides the skip
     clip_norm: float | None = None
 
     @property
@@ -65,18 +49,9 @@ class GradStats:
 
 def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0,
                       timeout: datetime.timedelta | None = None, caller: str = "step()") -> ReducedStats:
-    """Reduce this rank's sum of squares (or max magnitude) and used-flags over every data-parallel rank.
-
-    Reads nothing back to the host: :meth:`ReducedStats.read` does (the step's one host sync), or
-    :meth:`ReducedStats.norm` keeps the norm on the device.
-
-    Args:
-        shards: this rank's shards, their grad shards already reduced.
-        local_used: per shard, per param: whether it got a gradient on this rank.
-        groups: the shard group and, for hybrid sharding, the replicate group.
-        norm_type: 2.0 or ``math.inf``.
-        timeout: the bound on each all-reduce (see :func:`zeroshard.comm.collectives.wait`), or ``None``.
-        caller: the public method this runs for, named in a timeout error.
+    """Reduce this rank's sum of squares (or max magnitude) and used-flags (``local_used``: per shard, per param) over every
+    data-parallel rank. Reads nothing back to the host: :meth:`ReducedStats.read` does (the step's one host sync), or
+    :meth:`ReducedStats.norm` keeps the norm on the device. ``caller`` is named in a timeout error.
 
     Raises:
         ValueError: another ``norm_type``.
@@ -114,9 +89,8 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
 
 @dataclass(frozen=True)
 class ReducedStats:
-    """The all-reduced statistics, still on the device: ``both`` is ``[sum of squares (inf norm: the
-    count of non-finite shards), one used-flag per param...]`` in ``dtype``; ``local`` the inf norm's
-    all-reduced largest magnitude (0-dim), or this rank's sum of squares."""
+    """The all-reduced statistics, still on the device: ``both`` is ``[sum of squares (inf norm: the count of non-finite shards),
+    one used-flag per param...]`` in ``dtype``; ``local`` the inf norm's all-reduced largest magnitude (0-dim), or this rank's sum of squares."""
 
     both: Tensor
     local: Tensor
@@ -146,10 +120,9 @@ class ReducedStats:
             norm = math.sqrt(values[0]) if math.isfinite(values[0]) else values[0]
         else:
             norm = float(self.local) if values[0] == 0 else math.nan
-        flat = values[1:]
-        used, start = [], 0
+        used, start = [], 1  # values[0]: the norm's
         for per_shard in self.local_used:
-            used.append([v > 0 for v in flat[start : start + len(per_shard)]])
+            used.append([v > 0 for v in values[start : start + len(per_shard)]])
             start += len(per_shard)
         return GradStats(norm, used, self.dtype)
 

@@ -1,11 +1,4 @@
-"""``DynamicLossScaler``: the loss scale for fp16 training, grown while steps are finite, backed off on overflow.
-
-Follows ColossalAI's ``DynamicGradScaler`` and Megatron-LM's ``DynamicGradScaler`` (growth
-interval with hysteresis), with ``torch.amp.GradScaler``'s names (``growth_factor``,
-``backoff_factor``, ``growth_interval``). Like ``torch.amp.GradScaler`` on CUDA, its state can live
-on the device (:meth:`DynamicLossScaler.to_device`), updated there from a device overflow flag, so
-a step that keeps its overflow decision on the device never waits for it.
-"""
+"""``DynamicLossScaler``: the loss scale for fp16 training, and the log of skipped steps (docs/numerics.md, "Loss scaling")."""
 
 from __future__ import annotations
 
@@ -22,10 +15,11 @@ logger = logging.getLogger("zeroshard")
 class DynamicLossScaler:
     """A loss scale that doubles after ``growth_interval`` finite steps and halves on overflow.
 
-    On an overflow the step is skipped and ``hysteresis`` counts down; when it reaches zero the
-    scale is multiplied by ``backoff_factor`` (not below ``min_scale``), and every further overflow
-    backs off again until a growth resets the count. After ``growth_interval`` consecutive finite
-    steps the scale is multiplied by ``growth_factor`` (not above ``max_scale``).
+    On an overflow the step is skipped and ``hysteresis`` counts down; when it reaches zero the scale is multiplied by
+    ``backoff_factor`` (not below ``min_scale``), and every further overflow backs off again until a growth resets the count.
+    After ``growth_interval`` consecutive finite steps the scale is multiplied by ``growth_factor`` (not above ``max_scale``).
+    This follows ColossalAI's and Megatron-LM's ``DynamicGradScaler``, with ``torch.amp.GradScaler``'s names. Like a
+    ``GradScaler`` on CUDA, its state can live on the device (:meth:`to_device`), updated there from a device overflow flag.
 
     Args:
         initial_scale: the first scale (> 0).
@@ -39,29 +33,19 @@ class DynamicLossScaler:
         ValueError: an argument outside its range, named with its value.
     """
 
-    def __init__(
-        self,
-        initial_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
-    ) -> None:
-        checks = {
-            "growth_factor": growth_factor > 1,
-            "backoff_factor": 0 < backoff_factor < 1,
-            "growth_interval": isinstance(growth_interval, int) and growth_interval >= 1,
-            "hysteresis": isinstance(hysteresis, int) and hysteresis >= 1,
-            "min_scale": 0 < min_scale <= initial_scale,
-            "max_scale": initial_scale <= max_scale,
+    def __init__(self, initial_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 1000,
+                 hysteresis: int = 2, min_scale: float = 1.0, max_scale: float = 2.0**24) -> None:
+        checks = {  # name: (value, in range)
+            "growth_factor": (growth_factor, growth_factor > 1),
+            "backoff_factor": (backoff_factor, 0 < backoff_factor < 1),
+            "growth_interval": (growth_interval, isinstance(growth_interval, int) and growth_interval >= 1),
+            "hysteresis": (hysteresis, isinstance(hysteresis, int) and hysteresis >= 1),
+            "min_scale": (min_scale, 0 < min_scale <= initial_scale),
+            "max_scale": (max_scale, initial_scale <= max_scale),
         }
-        values = dict(growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
-                      hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale)
-        for name, ok in checks.items():
+        for name, (value, ok) in checks.items():
             if not ok:
-                raise ValueError(f"DynamicLossScaler: {name}={values[name]!r} is out of range (initial_scale={initial_scale!r})")
+                raise ValueError(f"DynamicLossScaler: {name}={value!r} is out of range (initial_scale={initial_scale!r})")
         self._scale = float(initial_scale)
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
@@ -107,19 +91,24 @@ class DynamicLossScaler:
             self._device_state.copy_(self._host_state(), non_blocking=True)
 
     def _host_state(self) -> Tensor:
-        """The host fields as the device state's float64 ``[scale, growth tracker, hysteresis tracker]``, pinned where CUDA
-        is available (a copy from it does not wait for the device)."""
+        """The host fields as the device state's float64 ``[scale, growth tracker, hysteresis tracker]``, pinned where CUDA is available."""
         state = torch.tensor([self._scale, self._growth_tracker, self._hysteresis_tracker], dtype=torch.float64)
         return state.pin_memory() if torch.cuda.is_available() else state
 
     def update(self, found_inf: bool | Tensor) -> None:
         """Account for one step: ``found_inf`` (a bool, or a device flag: non-zero) says whether its gradients overflowed.
 
-        Where the state lives on the device the update runs there, the same arithmetic in
-        float64, and reads nothing back.
+        Where the state lives on the device the update runs there, the same arithmetic in float64, and reads nothing back.
         """
-        if self._device_state is not None:
-            self._update_on_device(self._device_state, found_inf)
+        state = self._device_state
+        if state is not None:
+            flag = found_inf.reshape(-1)[0] if isinstance(found_inf, Tensor) else torch.full((), float(found_inf), device=state.device)
+            scale, growth, hysteresis = state[0], state[1] + 1, state[2] - 1  # growth: if finite; hysteresis: if not
+            backed_off = torch.where(hysteresis <= 0, (scale * self.backoff_factor).clamp(min=self.min_scale), scale)
+            grow = growth == self.growth_interval
+            grown = torch.where(grow, (scale * self.growth_factor).clamp(max=self.max_scale), scale)
+            finite = torch.stack([grown, torch.where(grow, 0.0, growth), torch.where(grow, float(self.hysteresis), state[2])])
+            state.copy_(torch.where(flag != 0, torch.stack([backed_off, torch.zeros_like(scale), hysteresis]), finite))
             return
         if found_inf:
             self._growth_tracker = 0
@@ -132,16 +121,6 @@ class DynamicLossScaler:
                 self._growth_tracker = 0
                 self._hysteresis_tracker = self.hysteresis
                 self._scale = min(self._scale * self.growth_factor, self.max_scale)
-
-    def _update_on_device(self, state: Tensor, found_inf: bool | Tensor) -> None:
-        flag = found_inf.reshape(-1)[0] if isinstance(found_inf, Tensor) else torch.full((), float(found_inf), device=state.device)
-        inf = flag != 0
-        scale, growth, hysteresis = state[0], state[1] + 1, state[2] - 1  # growth: if finite; hysteresis: if not
-        backed_off = torch.where(hysteresis <= 0, (scale * self.backoff_factor).clamp(min=self.min_scale), scale)
-        grow = growth == self.growth_interval
-        grown = torch.where(grow, (scale * self.growth_factor).clamp(max=self.max_scale), scale)
-        finite = torch.stack([grown, torch.where(grow, 0.0, growth), torch.where(grow, float(self.hysteresis), state[2])])
-        state.copy_(torch.where(inf, torch.stack([backed_off, torch.zeros_like(scale), hysteresis]), finite))
 
     def state_dict(self) -> dict[str, Any]:
         """The scale and both trackers (plain Python numbers), as ``torch.amp.GradScaler.state_dict``."""
@@ -181,13 +160,8 @@ def choose_loss_scale(loss_scale: str | float | DynamicLossScaler | None, fp16: 
 
 
 def log_skip(skipped_steps: int, loss_scale: Callable[[], float | None], rank: int) -> None:
-    """Log (rank 0) that ``skipped_steps`` steps were skipped for inf/NaN so far, at 1, 2, 4, 8, ... of them.
-
-    ``loss_scale`` gives the loss scale, called only when a line is logged (it may wait for the device).
-
-    With a loss scale a skip is how the scale is found (INFO); without one (fp32, bf16) the model made
-    inf/NaN gradients, which DDP + the optimizer would have written into the params (WARNING).
-    """
+    """Log (rank 0) that ``skipped_steps`` steps were skipped for inf/NaN so far, at 1, 2, 4, 8, ... of them: INFO with a loss
+    scale (``loss_scale()``, called only then: it may wait for the device), WARNING without one (the model made inf/NaN gradients)."""
     if rank != 0 or skipped_steps & (skipped_steps - 1):
         return
     scale = loss_scale()

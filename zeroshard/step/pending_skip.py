@@ -1,12 +1,8 @@
-"""A step whose overflow decision stayed on the device, until the host needs it.
+"""A step whose overflow decision stayed on the device, until the host needs it (docs/numerics.md, "One step").
 
-``torch.optim.AdamW(capturable=True)`` and ``torch.amp.GradScaler`` keep the step free of host
-syncs by handing the kernel a device flag, ``found_inf``, that turns the update into a no-op. The
-fused step does the same (:func:`~zeroshard.step.fused_adam.takes_device_scalars`); the host
-counts the step as taken (the bias corrections need the count now) and a :class:`PendingSkip`
-remembers what to undo if the flag was set. The flag is copied to pinned host memory behind an
-event, so reading it later (:meth:`PendingSkip.skipped`: at the next ``step()``, or when
-``step_was_skipped`` or the state is read) waits only for that copy, not for work queued since.
+As under ``torch.amp.GradScaler``, the kernel takes a device flag, ``found_inf``, that turns the update into a no-op; the host
+counts the step as taken and a :class:`PendingSkip` remembers what to undo if the flag was set. The flag is copied to pinned
+host memory behind an event, so reading it later waits only for that copy, not for work queued since.
 """
 
 from __future__ import annotations
@@ -21,8 +17,8 @@ class PendingSkip:
     Args:
         found_inf: 1-element fp32 device flag (non-zero: the update left params and state untouched).
         steps: per shard, per param: the step number the update used (0: not stepped), as ``count_steps`` returned it.
-        loss_scale: a dynamic loss scale kept on the device, as this step's update left it (0-dim
-            float64), copied along for the log line of a skip; ``None`` without one.
+        loss_scale: a dynamic loss scale kept on the device, as this step's update left it (0-dim float64), copied
+            along for the log line of a skip; ``None`` without one.
     """
 
     def __init__(self, found_inf: Tensor, steps: list[list[int]], loss_scale: Tensor | None = None) -> None:
@@ -48,12 +44,10 @@ class PendingSkip:
 
 
 def device_multiplier(norm: Tensor, loss_scale: float | Tensor, max_norm: float | None) -> Tensor:
-    """:func:`~zeroshard.step.wrapped.grad_multiplier` on the device: a 1-element fp32 tensor.
+    """:func:`~zeroshard.step.wrapped.grad_multiplier` on the device: a 1-element fp32 tensor, the host's to the bit.
 
-    ``norm``: the 0-dim float64 global norm of the still-scaled gradients; ``loss_scale``: a float,
-    or a dynamic scale's 0-dim float64 device tensor. The clip coefficient
-    ``min(1, max_norm / (norm / loss_scale + 1e-6))`` is computed in float64, as the host computes
-    it in Python floats, so the multiplier is the host's to the bit.
+    ``norm``: the 0-dim float64 global norm of the still-scaled gradients; ``loss_scale``: a float, or a dynamic scale's
+    0-dim float64 device tensor. The clip coefficient is computed in float64, as the host computes it in Python floats.
     """
     if max_norm is None:
         if isinstance(loss_scale, Tensor):

@@ -1,14 +1,6 @@
-"""The update of one step once the gradients are reduced, for optimizers other than the fused Adam/AdamW.
-
-See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py``.
-
-:func:`grad_multiplier` gives what every path multiplies the gradients by; :func:`wrapped_step`
-runs the wrapped optimizer's own ``step()`` on the virtual params. Like
-:meth:`zeroshard.step.fused_adam.FusedAdam.step`, it leaves each chunk's slice of the flat param
-buffer updated, and ``ShardedOptimizer.step`` then launches the all-gathers (``param_gather.py``).
-
-:func:`throwaway_state` and :func:`is_subclass_state` say what state the wrapped optimizer keeps
-for a param (checkpoints and memory estimates ask).
+"""The update for optimizers other than the fused Adam/AdamW (the wrapped optimizer's own ``step()`` on the virtual params),
+the multiplier every path applies to the gradients, and what state the wrapped optimizer keeps for a param (checkpoints and
+memory estimates ask).
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ def grad_multiplier(norm: float, loss_scale: float, max_norm: float | None) -> f
     """What the reduced gradients are multiplied by: ``1 / loss_scale`` times the clip coefficient.
 
     ``norm`` is the global norm of the still-scaled gradients; the clip coefficient is
-    ``min(1, max_norm / (norm / loss_scale + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``.
+    ``min(1, max_norm / (norm / loss_scale + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``'s.
     """
     coefficient = 1.0 if max_norm is None else min(1.0, max_norm / (norm / loss_scale + 1e-6))
     return coefficient / loss_scale
@@ -34,13 +26,9 @@ def grad_multiplier(norm: float, loss_scale: float, max_norm: float | None) -> f
 
 @torch.no_grad()
 def wrapped_step(optimizer: torch.optim.Optimizer, shards: list[LocalShard], used: list[list[bool]], multiplier: float) -> None:
-    """Run ``optimizer.step()`` on the virtual params.
-
-    The grad shards are multiplied by ``multiplier`` in place (they are consumed), each virtual
-    param's ``.grad`` is its piece of them, or ``None`` where ``used`` (per shard, per param)
-    says no rank gave the param a gradient, so the optimizer skips it as ``torch.optim`` does.
-    Afterwards 16-bit params receive the cast of their updated fp32 masters (with ``master_weights``;
-    without, the virtual params are views of the params themselves and were updated in place).
+    """Run ``optimizer.step()`` on the virtual params, each with its piece of the grad shards (multiplied by ``multiplier``
+    in place) as ``.grad``, or ``None`` where ``used`` (per shard, per param) says no rank gave the param a gradient; then
+    16-bit params receive the cast of their updated masters (without ``master_weights`` the virtual params are the params' views).
     """
     for shard, flags in zip(shards, used):
         if multiplier != 1.0:
@@ -58,18 +46,16 @@ def is_subclass_state(value: Any) -> bool:
 
 
 def constructor_kwargs(cls: type, hyperparameters: dict[str, Any]) -> dict[str, Any]:
-    """The entries of a param group's ``hyperparameters`` that ``cls(params, **kwargs)`` takes: those its
-    ``__init__`` names, or all of them (``"params"`` aside) when it takes ``**kwargs`` (a subclass
-    that forwards its arguments to its base class)."""
+    """The entries of a param group's ``hyperparameters`` that ``cls(params, **kwargs)`` takes: those its ``__init__`` names,
+    or all of them (``"params"`` aside) when it takes ``**kwargs`` (a subclass that forwards them to its base class)."""
     accepted = inspect.signature(cls).parameters
     forwards = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     return {k: v for k, v in hyperparameters.items() if k != "params" and (forwards or k in accepted)}
 
 
 def throwaway_state(cls: type, hyperparameters: dict[str, Any], shape: Any, dtype: torch.dtype, device: Any) -> dict[str, Any]:
-    """The state an instance of optimizer class ``cls``, built with a param group's ``hyperparameters``
-    (:func:`constructor_kwargs`), keeps after one step of a zero param of ``shape``, ``dtype`` and
-    ``device`` with a zero gradient. Raises whatever the class raises."""
+    """The state ``cls`` built with a param group's ``hyperparameters`` (:func:`constructor_kwargs`) keeps after one step of a
+    zero param of ``shape``, ``dtype`` and ``device`` with a zero gradient. Raises whatever the class raises."""
     probe = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
     probe.grad = torch.zeros_like(probe)
     throwaway = cls([probe], **constructor_kwargs(cls, hyperparameters))
