@@ -12,7 +12,7 @@ from zeroshard.layout.chunk import chunks_of
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.layout.ownership import assign_owners, default_cost
 from zeroshard.layout.partition import build_layout
-from zeroshard.sharding import bucket_numel
+from zeroshard.shard_set import bucket_numel
 from zeroshard.step.wrapped import is_subclass_state
 
 

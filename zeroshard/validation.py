@@ -100,7 +100,7 @@ def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_com
             params are virtual parameters); ``stage`` not an ``int``; ``bucket_size_mb`` not a number; ``overlap_comm`` not a
             ``bool``; ``reduce_dtype`` not ``None`` or a floating-point dtype.
         ValueError: ``stage`` not in {1, 2}; ``bucket_size_mb`` not positive and finite; ``optimizer`` already stepped (state
-            created at construction, as Adagrad's, is fine: see :func:`~zeroshard.sharding.shard_initial_state`).
+            created at construction, as Adagrad's, is fine: see :func:`~zeroshard.shard_set.shard_initial_state`).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}")

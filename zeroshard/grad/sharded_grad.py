@@ -38,6 +38,7 @@ _METADATA = frozenset({
     "requires_grad_", "detach_", "_is_view", "_has_compatible_shallow_copy_type", "data_ptr", "storage_offset", "__len__",
     "get_device", "is_sparse", "is_pinned",
 })
+_METADATA_OR_GET = _METADATA | {"__get__"}  # VirtualGrad: property reads, too, need no gradient piece
 # Properties that return a tensor: these would read the expanded placeholder's values.
 _VALUE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 _CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type", "type_as"})
@@ -221,7 +222,7 @@ class VirtualGrad(Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        placeholder = next((a.elsewhere for a in args if isinstance(a, VirtualGrad) and a.elsewhere), "") if name not in _METADATA | {"__get__"} else ""
+        placeholder = next((a.elsewhere for a in args if isinstance(a, VirtualGrad) and a.elsewhere), "") if name not in _METADATA_OR_GET else ""
         if placeholder:
             raise RuntimeError(f"{placeholder}: a virtual param in host memory (offload='cpu') has its gradient piece on the GPU, so torch.{name} "
                                "cannot run on its .grad; clip with ShardedOptimizer(..., max_grad_norm=...) or torch.nn.utils.clip_grad_norm_ "
