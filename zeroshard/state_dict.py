@@ -101,7 +101,7 @@ class StateDictMixin:
         return state_dict
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the full optimizer state onto global rank ``to``, one bucket at a time.
+        """Gather the full optimizer state onto global rank ``to``, one bucket at a time (``partition="param"``: one param's state at a time).
 
         A collective: call it on every rank. Afterwards :meth:`state_dict` on rank ``to`` returns the full state in
         plain ``torch.optim`` format — param-shaped state keyed by the wrapped optimizer's param indices, every
