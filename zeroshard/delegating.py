@@ -1,9 +1,4 @@
-"""``DelegatingOptimizer``: a ``torch.optim.Optimizer`` whose params, state and defaults are another optimizer's.
-
-``ShardedOptimizer`` is one: LR schedulers, ``register_step_pre_hook`` and code that reads
-``opt.param_groups`` / ``opt.state`` see the wrapped optimizer's live objects, as with
-``torch.distributed.optim.ZeroRedundancyOptimizer``'s ``optim``.
-"""
+"""``DelegatingOptimizer``: a ``torch.optim.Optimizer`` whose params, state and defaults are another optimizer's."""
 
 from __future__ import annotations
 
@@ -16,11 +11,12 @@ from zeroshard.compat import OPTIMIZER_HOOK_DICTS
 
 
 class DelegatingOptimizer(torch.optim.Optimizer):
-    """An optimizer that owns no params: ``param_groups``, ``state`` and ``defaults`` are ``optimizer``'s.
+    """An optimizer that owns no params: ``param_groups``, ``state`` and ``defaults`` are ``optimizer``'s live objects, which LR
+    schedulers, ``register_step_pre_hook`` and code reading ``opt.param_groups`` / ``opt.state`` see (as with
+    ``torch.distributed.optim.ZeroRedundancyOptimizer``'s ``optim``; ``ShardedOptimizer`` is one).
 
-    Sets up what ``torch.optim.Optimizer.__init__`` sets up for hooks (the step and state-dict
-    hook registries that ``register_step_pre_hook`` and friends use, and torch's profiling
-    wrapper around ``step``) without taking params.
+    Sets up what ``torch.optim.Optimizer.__init__`` sets up for hooks (the step and state-dict hook registries that
+    ``register_step_pre_hook`` and friends use, and torch's profiling wrapper around ``step``) without taking params.
 
     Args:
         optimizer: the wrapped ``torch.optim.Optimizer`` (``self.optimizer``).
@@ -31,7 +27,6 @@ class DelegatingOptimizer(torch.optim.Optimizer):
         for name in OPTIMIZER_HOOK_DICTS:
             setattr(self, name, OrderedDict())
         self._patch_step_function()
-
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

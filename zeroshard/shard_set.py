@@ -141,9 +141,7 @@ class ShardSet:
             return
         for params in self.group_params:
             for p in params:
-                if p.grad is None:
-                    continue
-                else:
+                if p.grad is not None:
                     if p.grad.grad_fn is not None:
                         p.grad.detach_()
                     else:
@@ -208,19 +206,11 @@ class ShardSet:
 
 @dataclass
 class NewShards:
-    """The result of :func:`shard_param_groups`.
+    """The result of :func:`shard_param_groups`."""
 
-    Attributes:
-        group_params: per sharded param group, its original params in the user's order (frozen
-            ones included).
-        shards: the new local shards, each group's (one per dtype of its trainable params) in
-            group order; each knows its group and its params' ``torch.optim`` indices.
-        device: the device all params are on.
-    """
-
-    group_params: list[list[nn.Parameter]]
-    shards: list[LocalShard]
-    device: torch.device
+    group_params: list[list[nn.Parameter]]  # per sharded param group, its original params in the user's order (frozen ones included)
+    shards: list[LocalShard]  # each group's (one per dtype of its trainable params), in group order
+    device: torch.device  # the device all params are on
 
 
 def bucket_numel(bucket_size_mb: float, dtype: torch.dtype) -> int:

@@ -1,12 +1,6 @@
-"""Thin typed wrappers over the ``torch.distributed`` collectives zeroshard uses.
-
-On gloo (CPU tensors) the bucket reduce-scatter and all-gather run as point-to-point sends and
-receives instead (:class:`PointToPointWork`). gloo runs ``reduce_scatter_tensor`` as a full
-all-reduce, sending ``2 (N-1)/N`` of the input where a reduce-scatter needs ``(N-1)/N``, and its
-``all_gather_into_tensor`` took 2.5-3x as long as the same bytes sent point to point (2 ranks,
-1M-16M elements, loopback). With sends and receives, zeroshard's reduce-scatter plus all-gather
-move the bytes of DDP's one all-reduce, as they do on NCCL.
-"""
+"""Thin typed wrappers over the ``torch.distributed`` collectives zeroshard uses. On gloo (CPU tensors) the bucket
+reduce-scatter and all-gather run as point-to-point sends and receives instead (:class:`PointToPointWork`; why: docs/design.md,
+"Collectives on gloo")."""
 
 from __future__ import annotations
 
@@ -26,26 +20,20 @@ _REDUCE_SCATTER_TAG = 0x2A01
 _ALL_GATHER_TAG = 0x2A02
 # Set to False to run gloo's own reduce_scatter_tensor / all_gather_into_tensor (for comparison).
 POINT_TO_POINT_ON_GLOO = True
+_SAME_BUILD = "every rank must build the optimizer on the same params in the same order, with the same options"
 
 
 class PointToPointWork:
-    """The handle of a reduce-scatter or all-gather run as point-to-point sends and receives.
-
-    Answers ``wait(timeout=None)`` and ``is_completed()`` as a ``dist.Work`` does. ``wait``
-    waits for every send and receive, then runs ``finish`` once (the reduce-scatter's sum of the
-    received pieces into its output).
-    """
+    """The handle of a reduce-scatter or all-gather run as point-to-point sends and receives: answers ``wait(timeout=None)``
+    and ``is_completed()`` as a ``dist.Work`` does; ``finish`` (the reduce-scatter's sum of the received pieces) runs once."""
 
     def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None) -> None:
         self._works = works
         self._finish = finish
 
     def is_completed(self) -> bool:
-        """Whether every send and receive has completed (the sum, if any, runs in :meth:`wait`).
-
-        gloo's point-to-point works answer ``False`` until they are waited for, so in practice
-        this turns ``True`` only after :meth:`wait`.
-        """
+        """Whether every send and receive has completed (the sum, if any, runs in :meth:`wait`). gloo's point-to-point works
+        answer ``False`` until they are waited for, so in practice this turns ``True`` only after :meth:`wait`."""
         return all(work.is_completed() for work in self._works)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
@@ -85,12 +73,10 @@ def _exchange(sends: dict[int, Tensor], receives: dict[int, Tensor], group: Proc
 def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup, *, input_frozen: bool = False) -> AsyncWork:
     """Start a sum reduce-scatter: rank r receives the sum over ranks of ``input[r*n:(r+1)*n]``.
 
-    Mirrors ``torch.distributed.reduce_scatter_tensor`` (``op=SUM``). On gloo each rank sends
-    every other rank its piece and adds what it receives to its own, in group rank order (at 2
-    ranks the same bits as gloo's own sum: one addition, commutative); ``N - 1`` pieces of ``n``
-    elements are held for the receives until ``wait()``. Its own piece is copied into ``output`` at
-    once, unless ``input_frozen``: then the first sum reads it at ``wait()`` and writes ``output``
-    (one pass over the piece fewer).
+    Mirrors ``torch.distributed.reduce_scatter_tensor`` (``op=SUM``). On gloo each rank sends every other rank its piece and
+    adds what it receives to its own, in group rank order (at 2 ranks the same bits as gloo's own sum: one addition,
+    commutative); ``N - 1`` pieces of ``n`` elements are held for the receives until ``wait()``. Its own piece is copied into
+    ``output`` at once, unless ``input_frozen``: then the first sum reads it at ``wait()`` and writes ``output`` (one pass fewer).
 
     Args:
         output: 1-D, ``n`` elements, same dtype and device as ``input``; written when the work completes.
@@ -113,11 +99,9 @@ def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup, *, input_
         output.copy_(pieces[me])  # read now: the input may change before wait() (the sends read theirs while in flight)
 
     def finish() -> None:
-        rest = others
         if frozen:
             torch.add(pieces[me], received[others[0]], out=output)
-            rest = others[1:]
-        for q in rest:
+        for q in others[1:] if frozen else others:
             output.add_(received[q])
 
     return PointToPointWork(works, finish)
@@ -126,10 +110,8 @@ def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup, *, input_
 def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> AsyncWork:
     """Start an all-gather: ``output[r*n:(r+1)*n]`` receives rank r's ``input``.
 
-    Mirrors ``torch.distributed.all_gather_into_tensor``; on gloo, each rank sends its slot to
-    every other rank and receives theirs into their slots. ``input`` may be this rank's own slot
-    of ``output`` (an in-place gather), which is how zeroshard gathers updated slices back into
-    the flat param buffer.
+    Mirrors ``torch.distributed.all_gather_into_tensor``; on gloo, each rank sends its slot to every other rank and receives
+    theirs. ``input`` may be this rank's own slot of ``output`` (an in-place gather: how updated slices return to the flat buffer).
 
     Args:
         output: 1-D, ``n * group.size()`` elements.
@@ -148,15 +130,9 @@ def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> AsyncWork:
 
 
 def all_gather_piece(output: Tensor, start: int, end: int, group: ProcessGroup) -> PointToPointWork:
-    """Start an in-place all-gather of elements ``[start, end)`` of every rank's slot of ``output``, point to point.
-
-    ``output`` is 1-D, ``group.size()`` equal slots one after another; this rank's slot already
-    holds its values. Sends ``slot[start:end]`` of this rank's slot to every other rank and
-    receives theirs into their slots. Only where :func:`point_to_point` holds.
-
-    Returns:
-        The async work handle; call ``wait()`` before reading those elements.
-    """
+    """Start an in-place all-gather of elements ``[start, end)`` of every rank's slot of ``output``, point to point (only where
+    :func:`point_to_point` holds): ``output`` is 1-D, ``group.size()`` equal slots, this rank's already holding its values.
+    Call ``wait()`` on the handle before reading those elements."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     slots = [slot[start:end] for slot in output.view(world, -1).unbind()]
     others = [q for q in range(world) if q != me]
@@ -164,21 +140,16 @@ def all_gather_piece(output: Tensor, start: int, end: int, group: ProcessGroup) 
 
 
 def all_reduce(tensor: Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work:
-    """Start an in-place all-reduce of ``tensor`` over ``group`` (``op``: SUM by default).
-
-    Returns:
-        The async work handle; call :func:`wait` before reading ``tensor``.
-    """
+    """Start an in-place all-reduce of ``tensor`` over ``group``; call :func:`wait` on the handle before reading ``tensor``."""
     return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 
 def wait(work: AsyncWork, timeout: datetime.timedelta | None, what: str, hint: str) -> None:
     """Wait for ``work``; with a ``timeout``, raise a ``RuntimeError`` naming the collective after it.
 
-    Without a timeout this is ``work.wait()``: the process group's own timeout applies (30 minutes
-    by default). With one, ``work.wait(timeout=...)`` returns or raises within it (gloo raises
-    "Operation timed out!"; NCCL blocks the host until the collective completes or times out).
-    Afterwards the process group is unusable: the collective may still be pending on other ranks.
+    Without a timeout this is ``work.wait()``: the process group's own timeout applies (30 minutes by default). With one,
+    ``work.wait(timeout=...)`` returns or raises within it (gloo raises "Operation timed out!"; NCCL blocks the host until the
+    collective completes or times out). Afterwards the process group is unusable: the collective may still be pending elsewhere.
 
     Args:
         work: the handle of an async collective.
@@ -203,15 +174,9 @@ def wait(work: AsyncWork, timeout: datetime.timedelta | None, what: str, hint: s
 
 
 def gather(tensor: Tensor, outputs: list[Tensor] | None, dst: int, group: ProcessGroup) -> None:
-    """Gather every rank's ``tensor`` into ``outputs`` on global rank ``dst`` (blocking; ``torch.distributed.gather``).
-
-    Args:
-        tensor: any shape; the same shape, dtype and device on every rank.
-        outputs: on ``dst``, ``group.size()`` tensors like ``tensor`` (``outputs[r]`` gets group
-            rank r's); ``None`` on the other ranks.
-        dst: the global rank that receives.
-        group: the process group.
-    """
+    """Gather every rank's ``tensor`` (the same shape, dtype and device on every rank) into ``outputs`` on global rank ``dst``
+    (blocking; ``torch.distributed.gather``): on ``dst``, ``group.size()`` tensors like it (``outputs[r]`` gets group rank r's),
+    ``None`` on the other ranks."""
     dist.gather(tensor, outputs, dst=dst, group=group)
 
 
@@ -236,11 +201,10 @@ def broadcast_from_first_(tensors: Sequence[Tensor], group: ProcessGroup) -> Non
 def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], group: ProcessGroup) -> None:
     """Raise on every rank if any rank's ``fingerprint`` differs from that of the group's rank 0.
 
-    Each entry is hashed (64-bit BLAKE2b of its ``repr``) and the hashes are all-gathered as one
-    int64 tensor: no pickled object collective, which torch >= 2.13 runs through NumPy. Only on a
-    mismatch are the two differing entries broadcast, as UTF-8 bytes, to name them. Run it before
-    the first collective whose tensor sizes depend on the fingerprint: gloo aborts the process
-    (not an exception) when ranks pass tensors of different sizes.
+    Each entry is hashed (64-bit BLAKE2b of its ``repr``) and the hashes are all-gathered as one int64 tensor: no pickled
+    object collective, which torch >= 2.13 runs through NumPy. Only on a mismatch are the two differing entries broadcast, as
+    UTF-8 bytes, to name them. Run it before the first collective whose tensor sizes depend on the fingerprint: gloo aborts
+    the process (not an exception) when ranks pass tensors of different sizes.
 
     Args:
         what: a name for the entries, used in the error (e.g. ``"param"``).
@@ -248,8 +212,7 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
         group: the process group to compare over.
 
     Raises:
-        ValueError: on every rank of ``group``, naming the first differing (global) rank, the
-            entry and both values.
+        ValueError: on every rank of ``group``, naming the first differing (global) rank, the entry and both values.
     """
     world = dist.get_world_size(group)
     if world == 1:
@@ -261,21 +224,20 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
     hashes[: len(fingerprint)] = torch.tensor([_digest(entry) for entry in fingerprint], dtype=torch.int64)
     gathered = _all_gather_int64(hashes.to(device), group)
     reference, n_reference = gathered[0].cpu(), int(counts[0])
+    first = dist.get_global_rank(group, 0)
     for rank in range(1, world):
-        theirs, n_theirs = gathered[rank].cpu(), int(counts[rank])
+        theirs, n_theirs, their_rank = gathered[rank].cpu(), int(counts[rank]), dist.get_global_rank(group, rank)
         common = min(n_reference, n_theirs)
         differs = (theirs[:common] != reference[:common]).nonzero()
         if len(differs):
             index = int(differs[0])
-            mine = fingerprint[index] if index < len(fingerprint) else None
-            name = _broadcast_text(str(mine[0]) if mine is not None else None, rank, group, device)
-            other = _broadcast_text(repr(mine[1:]) if mine is not None else None, rank, group, device)
-            first_value = _broadcast_text(repr(mine[1:]) if mine is not None else None, 0, group, device)
-            raise ValueError(f"{what} {name} on rank {dist.get_global_rank(group, rank)} is {other}, on rank {dist.get_global_rank(group, 0)} {first_value}; "
-                             "every rank must build the optimizer on the same params in the same order, with the same options")
+            label, values = (str(fingerprint[index][0]), repr(fingerprint[index][1:])) if index < len(fingerprint) else (None, None)
+            name = _broadcast_text(label, rank, group, device)
+            other = _broadcast_text(values, rank, group, device)
+            first_value = _broadcast_text(values, 0, group, device)
+            raise ValueError(f"{what} {name} on rank {their_rank} is {other}, on rank {first} {first_value}; {_SAME_BUILD}")
         if n_theirs != n_reference:
-            raise ValueError(f"rank {dist.get_global_rank(group, rank)} has {n_theirs} {what}s, rank {dist.get_global_rank(group, 0)} has {n_reference}; "
-                             "every rank must build the optimizer on the same params in the same order, with the same options")
+            raise ValueError(f"rank {their_rank} has {n_theirs} {what}s, rank {first} has {n_reference}; {_SAME_BUILD}")
 
 
 def _digest(entry: tuple[Any, ...]) -> int:
@@ -284,11 +246,9 @@ def _digest(entry: tuple[Any, ...]) -> int:
 
 
 def collective_device(group: ProcessGroup | None) -> torch.device:
-    """Where small tensors for collectives on ``group`` (``None``: the default group) must live.
-
-    For NCCL: the device the group is bound to (``init_process_group(device_id=...)``), else the
-    current CUDA device, as torch's object collectives choose it. Other backends: the CPU.
-    """
+    """Where small tensors for collectives on ``group`` (``None``: the default group) must live: for NCCL the device the group
+    is bound to (``init_process_group(device_id=...)``), else the current CUDA device, as torch's object collectives choose it;
+    other backends: the CPU."""
     if dist.get_backend(group) == "nccl":
         bound = getattr(group, "bound_device_id", None)  # None: the default group
         return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())

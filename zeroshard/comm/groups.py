@@ -1,11 +1,6 @@
-"""Which ranks shard together and which replicate: flat sharding, subgroups and hybrid (MiCS) meshes.
-
-Hybrid sharding follows MiCS (Zhang et al., "MiCS: Near-linear Scaling for Training Gigantic
-Model on Public Cloud", VLDB 2022, §3) and SageMaker's ``sharded_data_parallel_degree``: the
-data-parallel ranks form a 2-D grid ("replicate", "shard"); state is sharded within a row and
-replicated across rows. Gradients are reduce-scattered within the shard group, then all-reduced
-across the replicate group; params are all-gathered within the shard group only.
-"""
+"""Which ranks shard together and which replicate: flat sharding, subgroups and hybrid meshes, after MiCS (Zhang et al.,
+"MiCS: Near-linear Scaling for Training Gigantic Model on Public Cloud", VLDB 2022, §3) and SageMaker's
+``sharded_data_parallel_degree`` (docs/hybrid.md: the grid of groups and the collectives each runs)."""
 
 from __future__ import annotations
 
@@ -23,18 +18,11 @@ HYBRID_DIMS = ("replicate", "shard")
 
 @dataclass(frozen=True)
 class ShardingGroups:
-    """The process groups one rank takes part in.
+    """The process groups one rank takes part in."""
 
-    Attributes:
-        shard: the ranks that split the optimizer state among them (size N, the sharding degree).
-        replicate: the ranks holding the same shard in other replicas, or ``None`` for flat sharding.
-        mesh: a ``DeviceMesh`` over the same ranks — 1-D (shard) or 2-D (replicate, shard) — on
-            which checkpoint DTensors live.
-    """
-
-    shard: ProcessGroup
-    replicate: ProcessGroup | None
-    mesh: DeviceMesh
+    shard: ProcessGroup  # the ranks that split the optimizer state among them (size N, the sharding degree)
+    replicate: ProcessGroup | None  # the ranks holding the same shard in other replicas; None: flat sharding
+    mesh: DeviceMesh  # over the same ranks, 1-D (shard) or 2-D (replicate, shard): where checkpoint DTensors live
 
     @property
     def shard_size(self) -> int:
@@ -54,18 +42,18 @@ class ShardingGroups:
 def hybrid_mesh(shard_size: int, device_type: str | None = None) -> DeviceMesh:
     """A 2-D ``DeviceMesh`` ("replicate", "shard") over the whole world, for ``process_group=``.
 
-    Consecutive ranks shard together (ranks ``[0, shard_size)`` form the first shard group), so
-    with one node per shard group the all-gather and reduce-scatter stay inside a node.
+    Consecutive ranks shard together (ranks ``[0, shard_size)`` form the first shard group), so with one node per shard group
+    the all-gather and reduce-scatter stay inside a node.
 
     Args:
-        shard_size: ranks per shard group; must divide the world size. ``world_size`` gives flat
-            sharding, 1 plain replication (DDP with a local optimizer).
-        device_type: the mesh's device type; default ``"cuda"`` when the default process group
-            runs NCCL, else ``"cpu"`` (gloo on a machine with GPUs keeps its tensors on the CPU).
+        shard_size: ranks per shard group; must divide the world size. ``world_size`` gives flat sharding, 1 plain
+            replication (DDP with a local optimizer).
+        device_type: the mesh's device type; default ``"cuda"`` when the default process group runs NCCL, else ``"cpu"``
+            (gloo on a machine with GPUs keeps its tensors on the CPU).
 
     Raises:
-        ValueError: torch.distributed is not initialized, or ``shard_size`` does not divide the
-            world size (raised before any collective; the message lists the valid sizes).
+        ValueError: torch.distributed is not initialized, or ``shard_size`` does not divide the world size (raised before
+            any collective; the message lists the valid sizes).
     """
     if not dist.is_initialized():
         raise ValueError("hybrid_mesh: torch.distributed is not initialized; call torch.distributed.init_process_group() first")
@@ -81,9 +69,8 @@ def resolve_groups(process_group: ProcessGroup | DeviceMesh | None) -> ShardingG
     """The :class:`ShardingGroups` for a ``process_group`` argument of ``ShardedOptimizer``.
 
     Args:
-        process_group: ``None`` (the world), a ``ProcessGroup`` (e.g. a subgroup; ranks outside
-            it run their own), a 1-D ``DeviceMesh``, or a 2-D ``DeviceMesh`` with dims
-            ("replicate", "shard") as :func:`hybrid_mesh` builds.
+        process_group: ``None`` (the world), a ``ProcessGroup`` (e.g. a subgroup; ranks outside it run their own), a 1-D
+            ``DeviceMesh``, or a 2-D ``DeviceMesh`` with dims ("replicate", "shard") as :func:`hybrid_mesh` builds.
 
     Raises:
         ValueError: torch.distributed not initialized; a mesh with other dims; this rank not in the group.

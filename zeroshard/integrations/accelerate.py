@@ -1,21 +1,6 @@
-"""accelerate: a plain ``Accelerator`` trains a ``ShardedOptimizer``; :func:`save_state_pre_hook` makes ``save_state``'s files whole.
-
-``prepare``, ``accumulate``, ``backward`` and ``clip_grad_norm_`` need nothing: the DDP wrapper
-``prepare`` builds is adopted by the optimizer before its first forward, ``accumulate``'s
-``no_sync`` is followed, and ``clip_grad_norm_`` runs ``torch.nn.utils.clip_grad_norm_`` on the
-model's ``ShardedGrad`` s, which answer as DDP's averaged gradients (after ``unscale_`` through
-the optimizer's ``VirtualGrad`` s under fp16).
-
-``save_state`` needs two things it offers no other way into, done by one
-``register_save_state_pre_hook``:
-
-* it writes ``optimizer.state_dict()`` from the main process only, which for a
-  ``ShardedOptimizer`` is rank 0's shard: the hook first gathers the full state onto rank 0
-  (``consolidate_state_dict``), so the file holds the plain ``torch.optim`` format that
-  ``load_state`` loads on every rank, at any world size;
-* its safetensors writer (the default) drops all but one of tensors that share a storage, and the
-  params of a ``ShardedOptimizer`` are views of one flat buffer: the hook copies them out of it in
-  the state dicts being saved (tied params stay one tensor under both names)::
+"""accelerate: a plain ``Accelerator`` trains a ``ShardedOptimizer``; :func:`save_state_pre_hook` makes ``save_state``'s files
+whole (docs/integrations.md, "accelerate": what ``prepare``, ``accumulate`` and ``clip_grad_norm_`` do, and why ``save_state``
+needs the hook)::
 
     accelerator.register_save_state_pre_hook(save_state_pre_hook(opt))
 """
@@ -38,10 +23,11 @@ from zeroshard.optimizer import ShardedOptimizer
 def save_state_pre_hook(*optimizers: ShardedOptimizer) -> Callable[[list[nn.Module], list[dict[str, Any]], str], None]:
     """A hook for ``accelerator.register_save_state_pre_hook`` that makes ``save_state`` write ``optimizers`` whole.
 
-    The hook (``hook(models, weights, output_dir)``, run by ``save_state`` on every process) gathers
-    each optimizer's full state onto rank 0 (a collective: ``save_state`` is one already) and, in
-    ``weights`` (the model state dicts about to be saved), replaces each param that is a view of a
-    ``ShardedOptimizer``'s flat buffer by a copy, at the cost of one copy of those params while saving.
+    The hook (``hook(models, weights, output_dir)``, run by ``save_state`` on every process) gathers each optimizer's full
+    state onto rank 0 (a collective: ``save_state`` is one already; its file is written from the main process only) and, in
+    ``weights`` (the model state dicts about to be saved), replaces each param that is a view of a ``ShardedOptimizer``'s flat
+    buffer by a copy (its safetensors writer keeps one of several tensors sharing a storage; tied params stay one tensor),
+    at the cost of one copy of those params while saving.
 
     Args:
         optimizers: the ``ShardedOptimizer`` s prepared with the accelerator (unwrapped).

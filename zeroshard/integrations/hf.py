@@ -1,19 +1,5 @@
-"""HF Trainer: the plain ``transformers.Trainer`` trains a ``ShardedOptimizer``; :class:`GatherOptimizerOnSave` makes its checkpoints whole.
-
-What the ``Trainer`` does around the optimizer, all followed with no adapter:
-
-* It wraps the model in DDP (``accelerator.prepare``) and moves it (``.to("cpu:0")``): the
-  optimizer adopts the wrapper before its first forward (DDP then reduces nothing; zeroshard
-  follows ``no_sync`` during gradient accumulation) and follows the move (``docs/design.md``).
-* It clips (``max_grad_norm``) and logs ``grad_norm`` through ``accelerator.clip_grad_norm_``,
-  i.e. ``torch.nn.utils.clip_grad_norm_`` on the model's ``.grad``: ``ShardedGrad`` s, which
-  answer as DDP's averaged gradients (``zeroshard/grad/sharded_grad.py``).
-
-The one thing it gives no other way into: it saves ``optimizer.pt`` from rank 0 only, as
-``optimizer.state_dict()``, which for a ``ShardedOptimizer`` is rank 0's shard. The callback
-gathers every rank's state onto rank 0 first (``consolidate_state_dict``), so ``optimizer.pt``
-holds the plain ``torch.optim`` format that ``resume_from_checkpoint`` loads on every rank, at any
-world size::
+"""HF Trainer: the plain ``transformers.Trainer`` trains a ``ShardedOptimizer``; :class:`GatherOptimizerOnSave` makes its
+checkpoints whole (docs/integrations.md, "HF Trainer": what the ``Trainer`` does around the optimizer, all followed)::
 
     trainer = Trainer(model=model, args=args, optimizers=(zeroshard.ShardedOptimizer(opt), None),
                       callbacks=[GatherOptimizerOnSave()])
@@ -43,10 +29,11 @@ def _sharded(optimizer: Any) -> ShardedOptimizer | None:
 class GatherOptimizerOnSave(transformers.TrainerCallback):
     """A ``TrainerCallback``: before each checkpoint, gather a ``ShardedOptimizer``'s full state onto rank 0.
 
-    At the end of a step or epoch where the Trainer is about to save (``control.should_save``, set
-    by ``save_strategy``/``save_steps``), every rank calls ``opt.consolidate_state_dict(to=0)`` (a
-    collective: the Trainer runs callbacks on every rank), so the ``optimizer.pt`` that rank 0 writes
-    is the full ``torch.optim`` format. With any other optimizer it does nothing.
+    The Trainer saves ``optimizer.pt`` from rank 0 only, as ``optimizer.state_dict()``: rank 0's shard. So at the end of a
+    step or epoch where it is about to save (``control.should_save``, set by ``save_strategy``/``save_steps``), every rank
+    calls ``opt.consolidate_state_dict(to=0)`` (a collective: the Trainer runs callbacks on every rank), and rank 0 writes
+    the full ``torch.optim`` format, which ``resume_from_checkpoint`` loads at any world size. With any other optimizer it
+    does nothing.
 
     Raises:
         ValueError: ``save_on_each_node=True`` on several nodes: the state is gathered onto rank 0
@@ -54,13 +41,6 @@ class GatherOptimizerOnSave(transformers.TrainerCallback):
     """
 
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        self._gather(args, control, optimizer)
-
-    def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        self._gather(args, control, optimizer)
-
-    @staticmethod
-    def _gather(args: Any, control: Any, optimizer: Any) -> None:
         opt = _sharded(optimizer)
         if opt is None or not control.should_save:
             return
@@ -69,3 +49,5 @@ class GatherOptimizerOnSave(transformers.TrainerCallback):
             raise ValueError(f"save_on_each_node=True on {nodes} nodes: a ShardedOptimizer's state is gathered onto rank 0 only, whose "
                              "file the other nodes would lack; set save_on_each_node=False")
         opt.consolidate_state_dict(to=0)
+
+    on_epoch_end = on_step_end

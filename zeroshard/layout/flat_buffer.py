@@ -58,12 +58,8 @@ def param_name(group: int, index: int) -> str:
 
 
 def is_sharded(param: nn.Parameter) -> bool:
-    """Whether ``param`` goes into a flat buffer: it is trainable and has elements.
-
-    A zero-element param has nothing to update or reduce; like a frozen one it stays in its
-    param group (and the ``torch.optim`` param numbering) but outside every buffer, as
-    ``torch.optim`` leaves it unchanged.
-    """
+    """Whether ``param`` goes into a flat buffer: it is trainable and has elements. A zero-element param has nothing to
+    update or reduce; like a frozen one it stays in its param group (and the ``torch.optim`` numbering) outside every buffer."""
     return param.requires_grad and param.numel() > 0
 
 
@@ -71,22 +67,15 @@ class FlatParamBuffer:
     """Flat storage for params of one dtype on one device; binds the params as views of it.
 
     Args:
-        params: trainable params, all of one dtype and device, in layout order (the caller
-            passes reverse registration order). Their values are copied into the buffer.
+        params: trainable params, all of one dtype and device, in layout order (the caller passes reverse registration
+            order). Their values are copied into the buffer.
         bucket_numel: soft cap on elements per bucket (see :func:`~zeroshard.layout.partition.build_layout`).
         world_size: sharding degree N; every bucket is padded to a multiple of it.
         names: per param, how errors name it (``param_groups[g]['params'][j]``).
-        owners: per param, the rank that holds it whole (``partition="param"``), or ``None`` to
-            lay params out flat (see :func:`~zeroshard.layout.partition.build_layout`).
-
-    Attributes:
-        params: the params, in layout order; ``params[i].data`` is ``param_view(i)``.
-        layout: the :class:`~zeroshard.layout.partition.FlatLayout`.
-        data: 1-D, the params' dtype and device, ``layout.numel`` elements; padding is zero.
+        owners: per param, the rank that holds it whole (``partition="param"``), or ``None`` to lay params out flat.
 
     Raises:
-        ValueError: if the params do not share one dtype and device (see ``build_layout`` for
-            the size checks).
+        ValueError: if the params do not share one dtype and device (see ``build_layout`` for the size checks).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], bucket_numel: int, world_size: int, names: Sequence[str] | None = None,
@@ -94,11 +83,11 @@ class FlatParamBuffer:
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) != 1:
             raise ValueError(f"a flat buffer needs params of one dtype and device; got {kinds}")
-        self.params = list(params)
+        self.params = list(params)  # in layout order; params[i].data is param_view(i)
         self.names = list(names) if names is not None else [f"param {i}" for i in range(len(self.params))]
         self.layout: FlatLayout = build_layout([p.numel() for p in params], bucket_numel, world_size, owners)
         first = self.params[0]
-        self.data: Tensor = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)
+        self.data: Tensor = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)  # 1-D, layout.numel elements; padding is zero
         self._expected: tuple[int, list[int], list[int]] | None = None  # (data's address, each slot's address, each slot's size)
         with torch.no_grad():
             for index, param in enumerate(self.params):
@@ -117,10 +106,7 @@ class FlatParamBuffer:
         return self.data.device
 
     def param_view(self, index: int, of: Tensor | None = None) -> Tensor:
-        """1-D view of param ``index`` in ``of`` (default: the flat param buffer).
-
-        ``of`` may be any 1-D tensor with this buffer's layout, such as a flat grad buffer.
-        """
+        """1-D view of param ``index`` in ``of``, any 1-D tensor with this buffer's layout (default: the flat param buffer)."""
         slot = self.layout.slots[index]
         return (self.data if of is None else of)[slot.offset : slot.offset + slot.numel]
 
@@ -130,37 +116,30 @@ class FlatParamBuffer:
         return (self.data if of is None else of)[b.offset : b.offset + b.padded_numel]
 
     def moved(self) -> list[int]:
-        """The indices of the params that are no longer views of their slot (:meth:`follow` re-binds them), in one pass.
-
-        The check of :meth:`follow` for every param at once: addresses, dtypes and sizes compared as
-        lists (a few µs for a hundred params, where a call per param costs a hundred).
-        """
+        """The indices of the params that are no longer views of their slot (:meth:`follow` re-binds them): its check for
+        every param at once, as lists (a few µs for a hundred params, where a call per param costs a hundred)."""
         base, size, dtype = self.data.data_ptr(), self.data.element_size(), self.data.dtype
         if self._expected is None or self._expected[0] != base:
             self._expected = (base, [base + slot.offset * size for slot in self.layout.slots], [slot.numel for slot in self.layout.slots])
         _, addresses, numels = self._expected
-        if [p.data_ptr() for p in self.params] == addresses and all(p.dtype is dtype for p in self.params) and \
-                [p.numel() for p in self.params] == numels:
+        if [p.data_ptr() for p in self.params] == addresses and all(p.dtype is dtype for p in self.params) and [p.numel() for p in self.params] == numels:
             return []
         return [i for i, p in enumerate(self.params) if p.data_ptr() != addresses[i] or p.dtype is not dtype or p.numel() != numels[i]]
 
     def follow(self, index: int) -> bool:
         """Re-bind param ``index`` as a view of the buffer if its storage was replaced; whether it was.
 
-        ``model.to(...)``, ``.cpu()``, ``.to("cpu:0")`` under torchrun (what HF Trainer and
-        accelerate do) and ``param.data = ...`` keep the ``Parameter`` object but give it new
-        storage, which the buffer's updates would no longer reach. The param's current values
-        win: they are copied into the buffer, and the param becomes its view again.
+        ``model.to(...)``, ``.cpu()``, ``.to("cpu:0")`` under torchrun (what HF Trainer and accelerate do) and ``param.data = ...``
+        keep the ``Parameter`` object but give it new storage, which the buffer's updates would no longer reach. The param's
+        current values win: they are copied into the buffer, and the param becomes its view again.
 
         Raises:
-            RuntimeError: the param now has another device, dtype or shape, which a buffer built
-                for the old ones cannot follow; names the param and says what to do.
+            RuntimeError: the param now has another device, dtype or shape, which a buffer built for the old ones cannot
+                follow; names the param and says what to do.
         """
         param, slot, data = self.params[index], self.layout.slots[index], self.data
-        # Still a view of its slot (the common case, checked every step without making a view).
-        # (An address inside this buffer is on its device.)
-        if param.data_ptr() == data.data_ptr() + slot.offset * data.element_size() and param.dtype is data.dtype and \
-                param.numel() == slot.numel:
+        # Still a view of its slot (the common case, checked every step without making a view; an address inside this buffer is on its device).
+        if param.data_ptr() == data.data_ptr() + slot.offset * data.element_size() and param.dtype is data.dtype and param.numel() == slot.numel:
             return False
         view = self.param_view(index)
         if param.device != view.device or param.dtype != view.dtype or param.numel() != view.numel():

@@ -1,7 +1,5 @@
-"""This rank's part of one flat param buffer: its chunks, grad shard and virtual params.
-
-See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py``.
-"""
+"""This rank's part of one flat param buffer: its chunks, grad shard and virtual params ([Note: zeroshard buffers] in
+``zeroshard/layout/flat_buffer.py``)."""
 
 from __future__ import annotations
 
@@ -11,61 +9,45 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from zeroshard.layout.chunk import Chunk, master_dtype_for
+from zeroshard.layout.chunk import Chunk
 from zeroshard.layout.flat_buffer import FlatParamBuffer
 from zeroshard.layout.partition import ShardPiece
 
 
 class LocalShard:
-    """Rank ``rank``'s chunks, gradient shard and virtual params for one flat buffer.
-
-    Each bucket's slice is a :class:`~zeroshard.layout.chunk.Chunk`, which owns that slice's master
-    weights and optimizer state and moves them as a whole (``gpu_margin_mem_ratio``). The shard
-    holds what spans its chunks: the grad shard, the list of pieces and virtual params in flat
-    order, and the versions of the params (to refresh masters after outside writes).
+    """Rank ``rank``'s chunks (one :class:`~zeroshard.layout.chunk.Chunk` per bucket), gradient shard and virtual params for
+    one flat buffer: the shard holds what spans its chunks, the grad shard, the pieces and virtual params in flat order, and
+    the versions of the params (to refresh masters after outside writes).
 
     Args:
         buffer: the flat param buffer this shard belongs to.
         rank: this rank's index in the sharding group.
-        host_master: start every chunk in host memory with a master of its own, whatever the
-            param dtype (CPU offload; see ``zeroshard/layout/chunk.py`` for which buffers are pinned).
+        host_master: start every chunk in host memory with a master of its own, whatever the param dtype (CPU offload; see
+            ``zeroshard/layout/chunk.py`` for which buffers are pinned).
         group: the index of the wrapped optimizer's param group the params belong to.
-        param_indices: per param of ``buffer`` (layout order), its ``torch.optim`` index (params
-            numbered across param groups in order, as ``state_dict()`` numbers them); default
-            ``0, 1, ...``.
-        master_weights: keep fp32 master weights for 16-bit params (``False``: the params are
-            the master weights, and the grad shard and virtual params take their dtype).
-
-    Attributes:
-        group, param_indices: as passed.
-        pieces: the (param ∩ slice) pieces this rank owns, in flat order.
-        chunks: one :class:`~zeroshard.layout.chunk.Chunk` per bucket, in layout order (``chunks[b]``
-            is bucket ``b``'s).
-        grad_shard: 1-D master dtype, ``layout.shard_numel`` elements: this rank's reduced,
-            averaged gradient (padding positions stay zero).
-        virtual_params: one ``nn.Parameter`` per piece (its chunk's), a view of the master
-            weights; what the wrapped optimizer steps. 1-D, or shaped like the param where the
-            buffer holds whole params (``partition="param"``).
+        param_indices: per param of ``buffer`` (layout order), its ``torch.optim`` index (params numbered across param groups
+            in order, as ``state_dict()`` numbers them); default ``0, 1, ...``.
+        master_weights: keep fp32 master weights for 16-bit params (``False``: the params are the master weights, and the
+            grad shard and virtual params take their dtype).
     """
 
-    def __init__(
-        self, buffer: FlatParamBuffer, rank: int, host_master: bool = False, group: int = 0, param_indices: list[int] | None = None,
-        master_weights: bool = True,
-    ) -> None:
+    def __init__(self, buffer: FlatParamBuffer, rank: int, host_master: bool = False, group: int = 0, param_indices: list[int] | None = None,
+                 master_weights: bool = True) -> None:
         self.buffer = buffer
         self.rank = rank
         self.group = group
         self.param_indices = list(range(len(buffer.params))) if param_indices is None else param_indices
         layout = buffer.layout
-        self.pieces: list[ShardPiece] = layout.pieces(rank)
-        self.master_dtype = master_dtype_for(buffer.dtype, master_weights)
+        self.pieces: list[ShardPiece] = layout.pieces(rank)  # the (param ∩ slice) pieces this rank owns, in flat order
+        self.master_dtype = torch.float32 if master_weights and buffer.dtype.itemsize < 4 else buffer.dtype  # else the params are the master weights
         self._bucket_starts = [b.shard_offset for b in layout.buckets]
+        # 1-D master dtype, layout.shard_numel elements: this rank's reduced, averaged gradient (padding positions stay zero).
         self.grad_shard: Tensor = torch.zeros(layout.shard_numel, dtype=self.master_dtype, device=buffer.device)
         pieces_of: list[list[ShardPiece]] = [[] for _ in layout.buckets]
         for piece in self.pieces:
-            pieces_of[self.bucket_of(piece)].append(piece)
+            pieces_of[layout.slots[piece.param].bucket].append(piece)
         self.chunks: list[Chunk] = [Chunk(buffer, rank, b.index, self.grad_shard, pieces_of[b.index], on_host=host_master) for b in layout.buckets]
-        self.virtual_params: list[nn.Parameter] = [vparam for chunk in self.chunks for vparam in chunk.virtual_params]
+        self.virtual_params: list[nn.Parameter] = [vparam for chunk in self.chunks for vparam in chunk.virtual_params]  # the chunks', in flat order
         # Between steps each virtual param's .grad is a VirtualGrad (zeroshard.grad.sharded_grad.bind_virtual_grads):
         # a framework clipping the optimizer's param_groups would take None for "nothing to clip". Typed loosely
         # (Tensor, object) because grad/ sits above layout/ and sets both.
@@ -77,10 +59,6 @@ class LocalShard:
     def has_master(self) -> bool:
         """Whether any chunk keeps master weights apart from the flat param buffer."""
         return any(chunk.master is not None for chunk in self.chunks)
-
-    def bucket_of(self, piece: ShardPiece) -> int:
-        """The bucket (chunk) holding ``piece``."""
-        return self.buffer.layout.slots[piece.param].bucket
 
     def master_slice(self, bucket: int) -> Tensor:
         """1-D view of this rank's master weights for bucket ``bucket`` (its chunk's :attr:`~zeroshard.layout.chunk.Chunk.weights`)."""
@@ -110,12 +88,10 @@ class LocalShard:
     def refresh_master(self) -> None:
         """Re-copy master elements of params written outside the optimizer (e.g. ``load_state_dict``).
 
-        A param's version counter moves on every in-place write to it (``p.copy_``, ``p.mul_``),
-        while the optimizer writes only to the flat buffer, which has its own counter. Only chunks
-        with a separate master (16-bit params, offload) need it, and of those only the elements
-        whose value no longer equals the master rounded to the param dtype are refreshed, so
-        loading a checkpoint's params and its fp32 master (in either order) keeps the master's
-        precision.
+        A param's version counter moves on every in-place write to it (``p.copy_``, ``p.mul_``), while the optimizer writes
+        only to the flat buffer, which has its own counter. Only chunks with a separate master (16-bit params, offload) need
+        it, and of those only the elements whose value no longer equals the master rounded to the param dtype are refreshed,
+        so loading a checkpoint's params and its fp32 master (in either order) keeps the master's precision.
         """
         if not self.has_master:
             return
@@ -136,16 +112,10 @@ class LocalShard:
             self._seen_versions[i] = params[i]._version
 
     def attach_grads(self, used: Sequence[bool]) -> None:
-        """Point each virtual param's ``.grad`` at its grad-shard piece, or ``None`` where unused.
-
-        ``used[i]`` says whether param ``i`` got a gradient on any rank since the last step; as in
-        ``torch.optim``, a param without one is skipped, its state untouched.
-        """
+        """Point each virtual param's ``.grad`` at its grad-shard piece, or ``None`` where param ``i`` got no gradient on any
+        rank since the last step (``used[i]``): as in ``torch.optim``, it is skipped, its state untouched."""
         for piece, vparam in zip(self.pieces, self.virtual_params):
-            if used[piece.param]:
-                vparam.grad = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape)
-            else:
-                vparam.grad = None
+            vparam.grad = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape) if used[piece.param] else None
 
     def detach_grads(self) -> None:
         """Give the virtual params their between-step ``.grad`` s (:attr:`idle_grads`) again (after ``attach_grads``)."""

@@ -1,22 +1,9 @@
 """Which rank owns which whole param, for optimizers whose update needs a param whole (issue #14).
 
-Shape-aware optimizers (``torch.optim.Muon``, ``torch.optim.Adafactor``) cannot run on 1-D slices
-of params, so under ``partition="param"`` each param has one owner rank that keeps its state and
-runs its update. Ownership is computed from the shapes alone, identically on every rank (no
-collective), and balanced by cost over two resources:
-
-* **work**: for Muon, the Newton-Schulz orthogonalization of an ``m x n`` update,
-  ``ns_steps`` iterations of three matmuls, about ``ns_steps * (4*m*m*n + 2*m*m*m)`` flops with
-  ``m = min(rows, cols)`` (Jordan et al., "Muon", 2024; ``torch.optim.Muon``); for an
-  element-wise optimizer, proportional to the elements;
-* **state bytes**: what the optimizer keeps per param (Muon: one momentum buffer; Adam: two).
-
-Each param's cost is the sum of its shares of the two totals (``work / total work + bytes / total
-bytes``), and params go, most costly first, to the rank with the least cost so far (Graham's
-longest-processing-time rule, "Bounds on multiprocessing timing anomalies", 1969): every rank
-then ends within one param's cost of the mean, whatever the shapes. Ties break by shape, index
-and rank, so every rank computes the same assignment, and equal-cost params of one shape are
-dealt round-robin.
+Shape-aware optimizers (``torch.optim.Muon``, ``torch.optim.Adafactor``) cannot run on 1-D slices of params, so under
+``partition="param"`` each param has one owner rank that keeps its state and runs its update. Ownership is computed from
+the shapes alone, identically on every rank (no collective), balancing the update's work and the state bytes
+(docs/shape_aware.md, "How ownership is balanced").
 """
 
 from __future__ import annotations
@@ -32,26 +19,19 @@ import torch
 
 @dataclass(frozen=True)
 class ParamCost:
-    """What owning one param costs its rank.
+    """What owning one param costs its rank."""
 
-    Attributes:
-        work: the update's work, in flops (an estimate; only ratios matter).
-        state_bytes: the optimizer state the owner keeps for the param, in bytes.
-        shape: the param's shape: among params of equal cost, those of one shape are dealt out
-            together, so each rank gets its share of every shape (a tall and a wide matrix cost
-            the same flops, but torch's Muon runs a tall one transposed, which is slower on CPU).
-    """
-
-    work: float
-    state_bytes: int
+    work: float  # the update's work, in flops (an estimate; only ratios matter)
+    state_bytes: int  # the optimizer state the owner keeps for the param
+    # Among params of equal cost, those of one shape are dealt out together, so each rank gets its share of every shape
+    # (a tall and a wide matrix cost the same flops, but torch's Muon runs a tall one transposed, which is slower on CPU).
     shape: tuple[int, ...] = ()
 
 
 def muon_cost(shape: Sequence[int], state_itemsize: int = 4, ns_steps: int = 5) -> ParamCost:
-    """The cost of a param updated by Muon: Newton-Schulz work and one momentum buffer.
-
-    A param of more than 2 dims is costed as ``shape[0] x prod(shape[1:])``, as modded-nanogpt
-    flattens conv filters (``torch.optim.Muon`` itself refuses such params).
+    """The cost of a param updated by Muon (Jordan et al., "Muon", 2024; ``torch.optim.Muon``): Newton-Schulz work and one
+    momentum buffer. A param of more than 2 dims is costed as ``shape[0] x prod(shape[1:])``, as modded-nanogpt flattens
+    conv filters (``torch.optim.Muon`` itself refuses such params).
 
     Args:
         shape: the param's shape (>= 2 dims).
@@ -77,7 +57,12 @@ def elementwise_cost(shape: Sequence[int], state_bytes_per_element: int) -> Para
 
 
 def assign_owners(costs: Sequence[ParamCost], world_size: int) -> list[int]:
-    """The owner rank of each param, balancing work and state bytes (see the module docstring).
+    """The owner rank of each param, balancing work and state bytes.
+
+    Each param costs the sum of its shares of the two totals and params go, most costly first, to the rank with the least
+    cost so far (Graham's longest-processing-time rule, "Bounds on multiprocessing timing anomalies", 1969): every rank
+    ends within one param's cost of the mean. Ties break by shape, index and rank, so every rank computes the same
+    assignment, and equal-cost params of one shape are dealt round-robin.
 
     Args:
         costs: per param, in a fixed order (the optimizer's param order).
@@ -111,13 +96,10 @@ def default_cost(shape: Sequence[int], dtype: torch.dtype) -> ParamCost:
 
 
 def param_costs(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: Sequence[torch.Tensor]) -> list[ParamCost]:
-    """The cost of each of ``params`` (of param group ``group``) under ``optimizer``'s update.
-
-    ``torch.optim.Muon``: :func:`muon_cost` with the group's ``ns_steps`` (fp32 momentum, or fp64
-    for fp64 params). Any other optimizer: :func:`elementwise_cost` with one master-dtype state
-    element per param element (Adafactor's factored state is smaller, but its work, like an
-    element-wise update's, grows with the elements).
-    """
+    """The cost of each of ``params`` (of param group ``group``) under ``optimizer``'s update: ``torch.optim.Muon``'s
+    matrices: :func:`muon_cost` with the group's ``ns_steps`` (fp32 momentum, or fp64 for fp64 params); otherwise
+    :func:`default_cost` (Adafactor's factored state is smaller, but its work, like an element-wise update's, grows with
+    the elements)."""
     if type(optimizer) is getattr(torch.optim, "Muon", None):
         return [muon_cost(p.shape, max(4, p.dtype.itemsize), int(group.get("ns_steps", 5))) if p.dim() >= 2
                 else default_cost(p.shape, p.dtype) for p in params]

@@ -1,26 +1,13 @@
-"""Pure index math for flat, bucketed, rank-partitioned parameter storage.
+"""Pure index math for flat, bucketed, rank-partitioned parameter storage: plain functions of integers (no
+``torch.distributed``), property-tested on their own. The terms are [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py``.
 
-Nothing here touches ``torch.distributed``, so every function is a plain function of
-integers and can be property-tested on its own. See [Note: zeroshard buffers] in
-``zeroshard/layout/flat_buffer.py`` for what the offsets index into.
+Layout rules (Rajbhandari et al., "ZeRO", SC'20, §5.2 and §5.3): params are laid out one after another in the order given
+(reverse registration order, which approximates the order gradients become ready in backward) and cut into buckets of at
+most ``bucket_numel`` elements; a param never straddles two buckets. Each bucket is padded to a multiple of ``world_size``.
 
-Layout rules (Rajbhandari et al., "ZeRO", SC'20, §5.2 and §5.3):
-
-* Params are laid out one after another in the order given (the caller passes reverse
-  registration order, which approximates the order gradients become ready in backward).
-* They are cut into buckets of at most ``bucket_numel`` elements. A param never straddles two
-  buckets; a param larger than ``bucket_numel`` gets a bucket of its own.
-* Each bucket is padded to a multiple of ``world_size``; rank ``r`` owns the contiguous slice
-  ``[r * shard_numel, (r + 1) * shard_numel)`` of every bucket. A rank's *shard* is the
-  concatenation of its slices of all buckets, in bucket order.
-
-With ``owners`` (``partition="param"``, for optimizers that need each param whole: issue #14),
-each param lies whole in its owner's slice instead. Each bucket takes, for every rank, the next
-of that rank's params in the order given, up to ``bucket_numel / N`` elements (or the largest
-param at the head of a rank's queue, if that is larger; a smaller limit, down to half of it, where
-that leaves less padding); every slice is padded to the fullest one, ``S``. The slices stay
-equal, so the same reduce-scatter and all-gather serve both modes, and a rank's pieces are its
-whole params.
+With ``owners`` (``partition="param"``, for optimizers that need each param whole: issue #14), each param lies whole in its
+owner's slice instead (docs/shape_aware.md, "Communication": how a bucket's slices are filled). Every slice is padded to the
+fullest one: the slices stay equal, so the same reduce-scatter and all-gather serve both modes.
 """
 
 from __future__ import annotations
@@ -31,41 +18,24 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """Where one parameter lives in the flat buffer.
+    """Where one parameter lives in the flat buffer (offsets in elements)."""
 
-    Attributes:
-        index: position of the param in the sequence given to :func:`build_layout`.
-        offset: first element of the param in the flat buffer (elements).
-        numel: number of elements of the param.
-        bucket: index of the bucket holding the param.
-    """
-
-    index: int
-    offset: int
+    index: int  # position of the param in the sequence given to build_layout
+    offset: int  # first element of the param in the flat buffer
     numel: int
-    bucket: int
+    bucket: int  # index of the bucket holding the param
 
 
 @dataclass(frozen=True)
 class Bucket:
-    """A run of whole params, reduced and gathered as one collective.
+    """A run of whole params, reduced and gathered as one collective (offsets in elements)."""
 
-    Attributes:
-        index: position of the bucket in the flat buffer.
-        offset: first element of the bucket in the flat buffer (elements).
-        numel: elements used by params, without padding.
-        padded_numel: the world size times the slice size: ``numel`` rounded up to a multiple of
-            the world size, or with ``owners`` every slice padded to the largest.
-        params: indices of the params in the bucket, in layout (flat) order.
-        shard_offset: first element of this bucket's slice within a rank's shard.
-    """
-
-    index: int
-    offset: int
-    numel: int
-    padded_numel: int
-    params: tuple[int, ...]
-    shard_offset: int
+    index: int  # position of the bucket in the flat buffer
+    offset: int  # first element of the bucket in the flat buffer
+    numel: int  # elements used by params, without padding
+    padded_numel: int  # world size x slice size: numel rounded up to a multiple of it, or with owners every slice padded to the largest
+    params: tuple[int, ...]  # indices of the params in the bucket, in layout (flat) order
+    shard_offset: int  # first element of this bucket's slice within a rank's shard
 
     def shard_numel(self, world_size: int) -> int:
         """Elements of this bucket owned by each rank (``padded_numel // world_size``)."""
@@ -80,43 +50,25 @@ class Bucket:
 
 @dataclass(frozen=True)
 class ShardPiece:
-    """The intersection of one param with one rank's slice of its bucket.
+    """The intersection of one param with one rank's slice of its bucket (offsets in elements)."""
 
-    Attributes:
-        param: index of the param (as in :attr:`ParamSlot.index`).
-        param_offset: first element of the piece within the flattened param.
-        numel: elements in the piece (> 0).
-        flat_offset: first element of the piece in the flat buffer.
-        shard_offset: first element of the piece within the rank's shard.
-    """
-
-    param: int
-    param_offset: int
-    numel: int
-    flat_offset: int
-    shard_offset: int
+    param: int  # index of the param (as in ParamSlot.index)
+    param_offset: int  # first element of the piece within the flattened param
+    numel: int  # > 0
+    flat_offset: int  # first element of the piece in the flat buffer
+    shard_offset: int  # first element of the piece within the rank's shard
 
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """The full layout of one flat buffer for a given world size.
+    """The full layout of one flat buffer for a given world size."""
 
-    Attributes:
-        slots: one :class:`ParamSlot` per param, in the order given.
-        buckets: the buckets in flat-buffer order.
-        world_size: number of ranks that share the buffer.
-        numel: total elements of the flat buffer, padding included.
-        shard_numel: elements of each rank's shard (sum of its slices of all buckets).
-        owners: per param, the rank whose slice holds it whole (``partition="param"``), or
-            ``None`` when params are laid out flat and may span slices.
-    """
-
-    slots: tuple[ParamSlot, ...]
-    buckets: tuple[Bucket, ...]
+    slots: tuple[ParamSlot, ...]  # one per param, in the order given
+    buckets: tuple[Bucket, ...]  # in flat-buffer order
     world_size: int
-    numel: int
-    shard_numel: int
-    owners: tuple[int, ...] | None = None
+    numel: int  # elements of the flat buffer, padding included
+    shard_numel: int  # elements of each rank's shard (its slices of all buckets)
+    owners: tuple[int, ...] | None = None  # per param, the rank whose slice holds it whole (partition="param"); None: params may span slices
 
     @property
     def whole_params(self) -> bool:
@@ -143,23 +95,11 @@ class FlatLayout:
             lo, hi = bucket.rank_range(rank, self.world_size)
             for index in bucket.params:
                 slot = self.slots[index]
-                start = max(lo, slot.offset)
-                end = min(hi, slot.offset + slot.numel)
+                start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
                 if start < end:
-                    pieces.append(
-                        ShardPiece(
-                            param=index,
-                            param_offset=start - slot.offset,
-                            numel=end - start,
-                            flat_offset=start,
-                            shard_offset=bucket.shard_offset + (start - lo),
-                        )
-                    )
+                    pieces.append(ShardPiece(param=index, param_offset=start - slot.offset, numel=end - start, flat_offset=start,
+                                             shard_offset=bucket.shard_offset + (start - lo)))
         return pieces
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owners: Sequence[int] | None = None) -> FlatLayout:
@@ -167,20 +107,18 @@ def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owne
 
     Args:
         numels: element count of each param, in layout order (each >= 1).
-        bucket_numel: soft cap on elements per bucket (>= 1); a larger param gets its own bucket
-            (with ``owners``: its own slice, and the bucket's other slices are filled up to its size).
+        bucket_numel: soft cap on elements per bucket (>= 1); a larger param gets its own bucket (with ``owners``: its own
+            slice, and the bucket's other slices are filled up to its size).
         world_size: number of ranks (>= 1).
-        owners: per param, the rank in ``[0, world_size)`` that must hold it whole; ``None``
-            lays params out flat (see the module docstring for both rules).
+        owners: per param, the rank in ``[0, world_size)`` that must hold it whole; ``None`` lays params out flat (see the
+            module docstring for both rules).
 
     Returns:
-        The :class:`FlatLayout`. Without ``owners`` padding is at the end of each bucket only;
-        with them, at the end of each slice.
+        The :class:`FlatLayout`. Without ``owners`` padding is at the end of each bucket only; with them, at the end of each slice.
 
     Raises:
-        ValueError: on an empty ``numels``, a param with fewer than one element, a
-            ``bucket_numel`` / ``world_size`` below one, or ``owners`` of another length or
-            naming a rank outside ``[0, world_size)``.
+        ValueError: on an empty ``numels``, a param with fewer than one element, a ``bucket_numel`` / ``world_size`` below
+            one, or ``owners`` of another length or naming a rank outside ``[0, world_size)``.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
@@ -213,7 +151,7 @@ def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owne
             slots.append(ParamSlot(index, offset, numels[index], bucket_index))
             offset += numels[index]
         used = offset - start
-        padded = _round_up(used, world_size)
+        padded = -(-used // world_size) * world_size
         buckets.append(Bucket(bucket_index, start, used, padded, tuple(members), shard_offset))
         offset = start + padded
         shard_offset += padded // world_size
@@ -235,7 +173,7 @@ def _fill(queues: list[list[int]], heads: list[int], numels: Sequence[int], limi
 
 def _slice_sizes(queues: list[list[int]], heads: list[int], numels: Sequence[int], limit: int, largest: int) -> list[int]:
     """Slice sizes worth trying for the next bucket: ``limit``, and every size in ``[max(limit / 2, largest), limit)`` at
-    which some rank's slice would end exactly (a sum of the next params of its queue)."""
+    which some rank's slice would end exactly (a sum of the next params of its queue); each is tried, the least padding wins."""
     sizes = {limit}
     floor = max(limit // 2, largest)
     for rank, queue in enumerate(queues):

@@ -1,14 +1,6 @@
-"""``offload="cpu"``: the copies around the CPU update.
-
-See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for chunks, masters and shards.
-
-With ``offload="cpu"`` a chunk (:class:`~zeroshard.layout.chunk.Chunk`, this rank's slice of one bucket)
-keeps its master, ``exp_avg`` and ``exp_avg_sq`` in host memory and takes torch's fused CPU
-Adam/AdamW (ZeRO-Offload, Ren et al., USENIX ATC 2021). Each step its gradient goes device →
-host and its updated params host → device. :class:`OffloadPipeline` runs those copies; the
-update itself is :meth:`zeroshard.step.fused_adam.FusedAdam.step`'s.
-
-Which host buffers are pinned is the chunk's to decide (``zeroshard/layout/chunk.py``).
+"""``offload="cpu"`` (ZeRO-Offload, Ren et al., USENIX ATC 2021): the copies around the CPU update of a host chunk, gradient
+device → host and updated params host → device (docs/offload.md, "One offloaded step"). The update itself is
+:meth:`zeroshard.step.fused_adam.FusedAdam.step`'s; which host buffers are pinned, the chunk's (``zeroshard/layout/chunk.py``).
 """
 
 from __future__ import annotations
@@ -26,13 +18,10 @@ CPU_ADAM_RANGE = "zeroshard.offload.cpu_adam"  # torch.profiler range of each ho
 class OffloadPipeline:
     """The copies of one step's host chunks: gradients to the host, updated params back.
 
-    Per step: :meth:`start` with the chunks that take the CPU update; then, chunk by chunk in
-    layout order, :meth:`receive_grad` before the CPU update and :meth:`send_params` after it;
-    finally :meth:`finish`. On CUDA the copies run on two streams of their own (created on first
-    use, kept), so that while the CPU updates chunk i, chunk i+1's gradient is on its way to the
-    host and chunk i-1's params on their way back to the device (the all-gathers follow the whole
-    update). On a CPU-only machine (or in a step without host chunks) the same calls are plain
-    copies, in order.
+    Per step: :meth:`start` with the chunks that take the CPU update; then, chunk by chunk in layout order,
+    :meth:`receive_grad` before the CPU update and :meth:`send_params` after it; finally :meth:`finish`. On CUDA the copies
+    run on two streams of their own (created on first use, kept), overlapping the CPU update of the chunk between them; on
+    a CPU-only machine (or in a step without host chunks) the same calls are plain copies, in order.
     """
 
     def __init__(self) -> None:
@@ -43,10 +32,8 @@ class OffloadPipeline:
     def start(self, chunks: list[Chunk]) -> None:
         """Queue every device → host gradient copy of ``chunks`` (the host chunks with used pieces).
 
-        On CUDA this queues them all on the copy stream at once, one event per chunk, before the
-        device chunks' kernels are launched, so the first host chunk can be updated without
-        waiting for those kernels. Elsewhere nothing is queued: :meth:`receive_grad` copies.
-        Each chunk's ``host_grad`` must be allocated.
+        On CUDA all at once on the copy stream, one event per chunk, before the device chunks' kernels are launched, so the
+        first host chunk can be updated without waiting for those kernels. Elsewhere nothing is queued: :meth:`receive_grad` copies.
         """
         self._arrived = {}
         self._compute = None
@@ -78,11 +65,8 @@ class OffloadPipeline:
         self._arrived[chunk].synchronize()
 
     def send_params(self, chunk: Chunk) -> None:
-        """Write ``chunk``'s updated host master into its slice of the flat param buffer, cast to the param dtype.
-
-        On CUDA the copy is queued on the host → device stream, and the compute stream is made
-        to wait for it: whatever is queued there next (the bucket's all-gather) sees the params.
-        """
+        """Write ``chunk``'s updated host master into its slice of the flat param buffer, cast to the param dtype (on CUDA
+        queued on the host → device stream, which the compute stream then waits for)."""
         master, target = chunk.master, chunk.params
         if master is None:
             raise RuntimeError("internal error: a chunk in host memory has no master of its own")

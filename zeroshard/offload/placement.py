@@ -1,20 +1,6 @@
-"""``gpu_margin_mem_ratio``: the measured GPU margin, and which offloaded chunks move into it.
-
-With ``offload="cpu"`` every chunk (:class:`~zeroshard.layout.chunk.Chunk`: this rank's slice of one
-bucket, with its master, ``exp_avg`` and ``exp_avg_sq``) starts in host memory.
-``gpu_margin_mem_ratio`` > 0 keeps part of it on the device, as PatrickStar (Fang et al., 2021,
-§5) and ColossalAI's ``ShardedOptimizerV2`` do:
-
-1. a :class:`~zeroshard.MemoryTracer` runs from the optimizer's construction to the first
-   ``step()``, the first training iteration, and measures its peak device memory;
-2. the margin is what that iteration leaves unused: device capacity − peak non-model memory
-   (activations, temporaries) − model data (params, gradients, grad shards) − a fragmentation
-   headroom of :data:`FRAGMENTATION_HEADROOM` of the capacity (:func:`measure_margin`);
-3. ``ratio × margin`` bytes of chunks move to the device, whole chunks, first fit in layout order
-   (:func:`plan_placement`); they take the fused device kernel from then on, the rest the CPU.
-
-:func:`place_chunks` does 2 and 3 and returns a :class:`Placement`, which the optimizer keeps as
-``opt.placement``.
+"""``gpu_margin_mem_ratio``: the measured GPU margin, and which offloaded chunks move into it, as PatrickStar (Fang et al.,
+2021, §5) and ColossalAI's ``ShardedOptimizerV2`` do (docs/offload.md, "gpu_margin_mem_ratio"): :func:`measure_margin`,
+then :func:`plan_placement`, both run by :func:`place_chunks`, whose :class:`Placement` the optimizer keeps as ``opt.placement``.
 """
 
 from __future__ import annotations
@@ -33,20 +19,12 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class MarginMeasurement:
-    """What the first iteration left free on the device (bytes).
+    """What the first iteration left free on the device (bytes)."""
 
-    Attributes:
-        capacity_bytes: memory this process can use on the device (CUDA: free + already reserved
-            by torch's caching allocator; CPU-only: available + this process's RSS).
-        non_model_peak_bytes: peak memory not taken by model data (activations, temporaries).
-        model_data_bytes: params, gradient buffers, grad shards, masters and state on the device.
-        headroom_bytes: left free for fragmentation.
-    """
-
-    capacity_bytes: int
-    non_model_peak_bytes: int
-    model_data_bytes: int
-    headroom_bytes: int
+    capacity_bytes: int  # what this process can use on the device (CUDA: free + reserved by torch's allocator; CPU-only: available + RSS)
+    non_model_peak_bytes: int  # peak memory not taken by model data (activations, temporaries)
+    model_data_bytes: int  # params, gradient buffers, grad shards, masters and state on the device
+    headroom_bytes: int  # left free for fragmentation
 
     @property
     def margin_bytes(self) -> int:
@@ -58,30 +36,18 @@ class MarginMeasurement:
 class Placement:
     """Where ``gpu_margin_mem_ratio`` put this rank's chunks, once, at the first ``step()``.
 
-    Chunks are listed in layout order: the optimizer's flat buffers (param group by param group,
-    dtype by dtype) and, in each, bucket by bucket; a chunk is this rank's slice of one bucket
-    (``bucket_size_mb`` of params divided by the shard size). Bytes are bytes.
-
-    Attributes:
-        ratio: the ``gpu_margin_mem_ratio`` (0.0 to 1.0) the plan was made with.
-        measurement: the first iteration's margin and its terms (bytes).
-        chunk_bytes: per chunk, the device bytes its state takes there: ``exp_avg`` and
-            ``exp_avg_sq`` in the master dtype and, for 16-bit params, the fp32 master (12 bytes
-            per element for 16-bit params, 8 for fp32, whose flat param buffer is the master).
-        planned: per chunk, whether the plan put it on the device (first fit within
-            ``ratio × measurement.margin_bytes``).
-        on_device: per chunk, whether it is on the device now: the planned ones, unless the
-            device ran out of memory while they moved (that chunk and those after it stay in
-            host memory).
-        device: the params' device.
+    Per-chunk fields list the chunks in layout order: the optimizer's flat buffers (param group by param group, dtype by
+    dtype) and, in each, bucket by bucket. Sizes are bytes.
     """
 
-    ratio: float
-    measurement: MarginMeasurement
-    chunk_bytes: tuple[int, ...]
-    planned: tuple[bool, ...]
+    ratio: float  # the gpu_margin_mem_ratio (0.0 to 1.0) the plan was made with
+    measurement: MarginMeasurement  # the first iteration's margin and its terms
+    chunk_bytes: tuple[int, ...]  # device bytes of each chunk's state there (chunk_device_bytes: 12 per element for 16-bit params, 8 for fp32)
+    planned: tuple[bool, ...]  # whether the plan put the chunk on the device (first fit within ratio × measurement.margin_bytes)
+    # Whether the chunk is on the device now: the planned ones, unless the device ran out of memory while they moved (that
+    # chunk and those after it stay in host memory).
     on_device: tuple[bool, ...]
-    device: torch.device
+    device: torch.device  # the params' device
 
     @property
     def device_bytes(self) -> int:
@@ -120,8 +86,8 @@ def measure_margin(tracer: MemoryTracer, model_data_bytes: int, headroom: float 
 
 
 def chunk_device_bytes(chunk: Chunk) -> int:
-    """Device bytes ``chunk`` takes when kept on the device: its ``exp_avg`` and ``exp_avg_sq``
-    in the master dtype and, for 16-bit params, its fp32 master."""
+    """Device bytes ``chunk`` takes when kept on the device: its ``exp_avg`` and ``exp_avg_sq`` in the master dtype and, for
+    16-bit params, its fp32 master (fp32 params' flat param buffer is their master)."""
     master = chunk.master_dtype.itemsize if chunk.master_dtype != chunk.params.dtype else 0
     return chunk.numel * (2 * chunk.master_dtype.itemsize + master)
 
@@ -135,9 +101,8 @@ def plan_placement(chunk_bytes: Sequence[int], margin_bytes: int, ratio: float) 
         ratio: ``gpu_margin_mem_ratio``, 0.0 (everything on the host) to 1.0 (the whole margin).
 
     Returns:
-        One flag per chunk, ``True`` for the device. A chunk larger than what is left of the
-        budget stays on the host (a later, smaller one may still fit); the chosen chunks never
-        sum to more than ``ratio × margin_bytes``.
+        One flag per chunk, ``True`` for the device. A chunk larger than what is left of the budget stays on the host (a
+        later, smaller one may still fit); the chosen chunks never sum to more than ``ratio × margin_bytes``.
 
     Raises:
         ValueError: ``ratio`` outside [0, 1] or a negative size.
@@ -159,17 +124,16 @@ def place_chunks(chunks: Sequence[Chunk], tracer: MemoryTracer, model_data_bytes
     """Measure the margin, plan, and move the planned ``chunks`` (layout order) to the device.
 
     Args:
-        chunks: every chunk of the optimizer, in layout order, all in host memory, their masters
-            current and their moments allocated (they move as they are).
+        chunks: every chunk of the optimizer, in layout order, all in host memory, their masters current and their moments
+            allocated (they move as they are).
         tracer: the first iteration's tracer, stopped.
         model_data_bytes: the optimizer's device bytes now (``memory_usage().device_bytes``).
         ratio: ``gpu_margin_mem_ratio``.
         device: the params' device.
 
     Returns:
-        The :class:`Placement`. Moving stops at the first chunk the device has no room for
-        (``torch.cuda.OutOfMemoryError``), leaving it and the rest in host memory: placing never
-        fails a step.
+        The :class:`Placement`. Moving stops at the first chunk the device has no room for (``torch.cuda.OutOfMemoryError``),
+        leaving it and the rest in host memory: placing never fails a step.
     """
     measurement = measure_margin(tracer, model_data_bytes)
     sizes = tuple(chunk_device_bytes(chunk) for chunk in chunks)

@@ -1,10 +1,4 @@
-"""``MemoryTracer``: peak device and host memory over a region of code, model data apart.
-
-Follows the runtime memory tracer of PatrickStar (Fang et al., "PatrickStar", 2021, §4) and
-ColossalAI's ``MemStatsCollector``: measure the peak during a training iteration and subtract the
-model data (params, gradients, optimizer state) to get the peak *non-model* memory (activations
-and temporaries) — what an offloading optimizer must leave free.
-"""
+"""``MemoryTracer``: peak device and host memory over a region of code, model data apart (docs/offload.md, "zeroshard.MemoryTracer")."""
 
 from __future__ import annotations
 
@@ -16,13 +10,13 @@ import torch
 
 
 class MemoryTracer:
-    """Baseline and peak memory, on the device and on the host, between ``start()`` and ``stop()``.
+    """Baseline and peak memory, on the device and on the host, between ``start()`` and ``stop()`` (or over a ``with`` block).
 
-    Also a context manager (``with MemoryTracer() as tracer:`` starts and stops it).
-
-    On CUDA the device figures come from the caching allocator (``max_memory_allocated`` after
-    ``reset_peak_memory_stats``) and the capacity from ``mem_get_info``; host figures (and the
-    device figures on a CPU-only machine, where the device is the host) from the process's RSS
+    Follows the runtime memory tracer of PatrickStar (Fang et al., "PatrickStar", 2021, §4) and ColossalAI's
+    ``MemStatsCollector``: the peak during a training iteration minus the model data is the peak *non-model* memory
+    (activations and temporaries), what an offloading optimizer must leave free. On CUDA the device figures come from the
+    caching allocator (``max_memory_allocated`` after ``reset_peak_memory_stats``) and the capacity from ``mem_get_info``;
+    host figures (and the device figures on a CPU-only machine, where the device is the host) from the process's RSS
     (``psutil``), sampled by a background thread every ``sample_interval_s`` seconds.
 
     Args:
@@ -32,9 +26,8 @@ class MemoryTracer:
     Attributes (bytes, set by ``stop()``):
         device_baseline_bytes, device_peak_bytes: allocated on entry, and the most at any point.
         device_capacity_bytes: the device's total memory (the machine's for the CPU).
-        device_available_bytes: what this process could hold on the device on exit: CUDA's free
-            memory plus what torch's caching allocator has reserved; on the CPU, the available
-            memory plus the process's RSS.
+        device_available_bytes: what this process could hold on the device on exit: CUDA's free memory plus what torch's
+            caching allocator has reserved; on the CPU, the available memory plus the process's RSS.
         host_baseline_bytes, host_peak_bytes: the process's RSS on entry, and the most sampled.
 
     Raises:
@@ -104,11 +97,8 @@ class MemoryTracer:
         self.stop()
 
     def non_model_peak_bytes(self, model_data_bytes: int) -> int:
-        """Peak device memory not taken by model data: ``device_peak_bytes - model_data_bytes`` (>= 0).
-
-        ``model_data_bytes``: what params, gradients and optimizer state occupy on the device
-        (e.g. ``ShardedOptimizer.memory_usage().device_bytes``).
-        """
+        """Peak device memory not taken by model data (params, gradients and optimizer state on the device, e.g.
+        ``ShardedOptimizer.memory_usage().device_bytes``): ``device_peak_bytes - model_data_bytes`` (>= 0)."""
         return max(0, self.device_peak_bytes - model_data_bytes)
 
     def summary(self, model_data_bytes: int | None = None) -> str:
