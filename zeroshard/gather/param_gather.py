@@ -1,36 +1,15 @@
-"""The all-gather of updated params, overlapped with whatever runs next (the next forward).
+"""The all-gather of updated params after ``step()``, overlapped with whatever runs next (the next forward).
 
-``step()`` ends by launching one all-gather per bucket (this rank's updated slice into every
-rank's copy of the bucket in the flat param buffer) and, with ``overlap_param_gather=True``,
-returns without waiting for them: the next forward's first layers start while the later
-buckets are still on the wire, as Megatron-LM's ``overlap_param_gather`` does. The buckets are
-launched in forward order (the reverse of the layout, which follows backward order), so the
-first module that runs waits only for its own bucket; each bucket is waited for just before the
-first torch function that reads or writes one of its params.
+See "One step" in ``docs/design.md`` (buckets gathered in forward order, each waited for just before the first torch
+function that touches one of its params, as Megatron-LM's ``overlap_param_gather`` overlaps them) and "Reading params
+after ``step()``" in ``docs/api.md`` (what the guard covers and what not, when it is pushed and popped, its cost).
 
-Why a ``TorchFunctionMode`` rather than forward pre-hooks on the modules (Megatron's way): the
-optimizer is given params, not modules, and a param can be read outside any forward — an EMA
-copy, ``model.state_dict()``, ``torch.save``, ``p.clone()``, evaluation code that indexes a weight.
-Every one of them goes through a torch function that takes the param (or something made from it
-after the step), and :class:`_ParamGuard` sees that call first. So nothing can read a param
-half-gathered: a stale read would be a silent wrong number. Covered: every torch function and
-``Tensor`` method, ``torch.ops`` custom ops, and ``torch.compile`` (Dynamo honours active modes).
-A ``torch.jit`` scripted or traced module reads its params in C++, past the mode, so the module
-forward pre-hook that is registered while the guard is pushed waits for a ``ScriptModule``'s
-params before it runs. Not covered: a C++ extension bound without the dispatcher that is handed a
-param directly (also ``torch.utils.dlpack.to_dlpack``, and a ``torch.jit.script`` function, not
-module, called with a param), an alias of a param made *before* ``step()`` and read after it, and
-reads from another thread than the one that called ``step()`` (mode stacks are per thread); call
-:meth:`~zeroshard.ShardedOptimizer.wait_params` first there.
-
-The guard is pushed on the torch-function mode stack only when the stack is empty (so it never
-sits between another mode's enter and exit); otherwise, and with ``overlap_param_gather=False``,
-``step()`` waits for its all-gathers before it returns, as before. It is popped as soon as no
-gather is pending, at the next module call or zeroshard call that finds it on top of the stack.
-(On gloo the gathers are point-to-point works, which report completion only once waited for: there
-the guard goes once every param was read, by the next forward, or after ``wait_params()``.)
-Its cost while pushed is one Python call per torch function (a dictionary lookup per tensor
-argument).
+Why a ``TorchFunctionMode`` rather than forward pre-hooks on the modules (Megatron's way): the optimizer is given params,
+not modules, and a param can be read outside any forward (an EMA copy, ``model.state_dict()``, ``torch.save``,
+``p.clone()``, evaluation code that indexes a weight). Every such read goes through a torch function that takes the
+param (or something made from it after the step): every torch function and ``Tensor`` method, ``torch.ops`` custom
+ops, ``torch.compile`` (Dynamo honours active modes). :class:`_ParamGuard` sees that call first, so nothing reads a
+param half-gathered: a stale read would be a silent wrong number.
 """
 
 from __future__ import annotations
@@ -51,27 +30,18 @@ from zeroshard.compat import function_mode_stack, pop_function_mode, push_functi
 from zeroshard.layout.chunk import Chunk
 from zeroshard.layout.local_shard import LocalShard
 
-WHAT = "the all-gather of the updated params"
 # Point to point (gloo), a bucket's gather goes in pieces, forward-first: the first piece holds this
 # many bytes of the bucket (its slice of every rank's slot), each later piece twice the one before.
 FIRST_PIECE_BYTES = 1 << 20
-HINT = "call step() on every rank"
 
 
 @dataclass(eq=False)
 class BucketGather:
-    """One bucket's all-gather in flight.
-
-    Attributes:
-        work: the async handle.
-        params: the model params whose values the gather completes (the bucket's params).
-        stream: on CUDA, the stream current when it was launched (``step()``'s, which the next
-            forward runs on); ``None`` elsewhere.
-    """
+    """One bucket's all-gather in flight."""
 
     work: collectives.AsyncWork
-    params: tuple[nn.Parameter, ...]
-    stream: torch.cuda.Stream | None = None
+    params: tuple[nn.Parameter, ...]  # the model params whose values the gather completes
+    stream: torch.cuda.Stream | None = None  # on CUDA, the stream current at launch (step()'s, which the next forward runs on)
 
 
 def _current_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -80,13 +50,10 @@ def _current_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 class ParamGather:
-    """One optimizer's param all-gathers: launched at the end of ``step()``, waited for in launch order.
+    """One optimizer's param all-gathers over the shard group ``group``: launched at the end of ``step()``, waited for in launch order.
 
-    Args:
-        group: the shard group the slices are gathered over.
-        timeout: the bound on each wait (see :func:`zeroshard.comm.collectives.wait`), or ``None``.
-        overlap: leave the gathers in flight when ``step()`` returns, guarded (see the module
-            docstring); ``False`` waits for them inside :meth:`launch`.
+    ``timeout`` bounds each wait (:func:`zeroshard.comm.collectives.wait`; ``None``: the group's). With ``overlap`` the
+    gathers stay in flight when ``step()`` returns, guarded; without it :meth:`launch` waits for them.
     """
 
     def __init__(self, group: ProcessGroup, timeout: datetime.timedelta | None, overlap: bool) -> None:
@@ -94,7 +61,7 @@ class ParamGather:
         self.timeout = timeout
         self.overlap = overlap
         self._pending: list[BucketGather] = []  # in launch order; earlier ones complete first
-        # Waited for on another CUDA stream than their launch stream only: still guarded (see _settled).
+        # Waited for on another CUDA stream than their launch stream only: still guarded (see _settle).
         self._unsettled: list[BucketGather] = []
         # Per chunk (gathered in pieces): its pieces, and the params each completes (fixed by the layout).
         self._plans: weakref.WeakKeyDictionary[Chunk, list[tuple[tuple[int, int], tuple[nn.Parameter, ...]]]] = weakref.WeakKeyDictionary()
@@ -112,23 +79,21 @@ class ParamGather:
     def launch(self, shards: list[LocalShard]) -> None:
         """Start the all-gather of every bucket of ``shards``, last bucket of the layout first (forward order).
 
-        Each chunk's ``params`` (this rank's updated slice) is gathered into its ``bucket_params``.
-
-        Waits for the gathers before returning unless ``overlap`` is on and the guard could be
-        pushed (see the module docstring).
+        Each chunk's ``params`` (this rank's updated slice) is gathered into its ``bucket_params``. Waits for the gathers
+        before returning unless ``overlap`` is on and the guard could be pushed (only onto an empty mode stack).
         """
         self.wait()  # a param is written only after every earlier gather into it is done
         if dist.get_world_size(self.group) == 1:
             return  # a shard group of one: the params are already complete, nothing to guard
-        in_layout_order = [(shard, chunk) for shard in shards for chunk in shard.chunks]
-        for owner, chunk in reversed(in_layout_order):
+        for owner, chunk in reversed([(shard, chunk) for shard in shards for chunk in shard.chunks]):
             stream = _current_stream(chunk.params.device)
-            if not collectives.point_to_point(chunk.params, self.group):
+            if collectives.point_to_point(chunk.params, self.group):
+                for (start, end), params in self._plan(owner, chunk):
+                    self._pending.append(BucketGather(collectives.all_gather_piece(chunk.bucket_params, start, end, self.group), params, stream))
+            else:
                 work = collectives.all_gather(chunk.bucket_params, chunk.params, self.group)
-                self._pending.append(BucketGather(work, _bucket_params(owner, chunk), stream))
-                continue
-            for (start, end), params in self._plan(owner, chunk):
-                self._pending.append(BucketGather(collectives.all_gather_piece(chunk.bucket_params, start, end, self.group), params, stream))
+                bucket_params = tuple(owner.buffer.params[i] for i in owner.buffer.layout.buckets[chunk.bucket].params)
+                self._pending.append(BucketGather(work, bucket_params, stream))
         if not (self.overlap and _GUARD.watch(self)):
             self.wait()
 
@@ -152,10 +117,10 @@ class ParamGather:
     def wait(self, upto: BucketGather | None = None) -> None:
         """Wait for the pending gathers in launch order, through ``upto`` (``None``: all of them).
 
-        On CUDA a wait orders the *current* stream after the gather (NCCL's ``work.wait()`` does not
-        block the host). A gather waited for on another stream than its launch stream (an EMA under
-        ``torch.cuda.stream(s)``) stays guarded until a wait on its launch stream or its completion,
-        so the next forward waits too. ``upto=None`` also waits for those on the current stream.
+        On CUDA a wait orders the *current* stream after the gather (NCCL's ``work.wait()`` does not block the host). A
+        gather waited for on another stream than its launch stream (an EMA under ``torch.cuda.stream(s)``) stays guarded
+        until a wait on its launch stream or its completion, so the next forward waits too. ``upto=None`` also waits for
+        those on the current stream.
 
         Raises:
             RuntimeError: with a ``timeout``, a gather some rank did not join in time (named).
@@ -175,28 +140,19 @@ class ParamGather:
     def _settle(self, gather: BucketGather) -> None:
         """Wait for an unsettled gather on the current stream; drop it from the guard if that settles it."""
         # The params must hold every rank's update before anything reads or writes them.
-        collectives.wait(gather.work, self.timeout, f"{WHAT} (waited for before a param was read)", HINT)
-        if _settled(gather):
+        collectives.wait(gather.work, self.timeout, "the all-gather of the updated params (waited for before a param was read)", "call step() on every rank")
+        # Settled, needing no more waits: off CUDA, completed, or waited for on its launch stream.
+        if gather.stream is None or gather.work.is_completed() or _current_stream(gather.stream.device) == gather.stream:
             self._unsettled.remove(gather)
             _GUARD.forget(gather)
-
-
-def _settled(gather: BucketGather) -> bool:
-    """Whether a waited-for gather needs no more waits: off CUDA, completed, or waited for on its launch stream."""
-    return gather.stream is None or gather.work.is_completed() or _current_stream(gather.stream.device) == gather.stream
-
-
-def _bucket_params(shard: LocalShard, chunk: Chunk) -> tuple[nn.Parameter, ...]:
-    buffer = shard.buffer
-    return tuple(buffer.params[i] for i in buffer.layout.buckets[chunk.bucket].params)
 
 
 def forward_first_pieces(slot_numel: int, first_numel: int) -> list[tuple[int, int]]:
     """``[start, end)`` pieces of a slot of ``slot_numel`` elements: from its end backwards, each twice the one before.
 
-    The end of a slot is where the next forward begins (the layout follows backward order), so the
-    first piece is small and the first layers wait for little; doubling keeps the pieces few
-    (``log2`` of the slot over ``first_numel``), as DDP's small first bucket does for backward.
+    The end of a slot is where the next forward begins (the layout follows backward order), so the first piece is small
+    and the first layers wait for little; doubling keeps the pieces few (``log2`` of the slot over ``first_numel``), as
+    DDP's small first bucket does for backward.
     """
     pieces, end, size = [], slot_numel, first_numel
     while end > 0:
@@ -209,8 +165,8 @@ def forward_first_pieces(slot_numel: int, first_numel: int) -> list[tuple[int, i
 def _params_by_piece(shard: LocalShard, chunk: Chunk, pieces: list[tuple[int, int]]) -> list[tuple[nn.Parameter, ...]]:
     """Per piece, the params of the bucket that it completes: those whose last piece (in launch order) it is.
 
-    A param's elements may lie in several ranks' slots; in each, the piece holding its first
-    element is its latest there, pieces going from the end of a slot backwards.
+    A param's elements may lie in several ranks' slots; in each, the piece holding its first element is its latest
+    there, pieces going from the end of a slot backwards.
     """
     layout, slot_numel = shard.buffer.layout, chunk.numel
     bucket = layout.buckets[chunk.bucket]
@@ -229,8 +185,8 @@ def _params_by_piece(shard: LocalShard, chunk: Chunk, pieces: list[tuple[int, in
 class _ParamGuard(TorchFunctionMode):
     """The mode that waits for a param's pending all-gather before any torch function touches it.
 
-    One per process: every optimizer's pending gathers are registered here (param id → its
-    gather), so several optimizers (Muon + AdamW) share one mode on the stack.
+    One per process: every optimizer's pending gathers are registered here (param id → its gather), so several
+    optimizers (Muon + AdamW) share one mode on the stack.
     """
 
     def __init__(self) -> None:
@@ -242,10 +198,9 @@ class _ParamGuard(TorchFunctionMode):
     def watch(self, gathers: ParamGather) -> bool:
         """Register ``gathers``' pending buckets and push the guard on this thread's mode stack; ``False`` where it cannot be pushed.
 
-        Mode stacks are per thread, so the guard is looked for on the calling thread's own stack
-        (a thread that stepped before may have ended with the guard on its stack, and thread ids
-        are reused): already there, it stays; an empty stack gets it; another mode on the stack
-        means no push (pushing now would break that mode's exit, a stack pop).
+        Mode stacks are per thread, so the guard is looked for on the calling thread's own stack (a thread that stepped
+        before may have ended with the guard on its stack, and thread ids are reused): already there, it stays; an empty
+        stack gets it; another mode on the stack means no push (pushing now would break that mode's exit, a stack pop).
         """
         stack = function_mode_stack()
         if self not in stack:
@@ -270,8 +225,8 @@ class _ParamGuard(TorchFunctionMode):
     def pop_if_done(self) -> None:
         """Leave this thread's mode stack once nothing is pending, if the guard is on top of it.
 
-        Gathers that completed by themselves are retired first, so the guard goes as soon as the
-        wire is done, whether or not their params were touched.
+        Gathers that completed by themselves are retired first, so the guard goes as soon as the wire is done, whether or
+        not their params were touched.
         """
         for key, gathers in list(self._gathers.items()):
             gathers.drop_completed()
@@ -310,10 +265,9 @@ class _ParamGuard(TorchFunctionMode):
 def _metadata_functions() -> frozenset:
     """The torch functions that read or set a tensor's metadata, never its values, nor make an alias of it.
 
-    ``model.zero_grad()`` (``p.grad = None``), ``p.shape``, ``p.numel()``, a dict keyed by params:
-    these need no wait, so the gathers keep overlapping whatever comes between ``step()`` and the
-    forward. Views and ``.data`` are not here: an alias made now could be read after the gather
-    without passing through the guard again.
+    ``model.zero_grad()`` (``p.grad = None``), ``p.shape``, ``p.numel()``, a dict keyed by params: these need no wait,
+    so the gathers keep overlapping whatever comes between ``step()`` and the forward. Views and ``.data`` are not here:
+    an alias made now could be read after the gather without passing through the guard again.
     """
     getters = ("grad", "_grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "_version", "layout", "ndim", "is_cuda",
                "is_sparse", "is_meta", "is_quantized", "grad_fn", "names")
@@ -321,17 +275,14 @@ def _metadata_functions() -> frozenset:
     methods = ("numel", "nelement", "dim", "size", "stride", "storage_offset", "data_ptr", "element_size", "is_contiguous",
                "get_device", "is_floating_point", "is_complex", "requires_grad_", "retain_grad", "register_hook",
                "register_post_accumulate_grad_hook", "__hash__", "__len__")
-    found = [getattr(Tensor, name, None) for name in getters + setters + methods]
     return frozenset(
-        [d.__get__ for d in found[: len(getters)] if d is not None]
-        + [d.__set__ for d in found[len(getters) : len(getters) + len(setters)] if d is not None]
-        + [f for f in found[len(getters) + len(setters) :] if f is not None]
+        [d.__get__ for name in getters if (d := getattr(Tensor, name, None)) is not None]
+        + [d.__set__ for name in setters if (d := getattr(Tensor, name, None)) is not None]
+        + [f for name in methods if (f := getattr(Tensor, name, None)) is not None]
     )
 
 
 _METADATA = _metadata_functions()
-
-
 _GUARD = _ParamGuard()
 
 

@@ -1,14 +1,10 @@
 """One bucket's gradient reduction: launched, in flight, completed into this rank's slice of the grad shard.
 
-See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for buckets and the grad shard.
-
-The reduce-scatter writes this rank's summed slice straight into its slice of the grad shard when
-that slice holds nothing to keep and has the reduce dtype: stage 1 (each reduction overwrites the
-slice with the step's whole sum) and stage 2's first reduction of the slice since the last reset.
-No temporary is allocated then, and nothing is copied or added at completion: the sum is divided
-by the data-parallel size in place. Otherwise (a reduce dtype other than the master dtype, stage 2
-accumulating several reduced backward passes, a shard group of one) the sum lands in a temporary
-that completion converts and copies (stage 1) or adds (stage 2) into the slice.
+See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` and "One step" in ``docs/design.md``. Where the slice
+holds nothing to keep (stage 1; stage 2's first reduction since the last reset) and has the reduce dtype, the
+reduce-scatter writes into it: no temporary, nothing copied or added at completion, the sum divided in place. Otherwise
+(another reduce dtype, stage 2's later reductions, a shard group of one) a temporary is converted and copied (stage 1)
+or added (stage 2) into the slice at completion.
 """
 
 from __future__ import annotations
@@ -26,8 +22,8 @@ from zeroshard.comm.groups import ShardingGroups
 def divides_first(reduce_dtype: torch.dtype) -> bool:
     """Whether gradients in ``reduce_dtype`` are divided by the data-parallel size before the sum (fp16), not after.
 
-    fp16 overflows at 65504: summing N ranks' gradients first would overflow where one rank's
-    does not, so each rank divides first, as DDP's default hook does. bf16 and fp32 divide after.
+    fp16 overflows at 65504: summing N ranks' gradients first would overflow where one rank's does not, so each rank
+    divides first, as DDP's default hook does. bf16 and fp32 divide after.
     """
     return reduce_dtype == torch.float16
 
@@ -35,9 +31,8 @@ def divides_first(reduce_dtype: torch.dtype) -> bool:
 def stage1_input(flat: Tensor, dtype: torch.dtype, world_size: int) -> tuple[Tensor, bool]:
     """Stage 1's input for one bucket's reduce-scatter, and whether the collective may not write into it (``input_frozen``).
 
-    ``flat`` is the bucket's view of the flat grad buffer, which keeps this rank's running sum:
-    the input is ``flat`` itself, or a cast to ``dtype`` (1-D, ``dtype``), or a copy where the
-    collective or the fp16 pre-division would write into it.
+    ``flat`` is the bucket's view of the flat grad buffer, which keeps this rank's running sum: the input is ``flat``
+    itself, or a cast to ``dtype`` (1-D, ``dtype``), or a copy where the collective or the fp16 pre-division would write into it.
     """
     if flat.dtype != dtype:
         return flat.to(dtype), True
@@ -66,16 +61,13 @@ def launch(grads: Tensor, target: Tensor, groups: ShardingGroups, shard: int, bu
     """Start the reduce-scatter of one bucket's gradients over the shard group.
 
     Args:
-        grads: 1-D reduce dtype, ``n * shard_size`` elements: this rank's gradients of the bucket,
-            padded. Divided by the data-parallel size in place first when :func:`divides_first`.
+        grads: 1-D reduce dtype, ``n * shard_size`` elements: this rank's gradients of the bucket, padded. Divided by the
+            data-parallel size in place first when :func:`divides_first`.
         target: 1-D master dtype, ``n`` elements: this rank's slice of the bucket in the grad shard.
-        groups: the shard group (the reduce-scatter) and, for hybrid sharding, the replicate group.
         shard, bucket: which bucket, for errors.
-        fresh: ``target`` holds nothing to keep (see the module docstring): with the reduce dtype,
-            the reduce-scatter writes into it.
-        input_frozen: nothing writes ``grads`` before the reduction completes (a staging bucket, a
-            copy), so the point-to-point reduce-scatter reads this rank's own piece at the end
-            (:func:`zeroshard.comm.collectives.reduce_scatter`).
+        fresh: ``target`` holds nothing to keep (module docstring): with the reduce dtype, the reduce-scatter writes into it.
+        input_frozen: nothing writes ``grads`` before the reduction completes (a staging bucket, a copy), so the
+            point-to-point reduce-scatter reads this rank's own piece at the end (:func:`zeroshard.comm.collectives.reduce_scatter`).
     """
     if divides_first(grads.dtype):
         grads.div_(groups.data_parallel_size)
@@ -86,25 +78,17 @@ def launch(grads: Tensor, target: Tensor, groups: ShardingGroups, shard: int, bu
     return PendingReduce(work, grads, output, target, shard, bucket)
 
 
-def complete(pending: PendingReduce, groups: ShardingGroups, wait: Callable[[collectives.AsyncWork | None, str], None], *,
-             overwrite: bool) -> None:
+def complete(pending: PendingReduce, groups: ShardingGroups, wait: Callable[[collectives.AsyncWork | None, str], None], *, overwrite: bool) -> None:
     """Wait for one reduction and leave ``sum over data-parallel ranks / their number`` in its slice of the grad shard.
 
-    Args:
-        pending: the reduction, from :func:`launch`.
-        groups: as given to :func:`launch`.
-        wait: waits for a work handle (``None``: nothing to wait for), naming it in a timeout error.
-        overwrite: the sum replaces what the slice holds (stage 1) or is added to it (stage 2);
-            a reduction written into the slice itself replaced it already.
-
-    Raises:
-        RuntimeError: from ``wait`` (a collective that some rank did not join in time).
+    ``wait`` waits for a work handle (``None``: nothing to wait for), naming it in a timeout error; it raises
+    ``RuntimeError`` for a collective that some rank did not join in time. ``overwrite``: the sum replaces what the slice
+    holds (stage 1) or is added to it (stage 2); a reduction written into the slice itself replaced it already.
     """
     wait(pending.work, pending.what)  # the summed slice must have arrived before it is read
     if groups.replicate is not None:
         # Hybrid: the same slice on every replica, summed across them (MiCS, §3).
-        wait(collectives.all_reduce(pending.output, groups.replicate), f"the all-reduce across replicas of gradient bucket "
-                                                                        f"{pending.shard}.{pending.bucket}")
+        wait(collectives.all_reduce(pending.output, groups.replicate), f"the all-reduce across replicas of gradient bucket {pending.shard}.{pending.bucket}")
     reduced = pending.output.to(pending.target.dtype)
     if not divides_first(pending.output.dtype) and groups.data_parallel_size > 1:
         reduced.div_(groups.data_parallel_size)

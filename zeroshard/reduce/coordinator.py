@@ -1,43 +1,22 @@
 """One coordinator per process group: the order of its reducers' gradient collectives, which reducer owns each param, one overflow decision.
 
-Launch order.
+See "Collective order" in ``docs/design.md`` and "Limits" in ``docs/shape_aware.md`` (two optimizers on one process
+group: why they take turns, what that costs, their one overflow decision). Reducers take turns in the order they were
+built (the same on every rank, construction being a collective): in a backward pass a reducer launches nothing until
+every earlier one has launched all its buckets, and before its first launch it completes theirs (so hybrid sharding's
+all-reduces across replicas keep one order too). Without turns, ranks where a param is unused would issue other
+collectives: gloo aborts on a size mismatch, and equal sizes would mix gradients in silence.
 
-A ``GradReducer`` launches its buckets in a fixed order, the same on every rank, each as soon as
-its gradients are ready (``overlap_comm``) or at the end of backward. Two reducers on one process
-group (two ``ShardedOptimizer`` s over one model: Muon on the matrices and AdamW on the rest)
-would interleave their launches by when gradients become ready, and that differs between ranks
-when a param is unused on some ranks only: ranks would issue different collectives, and gloo
-aborts on a size mismatch (equal sizes would mix gradients in silence).
-
-So reducers on one process group take turns, in the order they were built (the same on every
-rank, construction being a collective): in a backward pass a reducer launches nothing until every
-earlier one has launched all its buckets, and before its first launch it completes theirs (so the
-all-reduces across replicas of hybrid sharding keep one order too). A reducer that has launched
-everything lets the later ones launch what is ready. At the end of backward, the first reducer
-whose callback runs reduces every reducer of the group, in order (``flush``), those that got no
-gradient on this rank too; their own callbacks then have nothing left to do. A reducer under
-``no_sync`` launches nothing and holds no one back. The one place this costs: optimizers of two
-models trained in turn (a GAN's) on one process group reduce zeros for the model a backward did
-not reach. The one order costs overlap: a later reducer's buckets wait for the earlier reducers'
-last bucket. Give a wrapper a process group of its own (``dist.new_group``) to overlap both.
-
-Ownership. A param carries the hooks of one reducer at most: two optimizers hooked on one param
-would both take its gradient (stage 2: the newer one would never see one; stage 1: every backward
-reduced twice). Rebuilding an optimizer on the same params (``opt = ShardedOptimizer(...)`` while
-the old ``opt`` is still bound) is ordinary PyTorch, so the newer one takes them over
-(:func:`take_over`) and the older one raises if it is stepped again.
-
-Overflow. Optimizers with dynamic loss scales on one group must decide together whether the
-gradients overflowed (:meth:`ReduceCoordinator.check_one_overflow_decision`).
+Ownership. A param carries the hooks of one reducer at most: two optimizers hooked on one param would both take its
+gradient (stage 2: the newer one would never see one; stage 1: every backward reduced twice). The newer one takes them
+over (:func:`take_over`), and the older one raises if it is stepped again.
 
 Two registries stay process-wide, as torch keeps what they mirror: the param all-gather's guard
-(``zeroshard/gather/param_gather.py``) is one torch-function mode on the thread's mode stack,
-whichever group gathers, and the watch for new ``DistributedDataParallel`` wrappers
-(``zeroshard/reduce/ddp.py``) is one module registration hook.
+(``zeroshard/gather/param_gather.py``) is one torch-function mode on the thread's mode stack, whichever group gathers,
+and the watch for new ``DistributedDataParallel`` wrappers (``ddp.py``) is one module registration hook.
 
-A coordinator drives its reducers only through :class:`Reducer`, the part of ``GradReducer``'s
-interface it needs. It holds reducers weakly, and a scaled optimizer's reducer only while that
-optimizer lives, so a dropped optimizer is freed at once. Optimizers, reducers and
+A coordinator drives its reducers only through :class:`Reducer`, and holds them weakly (a scaled optimizer's reducer
+only while that optimizer lives), so a dropped optimizer is freed at once. Optimizers, reducers and
 ``zeroshard.clip_grad_norm_`` all find it by their process group (:func:`coordinator_of`).
 """
 
@@ -69,36 +48,27 @@ class Reducer(Protocol):
 
     @property
     def closed(self) -> bool: ...  # taken over or closed: its hooks do nothing
-
     @property
     def accumulating(self) -> bool: ...  # under no_sync (its own, or DDP's): this backward reduces nothing
-
     @property
     def launched_all(self) -> bool: ...  # it launches nothing more in this backward pass
-
     @property
     def ddp_wrappers(self) -> DDPWrappers: ...
 
     def close(self, reason: str) -> None: ...
-
     def drain(self) -> None: ...  # complete its reductions in flight
-
     def take_deferred(self) -> None: ...  # take the gradient it deferred (see ArrivedGrad)
-
     def launch_complete_buckets(self) -> None: ...
-
     def local_used(self) -> list[list[bool]]: ...  # per shard, per param: got a gradient on this rank since the last reset
-
     def settle_all(self) -> None: ...  # follow what user code did to its params' .grad
-
     def reduce_everything(self) -> None: ...  # reduce every bucket of this pass (zeros where no gradient came)
 
 
 class ReduceCoordinator:
     """The reducers of one process group, in the order they were built, and the params they own.
 
-    Get it with :func:`coordinator_of`; a reducer joins with :meth:`register` at construction
-    (a collective point, the same on every rank).
+    Get it with :func:`coordinator_of`; a reducer joins with :meth:`register` at construction (a collective point, the
+    same on every rank).
     """
 
     def __init__(self) -> None:
@@ -110,12 +80,10 @@ class ReduceCoordinator:
     def register(self, reducer: Reducer) -> None:
         """Add ``reducer`` after those built before.
 
-        Garbage is collected first, if another open reducer is registered: a reducer dropped in a
-        reference cycle (an optimizer kept by an exception's traceback) would otherwise hold the
-        later ones back until the collector runs, which happens at different times on different
-        ranks. Construction runs at the same point of the program on every rank, so every rank sees
-        the same reducers from then on (an optimizer dropped without a cycle is freed at once, by
-        reference counting).
+        Garbage is collected first, if another open reducer is registered: a reducer dropped in a reference cycle (an
+        optimizer kept by an exception's traceback) would otherwise hold the later ones back until the collector runs,
+        at different times on different ranks. Construction runs at the same point of the program on every rank, so
+        every rank sees the same reducers from then on (an optimizer dropped without a cycle is freed at once).
         """
         if any((r := ref()) is not None and not r.closed for ref in self._reducers):
             gc.collect()  # only when another open reducer is registered: a full collection takes 50-150 ms
@@ -140,14 +108,12 @@ class ReduceCoordinator:
     def alone(self) -> bool:
         """Whether a single reducer is registered: then it is the caller (open, or its hooks would not have run).
 
-        The common case, one optimizer per process group, takes this one length check per gradient
-        instead of a pass over weak references.
+        The common case, one optimizer per process group, takes this one length check per gradient, not a pass over weak references.
         """
         return len(self._reducers) == 1
 
     def _live(self) -> list[Reducer]:
-        found = [ref() for ref in self._reducers]
-        return [r for r in found if r is not None and not r.closed]
+        return [r for ref in self._reducers if (r := ref()) is not None and not r.closed]
 
     def _earlier(self, reducer: Reducer) -> list[Reducer]:
         live = self._live()
@@ -185,45 +151,38 @@ class ReduceCoordinator:
     def flush(self, reducer: Reducer) -> None:
         """At ``reducer``'s end of backward, the first of the pass: every reducer reduces, in the order they were built.
 
-        Those that took part in the pass reduce what they got; their own end-of-backward callbacks,
-        still queued, then return at once. Those that got no gradient on this rank reduce zeros for
-        all their params, as they do on a rank where they took part: which optimizers a backward
-        reaches may differ between ranks (an optimizer's params used on some ranks only), and every
-        rank must still issue every collective in one order (otherwise equal-sized buckets of two
-        optimizers would be summed together, in silence). Reducers under ``no_sync`` reduce nothing,
-        and queue this callback all the same when the group has others, for the others' sake.
+        Those that took part in the pass reduce what they got; their own end-of-backward callbacks, still queued, then
+        return at once. Those that got no gradient on this rank reduce zeros for all their params, as they do on a rank
+        where they took part: which optimizers a backward reaches may differ between ranks (an optimizer's params used
+        on some ranks only), and every rank must still issue every collective in one order (otherwise equal-sized
+        buckets of two optimizers would be summed together, in silence). Reducers under ``no_sync`` reduce nothing, and
+        queue this callback all the same when the group has others, for the others' sake.
 
-        If a reduction raises, autograd drops the callbacks queued after this one: every reducer is
-        then left with none queued, so the next backward queues and reduces as usual.
+        If a reduction raises, autograd drops the callbacks queued after this one: every reducer is then left with none
+        queued, so the next backward queues and reduces as usual.
         """
         try:
-            self._flush(reducer)
+            for r in self._live():
+                if r.accumulating:  # accumulates locally (its callback, if queued, has nothing to do)
+                    if r is reducer:
+                        r.end_of_backward = EndOfBackward.NONE  # the callback running now
+                    elif r.end_of_backward is EndOfBackward.QUEUED:
+                        r.end_of_backward = EndOfBackward.DONE
+                elif r is reducer:
+                    r.reduce_everything()
+                elif r.end_of_backward is EndOfBackward.QUEUED:
+                    r.reduce_everything()
+                    r.end_of_backward = EndOfBackward.DONE
+                elif r.end_of_backward is EndOfBackward.NONE:  # got no gradient here: reduce zeros, after following what was done to its gradients
+                    r.settle_all()
+                    r.reduce_everything()
         except BaseException:
             for r in self._live():
                 r.end_of_backward = EndOfBackward.NONE
             raise
 
-    def _flush(self, reducer: Reducer) -> None:
-        for r in self._live():
-            if r.accumulating:  # accumulates locally (its callback, if queued, has nothing to do)
-                if r is reducer:
-                    r.end_of_backward = EndOfBackward.NONE  # the callback running now
-                elif r.end_of_backward is EndOfBackward.QUEUED:
-                    r.end_of_backward = EndOfBackward.DONE
-            elif r is reducer:
-                r.reduce_everything()
-            elif r.end_of_backward is EndOfBackward.QUEUED:
-                r.reduce_everything()
-                r.end_of_backward = EndOfBackward.DONE
-            elif r.end_of_backward is EndOfBackward.NONE:  # got no gradient here: reduce zeros, after following what was done to its gradients
-                r.settle_all()
-                r.reduce_everything()
-
     def note_dynamic_scale(self, opt: object, scaler: object, reducer: Reducer) -> None:
-        """Record that optimizer ``opt`` updates the dynamic loss scale ``scaler`` from the gradients of ``reducer``.
-
-        See :meth:`check_one_overflow_decision`.
-        """
+        """Record that optimizer ``opt`` updates the dynamic loss scale ``scaler`` from the gradients of ``reducer`` (:meth:`check_one_overflow_decision`)."""
         self._scaled[opt] = (scaler, reducer)
 
     def note_joint(self, opt: object, optimizers: Iterable[object]) -> None:
@@ -231,19 +190,15 @@ class ReduceCoordinator:
         self._joint[opt] = frozenset(id(o) for o in optimizers)
 
     def check_one_overflow_decision(self, opt: object) -> None:
-        """At the start of ``opt.step()``: raise if another open ``ShardedOptimizer`` with a dynamic loss
-        scale shares this process group and this step's gradients were not checked together.
+        """At the start of ``opt.step()``: raise ``RuntimeError``, naming the way out, if another open ``ShardedOptimizer``
+        with a dynamic loss scale shares this process group and this step's gradients were not checked together.
 
-        Others count when gradients of this step wait for their own ``step()`` (the user calls the
-        wrappers' steps in one order on every rank, and each wrapper's params get gradients on every
-        rank). Each wrapper's scaler decides alone whether its gradients overflowed. Two wrappers over one
-        model (one loss, scaled once) that decide differently would step one and skip the other, and
-        their scales would drift apart, so that one divides its gradients by a scale they were not
-        multiplied by: wrong numbers, no error. :func:`zeroshard.clip_grad_norm_` over all of them makes one
-        decision for all. Raised on every rank alike, before any collective.
-
-        Raises:
-            RuntimeError: naming the way out.
+        Others count when gradients of this step wait for their own ``step()`` (the user calls the wrappers' steps in
+        one order on every rank, and each wrapper's params get gradients on every rank). Each wrapper's scaler decides
+        alone whether its gradients overflowed. Two wrappers over one model (one loss, scaled once) that decide
+        differently would step one and skip the other, and their scales would drift apart, so that one divides its
+        gradients by a scale they were not multiplied by: wrong numbers, no error. :func:`zeroshard.clip_grad_norm_`
+        over all of them makes one decision for all. Raised on every rank alike, before any collective.
         """
         joint = self._joint.pop(opt, frozenset())
         if opt not in self._scaled:

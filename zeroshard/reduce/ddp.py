@@ -1,25 +1,16 @@
 """A ``DistributedDataParallel`` wrapped around params that zeroshard reduces: checked, its reducer released and given back.
 
-HF Trainer, accelerate and Lightning wrap the model in DDP by default. zeroshard reduces the
-gradients itself, so ``GradReducer`` switches DDP's gradient reduction off before each of the
-wrapper's forwards (``require_backward_grad_sync = False``). Switched off, DDP's C++ reducer
-still holds what it built in the constructor (``_ddp_init_helper``): a bucket buffer for every
-trainable param — as many bytes as the params, ``4Ψ`` in fp32 — and an autograd hook on each
-param. On a GPU that is device memory the moment DDP is built; on the CPU pages count once
-written, which happens as soon as DDP reduces one backward (with ``find_unused_parameters=True``,
-HF Trainer's default, DDP never rebuilds its buckets and they stay). That erases most of stage 2's
-saving (``4Ψ + 12Ψ/N`` bytes per rank in fp32 against DDP's ``16Ψ``).
+See "The model is also wrapped in DistributedDataParallel" in ``docs/design.md``. Switched off
+(``require_backward_grad_sync = False``), DDP's C++ reducer still holds what its constructor (``_ddp_init_helper``)
+built: an autograd hook per param and bucket buffers as large as the params (``4Ψ`` bytes in fp32), device memory from
+the moment DDP is built on a GPU, and on the CPU once DDP reduced one backward (with ``find_unused_parameters=True``, HF
+Trainer's default, DDP never rebuilds its buckets and they stay). That erases most of stage 2's saving (``4Ψ + 12Ψ/N``
+bytes per rank in fp32 against DDP's ``16Ψ``), so while zeroshard owns the params the reducer is released; on close DDP
+gets a new one, built as its ``__setstate__`` builds one (``_build_params_for_reducer`` + ``_ddp_init_helper``).
+Source: ``torch/nn/parallel/distributed.py`` of torch 2.4 to 2.13.
 
-So while zeroshard owns the params, the reducer is released: its autograd hooks removed, and
-``ddp.reducer`` / ``ddp.logger`` (the logger holds the reducer) replaced by the stand-ins below,
-which answer what DDP's forward asks and refuse everything else by name. When the optimizer is
-closed (or garbage-collected, or taken over), DDP gets a new reducer built the way its
-``__setstate__`` builds one after unpickling (``_build_params_for_reducer`` +
-``_ddp_init_helper``), with its static graph and communication hook set again: it then trains
-exactly as DDP alone. Source: ``torch/nn/parallel/distributed.py`` of torch 2.4 to 2.13.
-
-DDP options zeroshard cannot follow raise :class:`RuntimeError` naming the option when the
-wrapper is found (:func:`check_supported`), never a silent second reduction.
+DDP options zeroshard cannot follow raise :class:`RuntimeError` naming the option when the wrapper is found
+(:func:`check_supported`), never a silent second reduction.
 """
 
 from __future__ import annotations
@@ -47,36 +38,38 @@ logger = logging.getLogger("zeroshard")
 _WAY_OUT = "or drop the DistributedDataParallel wrapper (zeroshard reduces the gradients itself)"
 
 
-def _released_error(what: str) -> RuntimeError:
-    return RuntimeError(
-        f"DistributedDataParallel.{what}: DDP's reducer is released while a zeroshard ShardedOptimizer reduces the "
-        "gradients of the wrapped params (a second reduction by DDP would send every gradient twice). Call opt.close() "
-        f"first to give DDP its reducer back, {_WAY_OUT}"
-    )
+class _Refusing:
+    """A stand-in for ``ddp.<_name>``: anything it does not define raises a ``RuntimeError`` saying why and what to do."""
+
+    _name = ""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(("__", "_pybind11")):  # Python's and pybind11's protocols
+            raise AttributeError(name)
+        raise RuntimeError(
+            f"DistributedDataParallel.{self._name}.{name}: DDP's reducer is released while a zeroshard ShardedOptimizer reduces the "
+            "gradients of the wrapped params (a second reduction by DDP would send every gradient twice). Call opt.close() "
+            f"first to give DDP its reducer back, {_WAY_OUT}"
+        )
 
 
-class ReleasedReducer:
+class ReleasedReducer(_Refusing):
     """Stands in for ``ddp.reducer`` while zeroshard reduces the gradients of the wrapped params.
 
-    DDP's forward calls ``_rebuild_buckets()`` (nothing to rebuild: ``False``); Lightning's manual
-    optimization and accelerate's ``trigger_sync_in_backward`` call ``prepare_for_backward`` to have
-    the coming backward reduced even after a ``no_sync()`` forward, which is passed on to zeroshard.
-    Anything else raises a ``RuntimeError`` saying why and what to do.
-
-    Args:
-        comm_hooks: the released reducer's Python communication hooks, ``(hook, state)`` as in
-            DDP's ``_comm_hooks``, registered again on the reducer given back.
-        builtin_hook: the same for a built-in hook (a ``dist.BuiltinCommHookType``), or ``None``.
-
-    Attributes:
-        holders: per ``DDPWrappers`` (by ``id``) that holds the release — one per optimizer whose
-            params the wrapper covers — its ``sync_next_backward`` callback. DDP gets a reducer
-            back when the last one lets go.
+    DDP's forward calls ``_rebuild_buckets()`` (nothing to rebuild: ``False``); Lightning's manual optimization and
+    accelerate's ``trigger_sync_in_backward`` call ``prepare_for_backward`` to have the coming backward reduced even
+    after a ``no_sync()`` forward, which is passed on to zeroshard. ``comm_hooks`` (``(hook, state)`` as in DDP's
+    ``_comm_hooks``) and ``builtin_hook`` (a ``dist.BuiltinCommHookType`` or ``None``) are the released reducer's
+    communication hooks, registered again on the reducer given back.
     """
+
+    _name = "reducer"
 
     def __init__(self, comm_hooks: list[tuple[Callable, Any]], builtin_hook: Any) -> None:
         self.comm_hooks = comm_hooks
         self.builtin_hook = builtin_hook
+        # Per DDPWrappers (by id) holding the release, one per optimizer whose params the wrapper covers: its
+        # sync_next_backward callback. DDP gets a reducer back when the last one lets go.
         self.holders: dict[int, Callable[[], None]] = {}
 
     def _rebuild_buckets(self) -> bool:
@@ -89,19 +82,15 @@ class ReleasedReducer:
     def _remove_autograd_hooks(self) -> None:  # removed when released
         pass
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith(("__", "_pybind11")):  # Python's and pybind11's protocols
-            raise AttributeError(name)
-        raise _released_error(f"reducer.{name}")
 
-
-class ReleasedLogger:
+class ReleasedLogger(_Refusing):
     """Stands in for ``ddp.logger`` (which holds the reducer) while the reducer is released.
 
-    ``_get_ddp_logging_data()`` answers with what DDP's logger held at release (Lightning reads it
-    at teardown); ``set_error_and_log`` does nothing (DDP raises its error right after it).
-    Anything else raises.
+    ``_get_ddp_logging_data()`` answers with what DDP's logger held at release (Lightning reads it at teardown);
+    ``set_error_and_log`` does nothing (DDP raises its error right after it).
     """
+
+    _name = "logger"
 
     def __init__(self, logging_data: Any) -> None:
         self._logging_data = logging_data
@@ -112,23 +101,13 @@ class ReleasedLogger:
     def set_error_and_log(self, message: str) -> None:
         pass
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith(("__", "_pybind11")):  # Python's and pybind11's protocols
-            raise AttributeError(name)
-        raise _released_error(f"logger.{name}")
-
 
 @dataclass
 class WrappedDDP:
-    """One DDP wrapper around one optimizer's params.
+    """One DDP wrapper around one optimizer's params."""
 
-    Attributes:
-        ddp: the wrapper, held weakly.
-        released: whether this optimizer holds the release of ``ddp``'s reducer (a :class:`ReleasedReducer` now).
-    """
-
-    ddp: weakref.ref
-    released: bool = False
+    ddp: weakref.ref  # the wrapper
+    released: bool = False  # this optimizer holds the release of ``ddp``'s reducer (a :class:`ReleasedReducer` now)
 
 
 def _hooks_to_register_again(ddp: nn.Module) -> tuple[list[tuple[Callable, Any]], Any]:
@@ -153,10 +132,7 @@ def check_supported(ddp: nn.Module) -> None:
     """Check that zeroshard can switch ``ddp``'s reduction off, release its reducer and give it back.
 
     Raises:
-        RuntimeError: naming the DDP option zeroshard cannot follow: ``mixed_precision`` (DDP
-            casts the params itself), ``delay_all_reduce_named_params`` (those params are reduced
-            by a hook of DDP's own that no switch turns off), compiled autograd's
-            ``optimize_ddp="python_reducer"`` (the same), a communication hook that cannot be
+        RuntimeError: naming the DDP option zeroshard cannot follow (and why), a communication hook that cannot be
             registered again, or a torch whose DDP lacks the private methods a reducer is rebuilt with.
     """
     if getattr(ddp, "mixed_precision", None) is not None:
@@ -182,11 +158,10 @@ def check_supported(ddp: nn.Module) -> None:
 def release_reducer(wrapped: WrappedDDP, holder: int, sync_next_backward: Callable[[], None]) -> None:
     """Free the wrapper's reducer (its bucket buffers, as many bytes as the params, and its autograd hooks); ``holder`` holds the release.
 
-    Call only between backward passes: a reducer mid-backward has queued a callback on itself.
-    ``ddp.reducer`` and ``ddp.logger`` become :class:`ReleasedReducer` / :class:`ReleasedLogger`;
-    with ``static_graph=True`` DDP's first-iteration delayed all-reduce is marked done, so its
-    forward does not queue one on the released reducer. Released already (by another optimizer
-    over other params of the wrapper), ``holder`` joins the holders.
+    Call only between backward passes: a reducer mid-backward has queued a callback on itself. ``ddp.reducer`` and
+    ``ddp.logger`` become :class:`ReleasedReducer` / :class:`ReleasedLogger`; with ``static_graph=True`` DDP's
+    first-iteration delayed all-reduce is marked done, so its forward does not queue one on the released reducer.
+    Released already (by another optimizer over other params of the wrapper), ``holder`` joins the holders.
     """
     ddp = wrapped.ddp()
     if ddp is None or wrapped.released:
@@ -206,9 +181,9 @@ def release_reducer(wrapped: WrappedDDP, holder: int, sync_next_backward: Callab
 def give_back_reducer(wrapped: WrappedDDP, holder: int) -> None:
     """``holder`` lets go of the wrapper's reducer; the last one builds DDP a new reducer, as ``DistributedDataParallel.__setstate__`` does.
 
-    The new one gets the static graph and communication hook of the released one. No collective
-    runs. It starts as a fresh DDP's reducer does (buckets in registration order, rebuilt after
-    its first iteration; a static graph recorded in its first iteration).
+    The new one gets the static graph and communication hook of the released one. No collective runs. It starts as a
+    fresh DDP's reducer does (buckets in registration order, rebuilt after its first iteration; a static graph recorded
+    in its first iteration).
     """
     ddp = wrapped.ddp()
     if ddp is None or not wrapped.released:
@@ -249,9 +224,9 @@ def find_wrappers(params: Iterable[nn.Parameter]) -> list[nn.Module]:
 def _restore_sync(ddp: Any, args: object, output: object) -> None:  # Any: DDP, with zeroshard's attributes set on it
     """A forward hook on a DDP wrapper: its switches as DDP alone would have left them after this forward.
 
-    ``require_backward_grad_sync`` gets back the value the forward started with (``ddp.no_sync()``
-    restores its own on exit); ``require_forward_param_sync`` — whether the next forward
-    broadcasts rank 0's module buffers — is set as DDP's ``_post_forward`` sets it with that value.
+    ``require_backward_grad_sync`` gets back the value the forward started with (``ddp.no_sync()`` restores its own on
+    exit); ``require_forward_param_sync`` (whether the next forward broadcasts rank 0's module buffers) is set as DDP's
+    ``_post_forward`` sets it with that value.
     """
     ddp.require_backward_grad_sync = ddp._zeroshard_sync
     ddp.require_forward_param_sync = torch.is_grad_enabled() and ddp._zeroshard_sync
@@ -261,55 +236,34 @@ def _restore_sync(ddp: Any, args: object, output: object) -> None:  # Any: DDP, 
 class DDPWrappers:
     """The ``DistributedDataParallel`` wrappers around one ``GradReducer``'s params, switched off while it reduces.
 
-    DDP's ``no_sync`` switch, turned off by a forward pre-hook before every forward of a wrapper
-    (``require_backward_grad_sync = False``) and given back its value after it, stops DDP's
-    reduction from the next forward on, while DDP still broadcasts module buffers as it would
-    alone. The reducer itself is released (:func:`release_reducer`) between backward passes and
-    given back by :meth:`close`.
-
-    Args:
-        on_forward: called before each forward of a wrapper with whether it runs under
-            ``ddp.no_sync()`` (the backward that follows then accumulates without communication).
-        sync_next_backward: called when a framework asks a released reducer to reduce the coming
-            backward (:class:`ReleasedReducer`).
-
-    Both callbacks must hold the ``GradReducer`` weakly: the wrappers' hooks hold this object.
-
-    Attributes:
-        wrapped: the wrappers adopted so far.
-        new: wrappers built since the last backward began, noted by a module registration hook
-            (``GradReducer``), adopted at the next backward.
+    A forward pre-hook turns DDP's ``no_sync`` switch off before every forward of a wrapper and a forward hook gives it
+    back its value (:func:`_restore_sync`); the reducer is released between backward passes (:func:`release_reducer`)
+    and given back by :meth:`close`. ``on_forward`` is called before each forward with whether it runs under
+    ``ddp.no_sync()`` (the backward that follows then accumulates without communication), ``sync_next_backward`` when a
+    framework asks a released reducer to reduce the coming backward. Both must hold the ``GradReducer`` weakly: the
+    wrappers' hooks hold this object.
     """
 
     def __init__(self, on_forward: Callable[[bool], None], sync_next_backward: Callable[[], None]) -> None:
         self._on_forward = on_forward
         self._sync_next_backward = sync_next_backward
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self.wrapped: list[WrappedDDP] = []
-        self.new: list[weakref.ref] = []
+        self.wrapped: list[WrappedDDP] = []  # adopted so far
+        self.new: list[weakref.ref] = []  # built since the last backward began (watch_new_wrappers), adopted at the next one
 
     def adopt(self, candidates: Iterable[nn.Module]) -> list[bool]:
         """Switch off the gradient reduction of each wrapper in ``candidates`` not adopted yet (logged once).
 
-        HF Trainer, accelerate and Lightning wrap the model in DDP by default. Both reducing would
-        send every gradient twice, and DDP's C++ reducer writes its averaged gradients into
-        ``.grad``, where zeroshard keeps its own (a ShardedGrad once reduced).
-        A forward under ``ddp.no_sync()`` makes zeroshard accumulate the backward that follows
-        without communication too, as its own ``no_sync`` does. Wrappers are found at
-        construction (one pass over the objects the garbage collector tracks) and, when built
-        later, by a module registration hook, adopted before its first forward
-        (:meth:`adopt_at_first_forward`): either way DDP reduces nothing. A wrapper that ran a
-        forward before any hook saw it is adopted at the next backward; that backward was prepared
-        by DDP's forward already, so what DDP writes into ``.grad`` until the next step is ignored,
-        and DDP's reducer is released only at the next forward of the wrapper or ``step()``.
+        Both reducing would send every gradient twice, and DDP's C++ reducer writes its averaged gradients into
+        ``.grad``, where zeroshard keeps its own (a ShardedGrad once reduced). Wrappers found at construction or adopted
+        before their first forward (:meth:`adopt_at_first_forward`) reduce nothing. A wrapper that ran a forward before
+        any hook saw it is adopted at the next backward; that backward was prepared by DDP's forward already, so what
+        DDP writes into ``.grad`` until the next step is ignored, and DDP's reducer is released only at the next forward
+        of the wrapper or ``step()``.
 
-        Returns:
-            for each wrapper adopted now, whether its last forward prepared DDP's reducer to reduce
-            the coming backward (``require_forward_param_sync``, which DDP's forward sets so: off
-            for a forward inside ``ddp.no_sync()``).
-
-        Raises:
-            RuntimeError: from :func:`check_supported`, before any wrapper is changed.
+        Returns, for each wrapper adopted now, whether its last forward prepared DDP's reducer to reduce the coming
+        backward (``require_forward_param_sync``, which DDP's forward sets so: off for a forward inside ``ddp.no_sync()``).
+        Raises ``RuntimeError`` from :func:`check_supported`, before any wrapper is changed.
         """
         known = {id(w.ddp()) for w in self.wrapped}
         wrappers: list[Any] = list({id(ddp): ddp for ddp in candidates if id(ddp) not in known}.values())
@@ -339,9 +293,9 @@ class DDPWrappers:
         self._pre_forward(ddp, args)
 
     def _pre_forward(self, ddp: Any, args: object) -> None:
-        # Under ``ddp.no_sync()`` (gradient accumulation) zeroshard accumulates without
-        # communication too; either way DDP's reducer sits this forward's backward out. The
-        # first of several optimizers' pre-hooks (each over other params) reads the switch.
+        # Under ``ddp.no_sync()`` (gradient accumulation) zeroshard accumulates without communication too; either way
+        # DDP's reducer sits this forward's backward out. The first of several optimizers' pre-hooks (each over other
+        # params) reads the switch.
         if not getattr(ddp, "_zeroshard_in_forward", False):
             ddp._zeroshard_sync, ddp._zeroshard_in_forward = ddp.require_backward_grad_sync, True
         self._on_forward(not ddp._zeroshard_sync)
@@ -370,13 +324,11 @@ _WATCHING: list[torch.utils.hooks.RemovableHandle] = []  # the process's one mod
 def watch_new_wrappers(wrappers_of_owners: Callable[[Iterable[nn.Parameter]], list[DDPWrappers]]) -> None:
     """Note every ``DistributedDataParallel`` built from now on with the :class:`DDPWrappers` of its params' owners.
 
-    A global module registration hook (``torch.nn.modules.module.register_module_module_registration_hook``,
-    torch >= 2.0), installed once per process: DDP's constructor sets ``self.module`` first, and
-    the wrapper goes into ``new`` of the ``DDPWrappers`` that ``wrappers_of_owners`` returns for
-    the module's params, to be adopted by a one-shot forward pre-hook before its first forward
-    (the constructor has finished by then), so DDP reduces no backward; or, if it runs no
-    forward first, at the next backward. It costs one string comparison per submodule registered anywhere, where looking for
-    wrappers at every backward would cost a pass over every object the garbage collector tracks.
+    One global module registration hook per process (torch >= 2.0): DDP's constructor sets ``self.module`` first, so the
+    wrapper goes into ``new`` of each ``DDPWrappers`` that ``wrappers_of_owners`` returns for the module's params, and a
+    one-shot forward pre-hook adopts it before its first forward (the constructor has finished by then); if it runs no
+    forward first, the next backward does. This costs one string comparison per submodule registered anywhere, where
+    looking for wrappers at every backward would cost a pass over every object the garbage collector tracks.
     """
     if _WATCHING:
         return

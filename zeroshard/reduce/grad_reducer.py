@@ -1,26 +1,15 @@
 """Bucketed gradient reduce-scatter driven by post-accumulate-grad hooks.
 
-See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for the buffers named here.
-
-Collective order. gloo and NCCL match collectives by the order each rank issues them, so every
-rank must issue the same reduce-scatters in the same order. Buckets are therefore launched strictly
-in one order, the same on every rank: a complete bucket waits until every bucket before it has been
-launched. The order starts as flat buffers in param-group order, buckets in layout order, and is
-rebuilt once from the first backward (``bucket_order.py``). At the end of every backward pass (an
-autograd engine callback, queued by the first hook of that pass; the outermost pass, under reentrant
-checkpoints: ``nested_backward.py``), buckets incomplete because some param got no gradient on this
-rank are completed with zeros for them and launched, so
-every backward issues every bucket once on every rank (DDP's ``find_unused_parameters`` semantics:
-a missing gradient counts as zero). Then all reductions of the pass are waited for and added into
-the grad shards, as DDP's reducer finalizes at the end of backward. Reducers that share a process
-group take turns (``coordinator.py``).
+See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for the buffers named here, and "One step" and
+"Collective order" in ``docs/design.md``: buckets launch in one order on every rank (``bucket_order.py``, ``coordinator.py``),
+and a callback at the end of each backward (``nested_backward.py``) completes every bucket, a missing gradient counting as
+zero, and waits for all its reductions, as DDP's reducer finalizes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import logging
 import weakref
 from collections.abc import Iterator
 
@@ -48,29 +37,22 @@ from zeroshard.reduce.staging import StagingBuckets
 MAX_BUCKETS_IN_FLIGHT = 2
 
 
-logger = logging.getLogger("zeroshard")
-
 class GradReducer:
     """Reduce-scatters gradients, bucket by bucket, into each shard's ``grad_shard``.
 
-    Stage 1: each param's ``.grad`` is a view of a flat grad buffer (param dtype, full gradients
-    kept) holding the running local sum of all micro-steps, so each reduction overwrites the grad
-    shard. Stage 2: a ready gradient is copied into a staging bucket in ``reduce_dtype`` and
-    ``.grad`` is freed; each reduction is added into the grad shard (the first of a step written
-    straight into it, ``zeroshard/reduce/bucket.py``), with at most ``MAX_BUCKETS_IN_FLIGHT`` in
-    flight. Either way the grad shard ends up holding ``sum over data-parallel ranks / their
-    number`` (ZeRO, SC'20, §5.2).
+    Stage 1 overwrites the grad shard with each reduction of the flat grad buffer (the running local sum); stage 2 adds
+    each reduction of its staging buckets into it, at most ``MAX_BUCKETS_IN_FLIGHT`` in flight ("One step" and "Gradient
+    accumulation" in ``docs/design.md``). Either way the grad shard ends up holding ``sum over data-parallel ranks /
+    their number`` (ZeRO, SC'20, §5.2).
 
     Args:
         shards: the local shards whose params get hooks.
         stage: 1 or 2.
-        groups: the shard group (reduce-scatter) and, for hybrid sharding, the replicate group
-            (all-reduce of the reduced slice across replicas).
+        groups: the shard group (reduce-scatter) and, for hybrid sharding, the replicate group (all-reduce of the
+            reduced slice across replicas).
         reduce_dtype: dtype of the reduce-scatter; ``None`` means each param's own dtype.
-        overlap_comm: launch buckets during backward as they complete (``True``) or all at the end
-            of backward (``False``).
-        timeout: the bound on waiting for each reduction (:func:`zeroshard.comm.collectives.wait`), or
-            ``None``: the process group's.
+        overlap_comm: launch buckets during backward as they complete (``True``) or all at the end of backward (``False``).
+        timeout: the bound on waiting for each reduction (:func:`zeroshard.comm.collectives.wait`), or ``None``: the process group's.
     """
 
     def __init__(self, shards: list[LocalShard], *, stage: int, groups: ShardingGroups, reduce_dtype: torch.dtype | None, overlap_comm: bool,
@@ -78,8 +60,6 @@ class GradReducer:
         self.stage = stage
         self.timeout = timeout
         self.groups = groups
-        self.group = groups.shard
-        self.world_size = groups.shard_size
         self.reduce_dtype = reduce_dtype
         self.overlap_comm = overlap_comm
         self.shards: list[LocalShard] = []
@@ -110,7 +90,7 @@ class GradReducer:
         self._remove_hooks = weakref.finalize(self, release, self._hooks, self._ddps)
         self._remove_hooks.atexit = False
         self.closed_because = ""
-        self.coordinator = coordinator_of(self.group)  # the turns of this group's reducers, who owns which param
+        self.coordinator = coordinator_of(groups.shard)  # the turns of this group's reducers, who owns which param
         for shard in shards:
             self.add_shard(shard)
         self.coordinator.register(self)
@@ -136,7 +116,7 @@ class GradReducer:
     @property
     def launched_all(self) -> bool:
         """Whether it launches nothing more in this backward pass."""
-        return self._next_launch == len(self._order) or self.accumulating or self.end_of_backward is EndOfBackward.DONE
+        return self._next_launch == len(self._order.order) or self.accumulating or self.end_of_backward is EndOfBackward.DONE
 
     def close(self, reason: str = "it was closed") -> None:
         """Remove every hook, give up the params; ``reason``: why, for later errors (idempotent)."""
@@ -148,10 +128,9 @@ class GradReducer:
         """Register ``shard``'s params: hooks, launch order, and (stage 1) a flat grad buffer."""
         k = len(self.shards)
         self.shards.append(shard)
-        layout = shard.buffer.layout
         self._grads.append(ShardGrads.for_shard(shard, flat=self.stage == 1, comm=self._comm))
         bind_virtual_grads(shard, self._comm, self._space)
-        self._order.append(k, len(layout.buckets))
+        self._order.append(k, len(shard.buffer.layout.buckets))
         for i, param in enumerate(shard.buffer.params):
             pre_hook, post_hook = param_hooks(self, k, i, param)
             self._hooks.append(param.register_hook(pre_hook))
@@ -166,8 +145,7 @@ class GradReducer:
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, with no communication, in the block."""
         previous = self._no_sync
-        self._no_sync = True
-        self._unreduced = True
+        self._no_sync = self._unreduced = True
         self._reset_marks = None
         try:
             yield
@@ -188,11 +166,10 @@ class GradReducer:
             self._ddps.new.clear()
             self._backward_started = True
             self._ddp_no_sync, self._ddp_forward = self._ddp_forward and self._ddp_no_sync, False
-            if syncs:
-                self._ddp_reduced = self._ddp_reduced or any(syncs)
-                if not any(syncs):
-                    # Inside ``ddp.no_sync()`` (HF Trainer's, accelerate's first micro-step): accumulate locally.
-                    self._ddp_no_sync = self._unreduced = True
+            if any(syncs):
+                self._ddp_reduced = True
+            elif syncs:  # inside ``ddp.no_sync()`` (HF Trainer's, accelerate's first micro-step): accumulate locally
+                self._ddp_no_sync = self._unreduced = True
             self._check_flat_grads()
             if self._reductions > 0:
                 for grads in self._grads:
@@ -212,16 +189,10 @@ class GradReducer:
         """A framework asked DDP's released reducer to reduce the coming backward (``prepare_for_backward``)."""
         self._ddp_no_sync = False
 
-    def _settle(self, k: int, i: int, param: nn.Parameter) -> None:
-        """Follow what user code did to param ``i`` of shard ``k``'s reduced ``.grad`` (:meth:`ShardGrads.settle`)."""
-        if not self._ddp_reduced:
-            self._grads[k].settle(i, param)
-
     def _check_flat_grads(self) -> None:
-        """Stage 1: follow in-place writes to the params' ``.grad`` (see :meth:`ShardGrads.follow_flat_writes`).
+        """Stage 1: follow in-place writes to the params' ``.grad`` (:meth:`ShardGrads.follow_flat_writes`).
 
-        Raises:
-            RuntimeError: gradients written in place after they were reduced, not to zero.
+        Raises ``RuntimeError`` for gradients written in place after they were reduced, not to zero.
         """
         if not self._ddp_reduced:
             for grads in self._grads:
@@ -265,8 +236,7 @@ class GradReducer:
     def take_deferred(self) -> None:
         """Take the gradient that arrived last, now that the hooks after zeroshard's have run; launch what is complete.
 
-        Raises:
-            RuntimeError: see :meth:`ShardGrads.refuse_partial_write`.
+        Raises ``RuntimeError`` from :meth:`ShardGrads.refuse_partial_write`.
         """
         if self._deferred is None:
             return
@@ -288,7 +258,7 @@ class GradReducer:
         Returns whether this completed the param's bucket (which may then be launched).
         """
         slot = self.shards[k].buffer.layout.slots[i]
-        if self._order.position((k, slot.bucket)) < self._next_launch:
+        if self._order.position[(k, slot.bucket)] < self._next_launch:
             # More gradients than any pass had, its bucket reduced (nested_backward.py): kept local until step().
             self._grads[k].arrivals[i] += 1
             self._late = True
@@ -307,8 +277,8 @@ class GradReducer:
         """Launch the complete buckets in order; ``in_turn``: after the group's earlier reducers (coordinator.py)."""
         if in_turn and not self.coordinator.turn_has_come(self):
             return
-        while self._next_launch < len(self._order):
-            k, b = self._order[self._next_launch]
+        while self._next_launch < len(self._order.order):
+            k, b = self._order.order[self._next_launch]
             if self._grads[k].ready_count[b] < len(self.shards[k].buffer.layout.buckets[b].params):
                 return
             self.coordinator.drain_earlier(self)
@@ -328,19 +298,17 @@ class GradReducer:
 
     def _on_backward_end(self) -> None:
         """At the end of backward: the group's reducers reduce this pass, this one included (ReduceCoordinator.flush)."""
-        if self._outermost.defer():  # the end of a reentrant checkpoint's nested backward: not yet
+        # Not yet at the end of a reentrant checkpoint's nested backward; nothing to do once another reducer's flush ran.
+        if self._outermost.defer() or self.end_of_backward is EndOfBackward.DONE:
             self.end_of_backward = EndOfBackward.NONE
-            return
-        if self.end_of_backward is EndOfBackward.DONE:
-            self.end_of_backward = EndOfBackward.NONE
-            return
-        self.coordinator.flush(self)
+        else:
+            self.coordinator.flush(self)
 
     def _launch(self, k: int, b: int) -> None:
         buffer, grads_of = self.shards[k].buffer, self._grads[k]
         dtype = self._reduce_dtype(k)
         if self.stage == 1:
-            grads, frozen = bucket.stage1_input(buffer.bucket_view(b, of=grads_of.flat), dtype, self.world_size)
+            grads, frozen = bucket.stage1_input(buffer.bucket_view(b, of=grads_of.flat), dtype, self.groups.shard_size)
         else:
             staged = self._staging.pop((k, b), buffer.layout)
             # None: no param of the bucket got a gradient on this rank
@@ -360,25 +328,26 @@ class GradReducer:
             self._staging.recycle(pending.input)
 
     def _wait(self, work: collectives.AsyncWork | None, what: str) -> None:
-        if work is None:  # a shard group of one: nothing was sent
-            return
-        collectives.wait(work, self.timeout, f"backward or step(): {what}",
-                         "run the same backward passes (outside no_sync()) and step() calls, with the same params used")
+        if work is not None:  # None: a shard group of one, nothing was sent
+            collectives.wait(work, self.timeout, f"backward or step(): {what}",
+                             "run the same backward passes (outside no_sync()) and step() calls, with the same params used")
 
     def reduce_everything(self) -> None:
         """Complete every bucket not yet launched, launch it, and add all results into the grad shards."""
         self._reset_marks = None
         self.take_deferred()
         for k, shard in enumerate(self.shards):
+            grads = self._grads[k]
             for i, param in enumerate(shard.buffer.params):
-                if self._grads[k].ready[i]:
+                if grads.ready[i]:
                     continue
-                self._settle(k, i, param)
+                if not self._ddp_reduced:
+                    grads.settle(i, param)  # follow what user code did to the reduced .grad
                 fresh = param.grad is not None and not isinstance(param.grad, ShardedGrad)
-                if fresh and not (self.stage == 1 and self._grads[k].is_flat_view(i, param)):
-                    self._grads[k].used[i] = True
+                if fresh and not (self.stage == 1 and grads.is_flat_view(i, param)):
+                    grads.used[i] = True
                 if self.stage == 1 and not isinstance(param.grad, ShardedGrad):  # a ShardedGrad's local sum is in the flat grad already
-                    self._grads[k].keep_in_flat_grad(i, param)
+                    grads.keep_in_flat_grad(i, param)
                 self._take_grad(k, i, param, last=True)
         self.launch_complete_buckets(in_turn=False)
         self.drain()
@@ -414,8 +383,8 @@ class GradReducer:
     def reduce_for_step(self) -> None:
         """Reduce whatever is still local: gradients from ``no_sync``, a late one (``_take_grad``), or a step with no reduced backward.
 
-        These conditions are the same on every rank as long as the ranks run the same training
-        loop, so every rank issues the same collectives here.
+        These conditions are the same on every rank as long as the ranks run the same training loop, so every rank issues
+        the same collectives here.
         """
         self.settle_all()
         if self._unreduced or self._late or self._reductions == 0:
@@ -425,8 +394,8 @@ class GradReducer:
     def reduce_again(self) -> None:
         """Have the next :meth:`reduce_for_step` reduce every bucket again (shards were added mid-step).
 
-        Gradients already reduced are not reduced twice: stage 2's ``ShardedGrad`` s add nothing,
-        and stage 1 overwrites each slice of the grad shard with the same sum.
+        Gradients already reduced are not reduced twice: stage 2's ``ShardedGrad`` s add nothing, and stage 1 overwrites
+        each slice of the grad shard with the same sum.
         """
         self._unreduced = True
 
@@ -438,9 +407,9 @@ class GradReducer:
     def reset(self) -> None:
         """Zero the grad shards (and stage 1's flat grad buffers) and forget which params were used.
 
-        Also clears what a backward pass that raised midway left behind, so the next one starts clean,
-        and what a DDP wrapper wrote into ``.grad`` in the backward it still reduced. Returns at once
-        when nothing happened since the last reset (``zero_grad()`` right after ``step()``, which resets).
+        Also clears what a backward pass that raised midway left behind, so the next one starts clean, and what a DDP
+        wrapper wrote into ``.grad`` in the backward it still reduced. Returns at once when nothing happened since the
+        last reset (``zero_grad()`` right after ``step()``, which resets).
         """
         if self._reset_marks is not None and self._reset_marks == self._marks():
             return

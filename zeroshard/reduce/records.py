@@ -14,10 +14,8 @@ from torch import Tensor, nn
 class ArrivedGrad:
     """The gradient autograd accumulated last into param ``index`` of shard ``shard``, not taken yet.
 
-    A gradient is taken (marked ready, moved into a staging bucket, its bucket launched) before the
-    next gradient is accumulated or at the end of backward, not in zeroshard's own post-accumulate-grad hook:
-    the hooks registered after zeroshard's, the user's, run in between, and DDP, whose reducer
-    hooks the grad accumulator after every such hook, reduces what they leave in ``.grad``.
+    It is taken (marked ready, moved into a staging bucket, its bucket launched) before the next gradient is accumulated
+    or at the end of backward, once the hooks registered after zeroshard's have run, as DDP sees them ("One step", ``docs/design.md``).
     """
 
     shard: int

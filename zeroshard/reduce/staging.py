@@ -2,13 +2,12 @@
 
 See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for buckets and slots.
 
-Each bucket being filled gets a 1-D staging buffer in the reduce dtype, ``padded_numel`` elements,
-taken from a pool of free ones (or allocated) without zeroing. A param's gradient is *copied*
-into its slot the first time (one read and one write, where zero-filling and adding took two
-passes more); a second gradient for the same slot before the launch is added. When the bucket is
-launched, only what no gradient wrote is zeroed: the slots of params without a gradient on this
-rank and the padding. After the reduce-scatter the buffer goes back to the pool for the next
-bucket; :meth:`StagingBuckets.clear` drops them all (no gradient memory is held between steps).
+Each bucket being filled gets a 1-D staging buffer in the reduce dtype, ``padded_numel`` elements, taken from a pool of
+free ones (or allocated) without zeroing. A param's gradient is *copied* into its slot the first time (one read and one
+write, where zero-filling and adding took two passes more); a second one for the same slot before the launch is added.
+At the launch only what no gradient wrote is zeroed: the slots of params without a gradient on this rank and the
+padding. After the reduce-scatter the buffer goes back to the pool; :meth:`StagingBuckets.clear` drops them all (no
+gradient memory is held between steps).
 """
 
 from __future__ import annotations
@@ -46,20 +45,13 @@ class StagingBuckets:
         self._pool: dict[tuple[int, torch.dtype], list[Tensor]] = {}  # (numel, dtype) -> free buffers, until clear()
 
     def add(self, key: tuple[int, int], layout: FlatLayout, index: int, grad: Tensor, dtype: torch.dtype) -> None:
-        """Put param ``index``'s gradient (any shape, ``slot.numel`` elements) into its slot of bucket ``key``.
-
-        Args:
-            key: (shard, bucket).
-            layout: the shard's flat layout (slots and buckets).
-            index: the param's index in the layout.
-            grad: the gradient; cast to ``dtype`` on the way in.
-            dtype: the reduce dtype of the staging buffer.
-        """
+        """Put param ``index``'s gradient (any shape, ``slot.numel`` elements) into its slot of bucket ``key`` (shard, bucket), cast to ``dtype``."""
         slot = layout.slots[index]
         bucket = layout.buckets[slot.bucket]
         staged = self._open.get(key)
         if staged is None:
-            staged = self._open[key] = _Staged(self._take(bucket.padded_numel, dtype, grad.device))
+            free = self._pool.get((bucket.padded_numel, dtype))
+            staged = self._open[key] = _Staged(free.pop() if free else torch.empty(bucket.padded_numel, dtype=dtype, device=grad.device))
         start = slot.offset - bucket.offset
         # The slot shaped like the gradient, in one operator (a slice and a view would be two per param and backward).
         target = staged.data.as_strided(grad.shape, contiguous_strides(grad.shape), staged.data.storage_offset() + start)
@@ -77,9 +69,8 @@ class StagingBuckets:
         bucket = layout.buckets[key[1]]
         end = 0  # the first element not yet accounted for
         for slot in sorted((layout.slots[i] for i in bucket.params), key=lambda s: s.offset):
-            index = slot.index
-            start = slot.offset - bucket.offset
-            if index in staged.written:
+            if slot.index in staged.written:
+                start = slot.offset - bucket.offset
                 if start > end:
                     staged.data[end:start].zero_()  # padding, or the slots of params without a gradient, before this one
                 end = start + slot.numel
@@ -99,7 +90,3 @@ class StagingBuckets:
     def buffers(self) -> list[Tensor]:
         """Every buffer held now, open or pooled (not those in flight: the caller holds them)."""
         return [s.data for s in self._open.values()] + [t for free in self._pool.values() for t in free]
-
-    def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        free = self._pool.get((numel, dtype))
-        return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
