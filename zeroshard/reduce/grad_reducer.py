@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import enum
 import weakref
 from collections.abc import Iterator
 
@@ -35,6 +36,14 @@ from zeroshard.reduce.staging import StagingBuckets
 
 # Stage 2's bucket reductions in flight at most (DeepSpeed ZeRO-2's double buffering): staging memory ~ this + 1 buckets.
 MAX_BUCKETS_IN_FLIGHT = 2
+
+
+class StepPhase(enum.Enum):
+    """Where a step's gradients are, from one ``reset()`` (``step()``, ``zero_grad()``) to the next."""
+
+    LOCAL = "local"  # no backward reduced yet: .grad holds this rank's own gradients (micro-steps under no_sync, or none)
+    REDUCED = "reduced"  # reduced: each .grad is DDP's averaged gradient (a ShardedGrad), nothing accumulated locally since
+    REDUCED_THEN_LOCAL = "reduced_then_local"  # reduced, then more accumulated locally (no_sync) or shards added: step() reduces again
 
 
 class GradReducer:
@@ -74,9 +83,8 @@ class GradReducer:
         self.end_of_backward = EndOfBackward.NONE  # see coordinator.py
         self._outermost = OutermostBackward(weak_method(self._queue_end_of_backward))  # see zeroshard/reduce/nested_backward.py
         self._no_sync = False
-        self._unreduced = False  # local gradients accumulated under no_sync, not yet reduced
+        self.phase = StepPhase.LOCAL  # where this step's gradients are
         self._late = False  # a gradient arrived after its bucket was reduced in this step (_take_grad)
-        self._reductions = 0  # backward passes reduced since reset
         self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset; None: used since
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
@@ -145,7 +153,8 @@ class GradReducer:
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, with no communication, in the block."""
         previous = self._no_sync
-        self._no_sync = self._unreduced = True
+        self._no_sync = True
+        self._accumulate_locally()
         self._reset_marks = None
         try:
             yield
@@ -169,12 +178,13 @@ class GradReducer:
             if any(syncs):
                 self._ddp_reduced = True
             elif syncs:  # inside ``ddp.no_sync()`` (HF Trainer's, accelerate's first micro-step): accumulate locally
-                self._ddp_no_sync = self._unreduced = True
+                self._ddp_no_sync = True
+                self._accumulate_locally()
             self._check_flat_grads()
-            if self._reductions > 0:
+            if self.phase is not StepPhase.LOCAL:
                 for grads in self._grads:
                     grads.refuse_edits_before_rereduction()
-        self._grads[k].before_accumulate(i, param, reduced=self._reductions > 0, follow=not self._ddp_reduced)
+        self._grads[k].before_accumulate(i, param, reduced=self.phase is not StepPhase.LOCAL, follow=not self._ddp_reduced)
         self.shards[k].follow(i)  # the model may have moved since the optimizer was built
         if self.stage == 1 and not self._ddp_reduced and not grad.is_sparse:
             self._grads[k].hand_flat_view(i, param)
@@ -183,7 +193,13 @@ class GradReducer:
         """Before an adopted DDP wrapper's forward: under ``ddp.no_sync()`` its backward accumulates locally."""
         self._ddp_forward = True
         self._ddp_no_sync = no_sync
-        self._unreduced = self._unreduced or no_sync
+        if no_sync:
+            self._accumulate_locally()
+
+    def _accumulate_locally(self) -> None:
+        """This backward accumulates locally (``no_sync``): what a reduction left becomes :attr:`StepPhase.REDUCED_THEN_LOCAL`."""
+        if self.phase is StepPhase.REDUCED:
+            self.phase = StepPhase.REDUCED_THEN_LOCAL
 
     def _sync_next_backward(self) -> None:
         """A framework asked DDP's released reducer to reduce the coming backward (``prepare_for_backward``)."""
@@ -196,7 +212,7 @@ class GradReducer:
         """
         if not self._ddp_reduced:
             for grads in self._grads:
-                grads.follow_flat_writes(reduced=self._reductions > 0 and not self._unreduced)
+                grads.follow_flat_writes(reduced=self.phase is StepPhase.REDUCED)
 
     def settle_all(self) -> None:
         """Before a step: follow what was done to every param's gradient."""
@@ -356,8 +372,7 @@ class GradReducer:
             for grads in self._grads:
                 grads.leave_sharded_grads()
         self._clear_backward_state()
-        self._reductions += 1
-        self._unreduced = False
+        self.phase = StepPhase.REDUCED
         self._note_flat_grad_versions()
 
     def drop_unused_grads(self, used: list[list[bool]]) -> None:
@@ -387,7 +402,7 @@ class GradReducer:
         the same collectives here.
         """
         self.settle_all()
-        if self._unreduced or self._late or self._reductions == 0:
+        if self.phase is not StepPhase.REDUCED or self._late:
             self._late = False
             self.reduce_everything()
 
@@ -397,7 +412,7 @@ class GradReducer:
         Gradients already reduced are not reduced twice: stage 2's ``ShardedGrad`` s add nothing, and stage 1 overwrites
         each slice of the grad shard with the same sum.
         """
-        self._unreduced = True
+        self._accumulate_locally()
 
     def local_used(self) -> list[list[bool]]:
         """Per shard, per param: whether it got a gradient on this rank since the last reset."""
@@ -427,8 +442,8 @@ class GradReducer:
             self._grads[k].reset()
         self._clear_backward_state()
         self._staging.clear()  # stage 2 holds no gradient buffers between steps
-        self._reductions = 0
-        self._unreduced = self._late = False
+        self.phase = StepPhase.LOCAL
+        self._late = False
         self.end_of_backward = EndOfBackward.NONE
         self._note_flat_grad_versions()
         self._reset_marks = self._marks()
