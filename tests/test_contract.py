@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchrun_child import ROOT, SUPPORT
 
 import zeroshard
+from zeroshard.convert import convert
 
 BUCKET_MB = 100 * 4 / 2**20  # several buckets in TinyNet
 
@@ -379,12 +380,13 @@ def test_option_differing_across_ranks_raises_on_every_rank_naming_it(pools, opt
         assert OPTIONS_THAT_DIFFER[option][2] in message, message
 
 
-def dcp_after_consolidate_worker(directory: str) -> str:
+def dcp_after_consolidate_worker(directory: str, partition: str, hybrid: bool) -> str:
     """The full format goes to the caller of ``state_dict()`` on rank 0 after ``consolidate_state_dict``; DCP gets shards after it.
 
     Returns the error of a ``dcp.save`` made while the consolidation was still pending on rank 0.
     """
-    _, _, model, opt = _pair(2)
+    options = {"partition": partition, "process_group": zeroshard.hybrid_mesh(2) if hybrid else None}
+    _, _, model, opt = _pair(2, **options)
     for step in range(2):
         _train_step(model, opt, step)
     opt.consolidate_state_dict(to=0)
@@ -392,20 +394,32 @@ def dcp_after_consolidate_worker(directory: str) -> str:
         dcp.save({"optim": opt}, checkpoint_id=directory + "-pending")
     assert opt._consolidated is None, "the pending consolidation outlived the state_dict() that took it"
     opt.consolidate_state_dict(to=0)
-    if dist.get_rank() == 0:
-        assert opt.state_dict()["zeroshard"]["format"] == zeroshard.checkpoint.sharded.FULL_FORMAT
+    full = opt.state_dict() if dist.get_rank() == 0 else None
+    assert full is None or full["zeroshard"]["format"] == zeroshard.checkpoint.sharded.FULL_FORMAT
     dcp.save({"optim": opt}, checkpoint_id=directory)
-    fresh = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(copy.deepcopy(model)), lr=1e-2, foreach=False), stage=2, bucket_size_mb=BUCKET_MB)
+    fresh = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(copy.deepcopy(model)), lr=1e-2, foreach=False), stage=2,
+                                       bucket_size_mb=BUCKET_MB, **options)
     dcp.load({"optim": fresh}, checkpoint_id=directory)
     for ours, theirs in zip(opt.state.values(), fresh.state.values()):
         assert all(torch.equal(ours[key], theirs[key]) for key in ours), "dcp.load after consolidate_state_dict gave other state"
     assert fresh._shard_set.param_steps == opt._shard_set.param_steps
+    zeroshard.verify_checkpoint(directory, fresh)  # the marker saved with the shards is not optimizer state
+    dcp.save({"optim": fresh}, checkpoint_id=directory + "-fresh")  # no consolidation: no marker
+    with pytest.raises(CheckpointException, match="zeroshard.consolidation"):  # opt still carries one until its next step
+        dcp.load({"optim": opt}, checkpoint_id=directory + "-fresh")
+    if full is not None:  # and converts to the consolidated state
+        convert(directory, directory + ".pt")
+        converted = torch.load(directory + ".pt", weights_only=False)["optim"]["state"]
+        assert converted.keys() == full["state"].keys()
+        assert all(torch.equal(converted[i][key], value) for i, entry in full["state"].items() for key, value in entry.items())
     return str(error.value)
 
 
-def test_dcp_save_after_consolidate_saves_the_shards_or_fails_on_every_rank(pools, tmp_path):
-    """Once rank 0 took its full state, ``dcp.save`` saves the shards; while it is pending, every rank raises (no hang, nothing silent)."""
-    for message in pools[2].run(dcp_after_consolidate_worker, str(tmp_path / "ckpt")):
+@pytest.mark.parametrize(("world", "partition", "hybrid"), [(2, "flat", False), (2, "param", False), (4, "flat", True), (4, "param", True)])
+def test_dcp_save_after_consolidate_saves_the_shards_or_fails_on_every_rank(pools, tmp_path, world, partition, hybrid):
+    """Once rank 0 took its full state, ``dcp.save`` saves the shards; while it is pending, every rank raises (no hang, nothing
+    silent), whole-param partitions (plain tensors) and replicas (which hold rank 0's shard too) included."""
+    for message in pools[world].run(dcp_after_consolidate_worker, str(tmp_path / "ckpt"), partition, hybrid):
         assert "Failed to validate global plan" in message, message
 
 

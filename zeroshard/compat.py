@@ -39,8 +39,6 @@ foreach_copy_ = torch._foreach_copy_
 # sharded_grad.py: the norm ``clip_grad_norm_(foreach=True)`` takes of DDP's gradient, taken of a whole gradient alike.
 foreach_norm = torch._foreach_norm
 
-# delegating.py: the hook registries ``torch.optim.Optimizer.__init__`` creates, which its public
-# ``register_step_pre_hook`` and friends fill; a ShardedOptimizer does not run that ``__init__``.
 # ``Tensor._version``, the version counter autograd checks saved tensors with, read directly where a
 # write must be noticed (an attribute read on the per-param hot path, so not wrapped here):
 # layout/local_shard.py (a param written outside the optimizer: its master is refreshed),
@@ -48,6 +46,9 @@ foreach_norm = torch._foreach_norm
 # buffer through a view). They rely on: every in-place write bumps it, a view shares its base's
 # counter, a param bound with ``p.data = flat_view`` keeps a counter of its own (the optimizer's
 # writes to the flat buffer do not move it), and autograd's accumulation into ``.grad`` bumps it.
+
+# delegating.py: the hook registries ``torch.optim.Optimizer.__init__`` creates, which its public
+# ``register_step_pre_hook`` and friends fill; a ShardedOptimizer does not run that ``__init__``.
 
 OPTIMIZER_HOOK_DICTS = (
     "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",

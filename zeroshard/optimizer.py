@@ -79,17 +79,14 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         max_grad_norm: clip every step's gradients to this global 2-norm (``None``: no clipping;
             :meth:`clip_grad_norm_` clips one step).
         offload: ``"cpu"`` keeps the fp32 master weights, ``exp_avg`` and ``exp_avg_sq`` in host
-            memory: each step copies the grad shard to the host, runs torch's fused CPU AdamW on
-            it chunk by chunk and copies the updated params back, the copies (from and to pinned
-            buffers) overlapping the update (ZeRO-Offload, Ren et al., USENIX ATC 2021).
+            memory; each step runs torch's fused CPU AdamW chunk by chunk, the grad copies in and the
+            param copies out (pinned) overlapping it (ZeRO-Offload, Ren et al., USENIX ATC 2021).
             Adam/AdamW only. ``None``: everything on the params' device.
         gpu_margin_mem_ratio: with ``offload="cpu"``, the fraction (0.0 to 1.0) of the device
-            memory the first iteration leaves unused (measured by a :class:`~zeroshard.MemoryTracer`
-            from construction to the first ``step()``) that offloaded state may take back: that
-            many bytes of chunks move to the device at the first step and take the device kernel
-            from then on (PatrickStar; ColossalAI's ``ShardedOptimizerV2``). 0.0 is full offload.
-            :attr:`placement` reports it (``zeroshard/offload/placement.py``). On CUDA the tracer
-            resets the allocator's peak statistics.
+            memory the first iteration leaves unused (a :class:`~zeroshard.MemoryTracer` measures it
+            up to the first ``step()``, resetting CUDA's peak statistics) that offloaded chunks may
+            take back: they move to the device at the first step (PatrickStar; ColossalAI's
+            ``ShardedOptimizerV2``). 0.0 is full offload; :attr:`placement` reports it.
         loss_scale: ``"dynamic"`` (a :class:`~zeroshard.DynamicLossScaler`), a fixed positive
             number, a ``DynamicLossScaler`` instance, or ``None``: dynamic when any trainable
             param is fp16, else none. With a loss scale active, call :meth:`backward` (or
@@ -103,15 +100,12 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         assume_elementwise: ``True`` picks ``partition="flat"`` for an optimizer class outside
             those (a subclass, Lion, ...), on the caller's word that its update of each element
             depends on that element's param, gradient and state alone. If not, results are wrong.
-        collective_timeout_s: the longest this rank waits for one of zeroshard's collectives in
-            backward, :meth:`clip_grad_norm_` and :meth:`step` (the gradient reduce-scatters, the
-            norm all-reduce, the param all-gathers) before raising a ``RuntimeError`` that names
-            the collective. ``None``: the process group's own timeout (``timeout=`` of
-            ``init_process_group``, 30 minutes by default; gloo then aborts the process with no
-            Python traceback). A bounded wait turns a rank that skipped ``step()`` or a backward
-            into a clear error on those waiting; the process group is then unusable: end the run.
-            On NCCL it blocks the host until the collective completes. Read at construction;
-            each rank may set its own.
+        collective_timeout_s: seconds this rank waits for one of zeroshard's collectives (the
+            gradient reduce-scatters, the norm all-reduce, the param all-gathers) before raising a
+            ``RuntimeError`` that names it: a rank that skipped ``step()`` or a backward becomes a
+            clear error on those waiting, after which the process group is unusable. ``None``: the
+            process group's own timeout (30 minutes by default; gloo then aborts with no Python
+            traceback). On NCCL the wait blocks the host. Each rank may set its own.
         overlap_param_gather: :meth:`step` returns with the param all-gathers in flight (forward
             order) to overlap the next forward, as Megatron-LM's ``overlap_param_gather``; any
             torch function given a param waits for its bucket first (see :meth:`wait_params`).
@@ -177,6 +171,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
                                    partition=self.partition, master_weights=master_weights)
         self._shards = self._shard_set.shards  # the same list, grown in place
         self._consolidated: dict[str, Any] | None = None  # full state, on the consolidate_state_dict rank
+        self._since_consolidation = False  # a consolidate_state_dict() since the last step or load (state_dict.py)
         self._issued: dict[int, weakref.ref] = {}  # id -> tensor, for those the last state_dict() returned
         self.max_grad_norm = max_grad_norm
         self.grad_norm: Tensor | None = None  # 0-dim fp32 (fp64 params: fp64): the last step's pre-clip global norm (unscaled)
@@ -354,6 +349,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
                 self._update_on_host(stats, self._gradient_scale())
             self._reducer.reset()
             self._stats = self._clip_norm = self._consolidated = None
+            self._since_consolidation = False
         return loss
 
     @property

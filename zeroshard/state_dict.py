@@ -54,6 +54,7 @@ class StateDictMixin:
     _scaler: DynamicLossScaler | None
     _fused: FusedAdam | None
     _consolidated: dict[str, Any] | None  # the full state, on the rank that ran consolidate_state_dict
+    _since_consolidation: bool  # every rank: a consolidate_state_dict() since the last step or load
     _issued: dict[int, weakref.ref]  # id -> tensor, for those the last state_dict() returned
     wait_params: Callable[[], None]
     _settle: Callable[[], None]  # reads a step's overflow flag still on the device (zeroshard/update.py)
@@ -73,12 +74,14 @@ class StateDictMixin:
 
         Runs no collective (HF Trainer and accelerate call it on one rank). The first call on the rank that just ran
         :meth:`consolidate_state_dict` (before any ``step()``) returns the full state in plain ``torch.optim`` format,
-        as ``ZeroRedundancyOptimizer``'s does (a ``dcp.save`` made while it is pending fails on every rank: "Failed to
-        validate global plan"). Every other call returns the sharded format, which ``torch.distributed.checkpoint``
+        as ``ZeroRedundancyOptimizer``'s does. Every other call returns the sharded format, which ``torch.distributed.checkpoint``
         reshards onto any world size: per bucket, a 1-D ``DTensor`` of each per-element state (and of the fp32 master),
         or with ``partition="param"`` each owned param's state tensors whole; with the param groups, per-param steps and
         a layout signature (``docs/checkpoint.md``). The tensors are copies, zero-filled in a freshly built optimizer
-        (no dummy step): loading into them never touches the optimizer until :meth:`load_state_dict`.
+        (no dummy step): loading into them never touches the optimizer until :meth:`load_state_dict`. Until the next
+        step or load after a consolidation, the sharded format also holds a one-element-per-rank marker, so that a
+        ``dcp.save`` made before rank ``to`` took its full state fails on every rank ("Failed to validate global plan")
+        rather than write a checkpoint without that rank's shard.
 
         Hooks registered with ``register_state_dict_pre_hook``/``register_state_dict_post_hook``
         run as in ``torch.optim.Optimizer.state_dict`` (a post hook may return a replacement).
@@ -95,6 +98,8 @@ class StateDictMixin:
         else:
             state_dict = FORMATS[self.partition].sharded_state_dict(self.checkpoint_view())
             self._issued = {id(t): weakref.ref(t) for t in sharded.issued_tensors(state_dict)}
+            if self._since_consolidation:  # a dcp.save now fails unless rank `to` has taken its full state
+                state_dict["zeroshard"]["consolidation"] = sharded.consolidation_marker(self.groups.mesh)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             state_dict = state_dict if result is None else result
@@ -117,6 +122,7 @@ class StateDictMixin:
         self.wait_params()
         self._settle()
         self._consolidated = FORMATS[self.partition].consolidate(self.checkpoint_view(), to)
+        self._since_consolidation = True
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a sharded state dict (this layout, any world size via DCP) or a full one (any world size).
@@ -164,7 +170,7 @@ class StateDictMixin:
         scaler_state = (state_dict.get("zeroshard") or {}).get("loss_scaler")
         if self._scaler is not None and scaler_state is not None:
             self._scaler.load_state_dict(scaler_state)
-        self._consolidated = None
+        self._consolidated, self._since_consolidation = None, False
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

@@ -210,6 +210,18 @@ def _dtensor(view: CheckpointView, local: Tensor, numel: int) -> DTensor:
     return dtensor.from_local(local, view.mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 
+def consolidation_marker(mesh: DeviceMesh) -> DTensor:
+    """A DTensor with one element on each rank of ``mesh`` (sharded over every mesh dim, so no replica covers another's).
+
+    The sharded ``state_dict()`` carries it while a ``consolidate_state_dict()`` is in effect (until the next step or
+    load): then the rank that took the full format leaves its element out, and ``dcp.save`` refuses the checkpoint on
+    every rank (a global plan whose chunks do not fill a tensor) instead of writing one that lacks that rank's shard.
+    """
+    dtensor, _, shard = _dtensor_api()
+    local = torch.zeros(1, device=mesh.device_type)
+    return dtensor.from_local(local, mesh, [shard(0)] * mesh.ndim, run_check=False, shape=torch.Size([mesh.size()]), stride=(1,))
+
+
 def _to_local(value: Any) -> Any:
     """A ``DTensor``'s local shard (what ``dcp.load`` filled in for this rank); any other value as is."""
     return value.to_local() if isinstance(value, _dtensor_api()[0]) else value

@@ -1,7 +1,7 @@
 """A ``DistributedDataParallel`` wrapped around params that zeroshard reduces: checked, its reducer released and given back.
 
-See "The model is also wrapped in DistributedDataParallel" in ``docs/design.md``. Switched off
-(``require_backward_grad_sync = False``), DDP's C++ reducer still holds what its constructor (``_ddp_init_helper``)
+See ``docs/design.md``, "What user code does to the params and gradients", the item "The model is also wrapped in
+DistributedDataParallel". Switched off (``require_backward_grad_sync = False``), DDP's C++ reducer still holds what its constructor (``_ddp_init_helper``)
 built: an autograd hook per param and bucket buffers as large as the params (``4Ψ`` bytes in fp32), device memory from
 the moment DDP is built on a GPU, and on the CPU once DDP reduced one backward (with ``find_unused_parameters=True``, HF
 Trainer's default, DDP never rebuilds its buckets and they stay). That erases most of stage 2's saving (``4Ψ + 12Ψ/N``

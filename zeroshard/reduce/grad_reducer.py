@@ -46,6 +46,9 @@ class StepPhase(enum.Enum):
     REDUCED_THEN_LOCAL = "reduced_then_local"  # reduced, then more accumulated locally (no_sync) or shards added: step() reduces again
 
 
+_LOCAL = StepPhase.LOCAL  # for the per-param pre-hook: a module global is read in a sixth of the time of an Enum member
+
+
 class GradReducer:
     """Reduce-scatters gradients, bucket by bucket, into each shard's ``grad_shard``.
 
@@ -184,7 +187,7 @@ class GradReducer:
             if self.phase is not StepPhase.LOCAL:
                 for grads in self._grads:
                     grads.refuse_edits_before_rereduction()
-        self._grads[k].before_accumulate(i, param, reduced=self.phase is not StepPhase.LOCAL, follow=not self._ddp_reduced)
+        self._grads[k].before_accumulate(i, param, reduced=self.phase is not _LOCAL, follow=not self._ddp_reduced)
         self.shards[k].follow(i)  # the model may have moved since the optimizer was built
         if self.stage == 1 and not self._ddp_reduced and not grad.is_sparse:
             self._grads[k].hand_flat_view(i, param)
