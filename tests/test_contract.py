@@ -394,6 +394,11 @@ def dcp_after_consolidate_worker(directory: str, partition: str, hybrid: bool) -
         dcp.save({"optim": opt}, checkpoint_id=directory + "-pending")
     assert opt._consolidated is None, "the pending consolidation outlived the state_dict() that took it"
     opt.consolidate_state_dict(to=0)
+    if dist.get_rank() != 0:  # a load on some ranks only (no collective) does not end the marker
+        opt.load_state_dict(opt.state_dict())
+    with pytest.raises(CheckpointException):
+        dcp.save({"optim": opt}, checkpoint_id=directory + "-loaded-elsewhere")
+    opt.consolidate_state_dict(to=0)
     full = opt.state_dict() if dist.get_rank() == 0 else None
     assert full is None or full["zeroshard"]["format"] == zeroshard.checkpoint.sharded.FULL_FORMAT
     dcp.save({"optim": opt}, checkpoint_id=directory)
@@ -413,6 +418,19 @@ def dcp_after_consolidate_worker(directory: str, partition: str, hybrid: bool) -
         assert converted.keys() == full["state"].keys()
         assert all(torch.equal(converted[i][key], value) for i, entry in full["state"].items() for key, value in entry.items())
     return str(error.value)
+
+
+def different_to_worker() -> str:
+    _, _, _, opt = _pair(2)
+    with pytest.raises(ValueError) as error:
+        opt.consolidate_state_dict(to=dist.get_rank())
+    return str(error.value)
+
+
+def test_consolidate_to_different_ranks_raises_on_every_rank(pools):
+    """A rank gathering to another ``to`` would wait for sends that never come: every rank raises instead, naming both."""
+    for message in pools[2].run(different_to_worker):
+        assert "consolidate_state_dict argument to on rank 1 is (1,), on rank 0 (0,); pass the same to= on every rank" in message, message
 
 
 @pytest.mark.parametrize(("world", "partition", "hybrid"), [(2, "flat", False), (2, "param", False), (4, "flat", True), (4, "param", True)])

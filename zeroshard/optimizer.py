@@ -171,7 +171,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
                                    partition=self.partition, master_weights=master_weights)
         self._shards = self._shard_set.shards  # the same list, grown in place
         self._consolidated: dict[str, Any] | None = None  # full state, on the consolidate_state_dict rank
-        self._since_consolidation = False  # a consolidate_state_dict() since the last step or load (state_dict.py)
+        self._since_consolidation = False  # a consolidate_state_dict() since the last step (state_dict.py)
         self._issued: dict[int, weakref.ref] = {}  # id -> tensor, for those the last state_dict() returned
         self.max_grad_norm = max_grad_norm
         self.grad_norm: Tensor | None = None  # 0-dim fp32 (fp64 params: fp64): the last step's pre-clip global norm (unscaled)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zeroshard.checkpoint import full, sharded, whole_param
+from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.shard_set import ShardSet
@@ -54,7 +55,7 @@ class StateDictMixin:
     _scaler: DynamicLossScaler | None
     _fused: FusedAdam | None
     _consolidated: dict[str, Any] | None  # the full state, on the rank that ran consolidate_state_dict
-    _since_consolidation: bool  # every rank: a consolidate_state_dict() since the last step or load
+    _since_consolidation: bool  # every rank: a consolidate_state_dict() since the last step
     _issued: dict[int, weakref.ref]  # id -> tensor, for those the last state_dict() returned
     wait_params: Callable[[], None]
     _settle: Callable[[], None]  # reads a step's overflow flag still on the device (zeroshard/update.py)
@@ -78,8 +79,8 @@ class StateDictMixin:
         reshards onto any world size: per bucket, a 1-D ``DTensor`` of each per-element state (and of the fp32 master),
         or with ``partition="param"`` each owned param's state tensors whole; with the param groups, per-param steps and
         a layout signature (``docs/checkpoint.md``). The tensors are copies, zero-filled in a freshly built optimizer
-        (no dummy step): loading into them never touches the optimizer until :meth:`load_state_dict`. Until the next
-        step or load after a consolidation, the sharded format also holds a one-element-per-rank marker, so that a
+        (no dummy step): loading into them never touches the optimizer until :meth:`load_state_dict`. From a consolidation
+        to the next step, the sharded format also holds a one-element-per-rank marker, so that a
         ``dcp.save`` made before rank ``to`` took its full state fails on every rank ("Failed to validate global plan")
         rather than write a checkpoint without that rank's shard.
 
@@ -115,12 +116,15 @@ class StateDictMixin:
         at any world size. Mirrors ``ZeroRedundancyOptimizer.consolidate_state_dict``.
 
         Raises:
-            ValueError: ``to`` is not a rank of the world.
+            ValueError: ``to`` is not a rank of the world, or (on every rank) not the same on every rank.
         """
         if not 0 <= to < dist.get_world_size():
             raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
         self.wait_params()
         self._settle()
+        for group in self.groups.all():  # a rank gathering to another `to` would wait for sends that never come
+            collectives.check_same_on_all_ranks("consolidate_state_dict argument", [("to", to)], group,
+                                                remedy="pass the same to= on every rank")
         self._consolidated = FORMATS[self.partition].consolidate(self.checkpoint_view(), to)
         self._since_consolidation = True
 
@@ -170,7 +174,7 @@ class StateDictMixin:
         scaler_state = (state_dict.get("zeroshard") or {}).get("loss_scaler")
         if self._scaler is not None and scaler_state is not None:
             self._scaler.load_state_dict(scaler_state)
-        self._consolidated, self._since_consolidation = None, False
+        self._consolidated = None  # the marker stays until step(), a collective: a load on some ranks only must not end it
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

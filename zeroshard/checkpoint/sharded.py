@@ -213,9 +213,9 @@ def _dtensor(view: CheckpointView, local: Tensor, numel: int) -> DTensor:
 def consolidation_marker(mesh: DeviceMesh) -> DTensor:
     """A DTensor with one element on each rank of ``mesh`` (sharded over every mesh dim, so no replica covers another's).
 
-    The sharded ``state_dict()`` carries it while a ``consolidate_state_dict()`` is in effect (until the next step or
-    load): then the rank that took the full format leaves its element out, and ``dcp.save`` refuses the checkpoint on
-    every rank (a global plan whose chunks do not fill a tensor) instead of writing one that lacks that rank's shard.
+    The sharded ``state_dict()`` carries it from a ``consolidate_state_dict()`` to the next step: then the rank that took
+    the full format leaves its element out, and ``dcp.save`` refuses the checkpoint on every rank (a global plan whose
+    chunks do not fill a tensor) instead of writing one that lacks that rank's shard.
     """
     dtensor, _, shard = _dtensor_api()
     local = torch.zeros(1, device=mesh.device_type)

@@ -198,7 +198,7 @@ def broadcast_from_first_(tensors: Sequence[Tensor], group: ProcessGroup) -> Non
         work.wait()
 
 
-def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], group: ProcessGroup) -> None:
+def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], group: ProcessGroup, remedy: str = _SAME_BUILD) -> None:
     """Raise on every rank if any rank's ``fingerprint`` differs from that of the group's rank 0.
 
     Each entry is hashed (64-bit BLAKE2b of its ``repr``) and the hashes are all-gathered as one int64 tensor: no pickled
@@ -210,6 +210,7 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
         what: a name for the entries, used in the error (e.g. ``"param"``).
         fingerprint: one tuple per entry; its first element names the entry in errors.
         group: the process group to compare over.
+        remedy: what the error tells the user to do.
 
     Raises:
         ValueError: on every rank of ``group``, naming the first differing (global) rank, the entry and both values.
@@ -235,9 +236,9 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
             name = _broadcast_text(label, rank, group, device)
             other = _broadcast_text(values, rank, group, device)
             first_value = _broadcast_text(values, 0, group, device)
-            raise ValueError(f"{what} {name} on rank {their_rank} is {other}, on rank {first} {first_value}; {_SAME_BUILD}")
+            raise ValueError(f"{what} {name} on rank {their_rank} is {other}, on rank {first} {first_value}; {remedy}")
         if n_theirs != n_reference:
-            raise ValueError(f"rank {their_rank} has {n_theirs} {what}s, rank {first} has {n_reference}; {_SAME_BUILD}")
+            raise ValueError(f"rank {their_rank} has {n_theirs} {what}s, rank {first} has {n_reference}; {remedy}")
 
 
 def _digest(entry: tuple[Any, ...]) -> int:
