@@ -396,7 +396,7 @@ def dcp_after_consolidate_worker(directory: str, partition: str, hybrid: bool) -
     opt.consolidate_state_dict(to=0)
     if dist.get_rank() != 0:  # a load on some ranks only (no collective) does not end the marker
         opt.load_state_dict(opt.state_dict())
-    with pytest.raises(CheckpointException):
+    with pytest.raises(CheckpointException, match="Failed to validate global plan"):
         dcp.save({"optim": opt}, checkpoint_id=directory + "-loaded-elsewhere")
     opt.consolidate_state_dict(to=0)
     full = opt.state_dict() if dist.get_rank() == 0 else None

@@ -63,6 +63,9 @@ def norm_order(ord: Any) -> float:
     return float(value)
 
 
+NORMS = frozenset({"linalg_vector_norm", "norm", "linalg_norm"})  # linalg_norm: only ord=None / "fro" (of a matrix: Frobenius)
+
+
 def norm_arguments(args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, torch.dtype | None]:
     """``(ord, dim, dtype)`` of ``vector_norm(x, ord, dim, keepdim, dtype=)``, ``norm(x, p, dim, keepdim, dtype=)`` or ``Tensor.norm``."""
     ord = kwargs.get("ord", kwargs.get("p", args[0] if args else 2.0))
@@ -211,7 +214,7 @@ class PartialNorm(Tensor):
             return _stack(args[0])
         if name in ("to", "cpu", "cuda") and isinstance(args[0], PartialNorm) and (moved := _moved(args[0], func, args[1:], kwargs)) is not None:
             return moved
-        if name in ("linalg_vector_norm", "norm", "linalg_norm") and isinstance(args[0], PartialNorm) \
+        if name in NORMS and isinstance(args[0], PartialNorm) \
                 and (total := _aggregate(args[0], args[1:], kwargs)) is not None:
             return total
         with DisableTorchFunctionSubclass():

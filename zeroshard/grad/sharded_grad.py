@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.compat import DisableTorchFunctionSubclass, foreach_norm, make_subclass
-from zeroshard.grad.partial_norm import SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_arguments, norm_order
+from zeroshard.grad.partial_norm import NORMS, SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_arguments, norm_order
 
 if TYPE_CHECKING:
     from zeroshard.grad.amp import GradScalerLink
@@ -42,7 +42,6 @@ _METADATA_OR_GET = _METADATA | {"__get__"}  # VirtualGrad: property reads, too, 
 # Properties that return a tensor: these would read the expanded placeholder's values.
 _VALUE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 _CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type", "type_as"})
-_NORMS = frozenset({"linalg_vector_norm", "norm", "linalg_norm"})  # linalg_norm: only ord=None / "fro" (of a matrix: Frobenius)
 # Elementwise in-place functions done on this rank's pieces (other tensor arguments: scalars or the param's shape).
 _INPLACE = frozenset({
     "mul_", "div_", "clamp_", "clamp_min_", "clamp_max_", "clip_", "zero_", "nan_to_num_", "fill_", "add_", "sub_", "copy_",
@@ -154,7 +153,7 @@ class ShardedGrad(Tensor):
         if self is not None:
             if name == "detach" or (name in _CONVERSIONS and _converts_to_itself(self, func, args[1:], kwargs)):
                 return self
-            if name in _NORMS:
+            if name in NORMS:
                 ord, dim, dtype = norm_arguments(args[1:], kwargs)
                 if dim is None and not kwargs.get("keepdim", args[3] if len(args) > 3 else False) and _vector_norm(name, ord, self):
                     return self._norm(norm_order(ord), dtype)
@@ -227,7 +226,7 @@ class VirtualGrad(Tensor):
             raise RuntimeError(f"{placeholder}: a virtual param in host memory (offload='cpu') has its gradient piece on the GPU, so torch.{name} "
                                "cannot run on its .grad; clip with ShardedOptimizer(..., max_grad_norm=...) or torch.nn.utils.clip_grad_norm_ "
                                "over the model's params")
-        if name in _NORMS and args and isinstance(args[0], VirtualGrad):
+        if name in NORMS and args and isinstance(args[0], VirtualGrad):
             ord, dim, dtype = norm_arguments(args[1:], kwargs)
             if dim is None and _vector_norm(name, ord, args[0]):
                 return _virtual_norm(args[0], norm_order(ord), dtype)
