@@ -44,6 +44,8 @@ class ShardGrads:
     # per param: the most gradients taken in one backward pass so far (at least 1): it is ready once that many arrived, or at the end
     expected: list[int] = field(default_factory=list)
     zeroed: list[bool] = field(default_factory=list)  # stage 1, per param: its view of flat holds zeros since the last reset and was not taken since
+    bucket_of: list[int] = field(default_factory=list)  # per param, its bucket (the layout's, read per gradient)
+    bucket_sizes: list[int] = field(default_factory=list)  # per bucket, how many params it has
 
     @classmethod
     def for_shard(cls, shard: LocalShard, flat: bool, comm: GradComm) -> ShardGrads:
@@ -56,7 +58,8 @@ class ShardGrads:
         n = len(layout.slots)
         version = flat_grad._version if flat_grad is not None else 0
         return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n, comm,
-                   [layout.within_one_slice(i) for i in range(n)], landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n, zeroed=[flat] * n)
+                   [layout.within_one_slice(i) for i in range(n)], landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n, zeroed=[flat] * n,
+                   bucket_of=[slot.bucket for slot in layout.slots], bucket_sizes=[len(b.params) for b in layout.buckets])
 
     def note_flat_version(self) -> None:
         """Record that zeroshard wrote :attr:`flat` last."""
@@ -75,9 +78,9 @@ class ShardGrads:
         if self.ready[i] or not (last or self.arrivals[i] >= self.expected[i]):
             return False
         self.ready[i] = True
-        bucket = self.shard.buffer.layout.slots[i].bucket
+        bucket = self.bucket_of[i]
         self.ready_count[bucket] += 1
-        return self.ready_count[bucket] == len(self.shard.buffer.layout.buckets[bucket].params)
+        return self.ready_count[bucket] == self.bucket_sizes[bucket]
 
     def reset(self) -> None:
         """Between steps: zero the flat grad buffer and forget which params were used and which slices were reduced into."""
@@ -205,8 +208,11 @@ class ShardGrads:
         Sets ``continued[i]`` (see :meth:`refuse_partial_write`); with ``follow``, follows what user code did to it (:meth:`settle`).
         Then autograd stores the new gradient (stage 2: ``.grad`` is ``None``) or adds it to the running local sum (stage 1).
         """
-        if not reduced and i not in self.reduced_versions:  # the common case: nothing reduced in this step, no ShardedGrad left
+        if not reduced and (i not in self.reduced_versions or (param.grad is None and not self.used[i])):
+            # The common cases: nothing reduced in this step, and no ShardedGrad left, or one a zero_grad() dropped after the
+            # step's reset (nothing of it left to drop: what settle() would conclude).
             self.continued[i] = False
+            self.reduced_versions.pop(i, None)
             return
         held, left = param.grad, self.reduced.get(i)
         with DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call

@@ -187,10 +187,12 @@ class GradReducer:
             if self.phase is not StepPhase.LOCAL:
                 for grads in self._grads:
                     grads.refuse_edits_before_rereduction()
-        self._grads[k].before_accumulate(i, param, reduced=self.phase is not _LOCAL, follow=not self._ddp_reduced)
-        self.shards[k].follow(i)  # the model may have moved since the optimizer was built
-        if self.stage == 1 and not self._ddp_reduced and not grad.is_sparse:
-            self._grads[k].hand_flat_view(i, param)
+            for shard in self.shards:  # the model may have moved since the optimizer was built: one check per pass
+                shard.follow_all()
+        grads = self._grads[k]
+        grads.before_accumulate(i, param, reduced=self.phase is not _LOCAL, follow=not self._ddp_reduced)
+        if grads.flat is not None and not self._ddp_reduced and not grad.is_sparse:
+            grads.hand_flat_view(i, param)
 
     def _on_ddp_forward(self, no_sync: bool) -> None:
         """Before an adopted DDP wrapper's forward: under ``ddp.no_sync()`` its backward accumulates locally."""
@@ -237,15 +239,16 @@ class GradReducer:
             return
         if grad.is_sparse:
             raise RuntimeError(f"param {tuple(param.shape)} got a sparse gradient; zeroshard reduces dense gradients only (use sparse=False in nn.Embedding)")
-        self._grads[k].used[i] = True
-        if self.stage == 1:
-            self._grads[k].keep_in_flat_grad(i, param)
-        if self.accumulating:
+        grads = self._grads[k]
+        grads.used[i] = True
+        if grads.flat is not None:
+            grads.keep_in_flat_grad(i, param)
+        if self._no_sync or self._ddp_no_sync:  # accumulating
             if self.coordinator.shared():  # the group's other reducers still reduce at this backward's end
                 self._queue_end_of_backward()
             return
-        if self._grads[k].continued[i]:
-            self._grads[k].refuse_partial_write(i, self._grads[k].hooked_before(i, param))
+        if grads.continued[i]:
+            grads.refuse_partial_write(i, grads.hooked_before(i, param))
         if self.end_of_backward is EndOfBackward.NONE:
             self._queue_end_of_backward()
         self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this pre-hook
@@ -261,12 +264,13 @@ class GradReducer:
             return
         arrived, self._deferred = self._deferred, None
         k, i, param = arrived.shard, arrived.index, arrived.param
-        if self._grads[k].continued[i]:  # else nothing to refuse
-            self._grads[k].refuse_partial_write(i, arrived.changed())
+        grads = self._grads[k]
+        if grads.continued[i]:  # else nothing to refuse
+            grads.refuse_partial_write(i, arrived.changed())
         if param.grad is None:  # a hook dropped it: as in DDP, the param is unused on this rank
-            self._grads[k].used[i] = False
-        if self.stage == 1:
-            self._grads[k].keep_in_flat_grad(i, param)  # a hook may have replaced .grad (None: zeroes it)
+            grads.used[i] = False
+        if grads.flat is not None and param.grad is not arrived.grad:  # a hook replaced .grad (None: zeroes it)
+            grads.keep_in_flat_grad(i, param)
         # alone, only a just completed bucket can launch
         if (self._take_grad(k, i, param) or not self.coordinator.alone()) and self.overlap_comm:
             self.launch_complete_buckets()
@@ -276,20 +280,21 @@ class GradReducer:
 
         Returns whether this completed the param's bucket (which may then be launched).
         """
-        slot = self.shards[k].buffer.layout.slots[i]
-        if self._order.position[(k, slot.bucket)] < self._next_launch:
+        grads = self._grads[k]
+        key = (k, grads.bucket_of[i])
+        if self._order.position[key] < self._next_launch:
             # More gradients than any pass had, its bucket reduced (nested_backward.py): kept local until step().
-            self._grads[k].arrivals[i] += 1
+            grads.arrivals[i] += 1
             self._late = True
-            self._order.completed((k, slot.bucket))  # it completes now in the next passes
+            self._order.completed(key)  # it completes now in the next passes
             return False
         grad = param.grad
-        if self.stage == 2 and grad is not None and not isinstance(grad, ShardedGrad):
-            self._staging.add((k, slot.bucket), self.shards[k].buffer.layout, i, grad, self._reduce_dtype(k))
-            param.grad = None if self._ddp_reduced else self._grads[k].sharded_grad(i, param)
-        if not self._grads[k].take(i, last):
+        if grads.flat is None and grad is not None and not isinstance(grad, ShardedGrad):  # stage 2
+            self._staging.add(key, self.shards[k].buffer.layout, i, grad, self.reduce_dtype or grads.shard.buffer.dtype)
+            param.grad = None if self._ddp_reduced else grads.sharded_grad(i, param)
+        if not grads.take(i, last):
             return False
-        self._order.completed((k, slot.bucket))
+        self._order.completed(key)
         return True
 
     def launch_complete_buckets(self, in_turn: bool = True) -> None:
@@ -298,7 +303,7 @@ class GradReducer:
             return
         while self._next_launch < len(self._order.order):
             k, b = self._order.order[self._next_launch]
-            if self._grads[k].ready_count[b] < len(self.shards[k].buffer.layout.buckets[b].params):
+            if self._grads[k].ready_count[b] < self._grads[k].bucket_sizes[b]:
                 return
             self.coordinator.drain_earlier(self)
             self._launch(k, b)
