@@ -101,8 +101,9 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
             those (a subclass, Lion, ...), on the caller's word that its update of each element
             depends on that element's param, gradient and state alone. If not, results are wrong.
         collective_timeout_s: seconds this rank waits for one of zeroshard's collectives (the
-            gradient reduce-scatters, the norm all-reduce, the param all-gathers) before raising a
-            ``RuntimeError`` that names it: a rank that skipped ``step()`` or a backward becomes a
+            gradient reduce-scatters, the norm all-reduce, the param all-gathers, a consolidation's
+            gathers) before raising a ``RuntimeError`` that names it: a rank that skipped ``step()``,
+            a backward or ``consolidate_state_dict()`` becomes a
             clear error on those waiting, after which the process group is unusable. ``None``: the
             process group's own timeout (30 minutes by default; gloo then aborts with no Python
             traceback). On NCCL the wait blocks the host. Each rank may set its own.

@@ -7,6 +7,7 @@ for ``"param"``), each pair behind a :class:`CheckpointFormat`; :class:`StateDic
 from __future__ import annotations
 
 import contextlib
+import datetime
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -53,6 +54,7 @@ class StateDictMixin:
     _shard_set: ShardSet
     _shards: list[LocalShard]
     _scaler: DynamicLossScaler | None
+    _timeout: datetime.timedelta | None  # collective_timeout_s
     _fused: FusedAdam | None
     _consolidated: dict[str, Any] | None  # the full state, on the rank that ran consolidate_state_dict
     _since_consolidation: bool  # every rank: a consolidate_state_dict() since the last step
@@ -68,7 +70,7 @@ class StateDictMixin:
         """What this optimizer's checkpoints record of it (layout, param groups, steps, mesh, loss scaler), for the checks of a load."""
         self._settle()
         return sharded.CheckpointView(self.optimizer, self._shards, self._shard_set.group_params, self._shard_set.param_steps,
-                                      self.groups.mesh, self.process_group, self._scaler)
+                                      self.groups.mesh, self.process_group, self._scaler, self._timeout)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state: this rank's shard, or the full state right after consolidation.
@@ -117,14 +119,15 @@ class StateDictMixin:
 
         Raises:
             ValueError: ``to`` is not a rank of the world, or (on every rank) not the same on every rank.
+            RuntimeError: with ``collective_timeout_s``, some rank did not call it in time (a rank-0-only call).
         """
         if not 0 <= to < dist.get_world_size():
             raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
         self.wait_params()
         self._settle()
         for group in self.groups.all():  # a rank gathering to another `to` would wait for sends that never come
-            collectives.check_same_on_all_ranks("consolidate_state_dict argument", [("to", to)], group,
-                                                remedy="pass the same to= on every rank")
+            collectives.check_same_on_all_ranks("consolidate_state_dict argument", [("to", to)], group, remedy="pass the same to= on every rank",
+                                                timeout=self._timeout, caller="consolidate_state_dict()")
         self._consolidated = FORMATS[self.partition].consolidate(self.checkpoint_view(), to)
         self._since_consolidation = True
 

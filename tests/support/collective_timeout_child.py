@@ -1,6 +1,6 @@
 """Run with 2 ranks under torch.distributed.run (the process group keeps torch's 30-minute default
 timeout): both ranks run a backward, then rank 0 calls ``step()`` (or, with ``norm`` as the second
-argument, reads a param's gradient norm) and rank 1 does not. With
+argument, reads a param's gradient norm; with ``consolidate``, calls ``consolidate_state_dict()``) and rank 1 does not. With
 ``collective_timeout_s=2`` rank 0 must raise a clear error naming the collective within the bound;
 it prints ``timeout raised: <message>``, then writes ``argv[1]/raised`` so that rank 1, which
 waits for that file, exits. Neither rank destroys the process group (it is unusable afterwards)."""
@@ -29,11 +29,16 @@ def main(out: Path, what: str) -> None:
     loss_fn(model, *batch(rank, 0)).backward()
     if rank == 0:
         try:
-            opt.step() if what == "step" else model.fc1.weight.grad.norm().item()
+            if what == "step":
+                opt.step()
+            elif what == "consolidate":
+                opt.consolidate_state_dict()
+            else:
+                model.fc1.weight.grad.norm().item()
         except RuntimeError as error:
             print(f"timeout raised: {error}", flush=True)
         else:
-            print("step() returned without rank 1", flush=True)
+            print(f"{what} returned without rank 1", flush=True)
         (out / "raised").touch()
     else:
         deadline = time.monotonic() + 60

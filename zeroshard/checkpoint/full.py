@@ -51,7 +51,7 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
                 pieces: list[Tensor] | None = [local]
                 if view.world_size > 1:
                     pieces = [torch.empty_like(local) for _ in range(view.world_size)] if here else None
-                    collectives.gather(local, pieces, dst=to, group=view.shard_group)
+                    collectives.gather(local, pieces, dst=to, group=view.shard_group, timeout=view.timeout)
                 if pieces is None:  # not the receiving rank
                     continue
                 full = torch.cat(pieces)

@@ -9,6 +9,7 @@ The buffers are those of [Note: zeroshard buffers] in ``zeroshard/layout/flat_bu
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -49,6 +50,7 @@ class CheckpointView:
     mesh: DeviceMesh  # the DTensors' mesh (1-D shard, or 2-D replicate x shard)
     shard_group: dist.ProcessGroup  # the ranks that share one copy of the state
     loss_scaler: DynamicLossScaler | None = None  # its state travels in both formats
+    timeout: datetime.timedelta | None = None  # collective_timeout_s: the bound on a consolidation's collectives
 
     @property
     def rank(self) -> int:

@@ -330,10 +330,10 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
                 if owner == view.rank:
                     value = held[key].contiguous()
                     if not here:
-                        collectives.send(value, dst, view.shard_group)
+                        collectives.send(value, dst, view.shard_group, view.timeout)
                 else:
                     value = torch.empty(shape, dtype=dtype, device=shard.buffer.device)
-                    collectives.recv(value, owner, view.shard_group)
+                    collectives.recv(value, owner, view.shard_group, view.timeout)
                 values[key] = value
             if here:
                 if "master" in values:

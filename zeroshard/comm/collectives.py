@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -173,21 +173,28 @@ def wait(work: AsyncWork, timeout: datetime.timedelta | None, what: str, hint: s
         ) from error
 
 
-def gather(tensor: Tensor, outputs: list[Tensor] | None, dst: int, group: ProcessGroup) -> None:
+# What a rank that misses consolidate_state_dict() makes the others wait in, and what they must all do.
+CONSOLIDATION = "consolidate_state_dict(): the gather of the optimizer state onto rank to"
+_CONSOLIDATE = "call consolidate_state_dict() with the same to="
+
+
+def gather(tensor: Tensor, outputs: list[Tensor] | None, dst: int, group: ProcessGroup, timeout: datetime.timedelta | None = None) -> None:
     """Gather every rank's ``tensor`` (the same shape, dtype and device on every rank) into ``outputs`` on global rank ``dst``
     (blocking; ``torch.distributed.gather``): on ``dst``, ``group.size()`` tensors like it (``outputs[r]`` gets group rank r's),
-    ``None`` on the other ranks."""
-    dist.gather(tensor, outputs, dst=dst, group=group)
+    ``None`` on the other ranks. Raises ``RuntimeError`` past ``timeout`` (:func:`wait`; a consolidation's)."""
+    wait(cast(dist.Work, dist.gather(tensor, outputs, dst=dst, group=group, async_op=True)), timeout, CONSOLIDATION, _CONSOLIDATE)
 
 
-def send(tensor: Tensor, dst: int, group: ProcessGroup) -> None:
-    """Send ``tensor`` (contiguous) to group rank ``dst`` (blocking; ``torch.distributed.send``), which calls :func:`recv`."""
-    dist.send(tensor, dst=dist.get_global_rank(group, dst), group=group)
+def send(tensor: Tensor, dst: int, group: ProcessGroup, timeout: datetime.timedelta | None = None) -> None:
+    """Send ``tensor`` (contiguous) to group rank ``dst`` (blocking; ``torch.distributed.isend``), which calls :func:`recv`.
+    Raises ``RuntimeError`` past ``timeout`` (:func:`wait`; a consolidation's)."""
+    wait(cast(dist.Work, dist.isend(tensor, dst=dist.get_global_rank(group, dst), group=group)), timeout, CONSOLIDATION, _CONSOLIDATE)
 
 
-def recv(tensor: Tensor, src: int, group: ProcessGroup) -> None:
-    """Receive into ``tensor`` (contiguous; the shape and dtype sent) from group rank ``src`` (blocking; ``torch.distributed.recv``)."""
-    dist.recv(tensor, src=dist.get_global_rank(group, src), group=group)
+def recv(tensor: Tensor, src: int, group: ProcessGroup, timeout: datetime.timedelta | None = None) -> None:
+    """Receive into ``tensor`` (contiguous; the shape and dtype sent) from group rank ``src`` (blocking; ``torch.distributed.irecv``).
+    Raises ``RuntimeError`` past ``timeout`` (:func:`wait`; a consolidation's)."""
+    wait(cast(dist.Work, dist.irecv(tensor, src=dist.get_global_rank(group, src), group=group)), timeout, CONSOLIDATION, _CONSOLIDATE)
 
 
 def broadcast_from_first_(tensors: Sequence[Tensor], group: ProcessGroup) -> None:
@@ -198,7 +205,8 @@ def broadcast_from_first_(tensors: Sequence[Tensor], group: ProcessGroup) -> Non
         work.wait()
 
 
-def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], group: ProcessGroup, remedy: str = _SAME_BUILD) -> None:
+def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], group: ProcessGroup, remedy: str = _SAME_BUILD,
+                            timeout: datetime.timedelta | None = None, caller: str = "the ShardedOptimizer constructor") -> None:
     """Raise on every rank if any rank's ``fingerprint`` differs from that of the group's rank 0.
 
     Each entry is hashed (64-bit BLAKE2b of its ``repr``) and the hashes are all-gathered as one int64 tensor: no pickled
@@ -211,19 +219,23 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
         fingerprint: one tuple per entry; its first element names the entry in errors.
         group: the process group to compare over.
         remedy: what the error tells the user to do.
+        timeout: the bound on its first collectives (:func:`wait`), or ``None``: the process group's.
+        caller: the call every rank must make, for the timeout's message.
 
     Raises:
         ValueError: on every rank of ``group``, naming the first differing (global) rank, the entry and both values.
+        RuntimeError: past ``timeout``, some rank did not join (it skipped ``caller``).
     """
     world = dist.get_world_size(group)
     if world == 1:
         return
     device = collective_device(group)
-    counts = _all_gather_int64(torch.tensor([len(fingerprint)], device=device), group)
+    bound = (timeout, f"{caller}: the check that every rank has the same {what}s", f"call {caller}")
+    counts = _all_gather_int64(torch.tensor([len(fingerprint)], device=device), group, *bound)
     longest = max(int(c) for c in counts)
     hashes = torch.full((longest,), 0, dtype=torch.int64)
     hashes[: len(fingerprint)] = torch.tensor([_digest(entry) for entry in fingerprint], dtype=torch.int64)
-    gathered = _all_gather_int64(hashes.to(device), group)
+    gathered = _all_gather_int64(hashes.to(device), group, *bound)
     reference, n_reference = gathered[0].cpu(), int(counts[0])
     first = dist.get_global_rank(group, 0)
     for rank in range(1, world):
@@ -256,10 +268,10 @@ def collective_device(group: ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_gather_int64(tensor: Tensor, group: ProcessGroup) -> list[Tensor]:
-    """Every rank's ``tensor`` (1-D int64, the same length on every rank), in group rank order (blocking)."""
+def _all_gather_int64(tensor: Tensor, group: ProcessGroup, timeout: datetime.timedelta | None, what: str, hint: str) -> list[Tensor]:
+    """Every rank's ``tensor`` (1-D int64, the same length on every rank), in group rank order (blocking; :func:`wait`)."""
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, tensor, group=group)
+    wait(dist.all_gather(gathered, tensor, group=group, async_op=True), timeout, what, hint)
     return gathered
 
 
