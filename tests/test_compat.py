@@ -176,3 +176,13 @@ def test_a_pre_hook_tells_backward_from_autograd_grad():
     (param * 2).sum().backward()
     torch.autograd.grad((param * 2).sum(), [param])
     assert seen == [True, False], f"torch {torch.__version__}: _will_engine_execute_node / _current_graph_task_id changed ({seen})"
+
+
+def test_each_backward_pass_has_a_graph_task_of_its_own():
+    """grad_reducer.py checks whether params moved at the first gradient of each backward pass, told apart by task id."""
+    param = torch.nn.Parameter(torch.ones(3))
+    seen: list[int] = []
+    param.register_hook(lambda grad: seen.append(compat.current_graph_task()))
+    for _ in range(2):
+        (param * 2).sum().backward()
+    assert compat.current_graph_task() == -1 and seen[0] >= 0 and seen[1] != seen[0], f"torch {torch.__version__}: _current_graph_task_id changed ({seen})"

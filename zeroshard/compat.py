@@ -65,6 +65,12 @@ def current_autograd_node() -> Any:
     return torch._C._current_autograd_node()
 
 
+def current_graph_task() -> int:
+    """The id of the autograd graph task (one ``backward()`` or ``autograd.grad()`` call) running on this thread; ids are not
+    reused (``torch._C._current_graph_task_id``; -1 outside one). grad_reducer.py: a backward pass's first gradient."""
+    return torch._C._current_graph_task_id()
+
+
 _ACCUMULATES: dict[int, bool] = {}  # graph task id -> whether it accumulates into .grad (accumulates_into_grad)
 
 
@@ -78,7 +84,7 @@ def accumulates_into_grad(param: nn.Parameter) -> bool:
     and refuses (``RuntimeError``) inside ``torch.autograd.grad``: either way it tells the two
     apart. Asked once per graph task (``torch._C._current_graph_task_id``).
     """
-    task = torch._C._current_graph_task_id()
+    task = current_graph_task()
     found = _ACCUMULATES.get(task)
     if found is None:
         try:

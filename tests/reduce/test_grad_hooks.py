@@ -215,6 +215,48 @@ def test_a_dropped_micro_step_gradient_stays_dropped(pools, between):
     assert pools[2].run(dropped_micro_step_worker, between) == [0.0, 0.0]
 
 
+def rebound_grad_worker(stage: int, how: str) -> float:
+    """SGD against torch's SGD on the all-reduced mean gradient (DDP's; DDP itself does not follow a cast of its module) over
+    two micro-steps, zeroshard's first under ``no_sync``, where the gradient's storage is replaced in place: ``"to"``:
+    ``model.to("cpu:0")`` between them (``Module._apply`` sets ``p.grad.data``); ``"double_float"``: ``model.double().float()``
+    likewise; ``"hook"``: a post-accumulate-grad hook doing ``p.grad.data = 2 * p.grad.data``. The largest param difference."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = copy.deepcopy(ref_model)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.5)
+    opt = zeroshard.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), stage=stage)
+    if how == "hook":
+        for net in (ref_model, model):
+            net[0].weight.register_post_accumulate_grad_hook(lambda p: setattr(p.grad, "data", 2 * p.grad.data))
+    generator = torch.Generator().manual_seed(rank + 1)
+    xs = [torch.randn(3, 4, generator=generator) for _ in range(2)]
+    try:
+        for net, optimizer, local in ((ref_model, ref_opt, contextlib.nullcontext), (model, opt, opt.no_sync)):
+            with local():
+                net(xs[0]).pow(2).sum().backward()
+            if how == "to":
+                net.to("cpu:0")
+            elif how == "double_float":
+                net.double().float()
+            net(xs[1]).pow(2).sum().backward()
+            if net is ref_model:
+                for p in net.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(dist.get_world_size())
+            optimizer.step()
+        return max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref_model.parameters()))
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("how", ["to", "double_float", "hook"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_gradient_whose_storage_was_replaced_is_followed(pools, stage, how):
+    # stage 1 kept accumulating into the moved storage and reduced the flat grad buffer without it (a review found it)
+    assert pools[2].run(rebound_grad_worker, stage, how) == [0.0, 0.0]
+
+
 def autograd_grad_worker(stage: int) -> list[bool]:
     """``torch.autograd.grad(loss, params)`` runs the params' tensor pre-hooks but accumulates nothing: before any
     backward ``.grad`` stays ``None``; after a reduced backward it stays the ShardedGrad left there; the step after

@@ -34,6 +34,7 @@ class ShardGrads:
     edited: bool = False  # a ShardedGrad of this shard was edited in place (not zeroed) since the last reset
     reduced: dict[int, ShardedGrad] = field(default_factory=dict)  # per param, the ShardedGrad left in its .grad once reduced (made once)
     flat_views: list[Tensor] = field(default_factory=list)  # stage 1, per param: its view of ``flat`` (flat_view)
+    flat_addresses: list[int] = field(default_factory=list)  # their data pointers: where each view must point
     reduced_versions: dict[int, int] = field(default_factory=dict)  # per param, that ShardedGrad's version when left (absent: none left since)
     hook_ids: dict[int, int] = field(default_factory=dict)  # per param, the handle id of zeroshard's post-accumulate-grad hook on it
     # per bucket: a reduction was launched into its slice of the grad shard since the last reset (stage 2's next one adds to it)
@@ -102,14 +103,25 @@ class ShardGrads:
         return left
 
     def flat_view(self, i: int) -> Tensor:
-        """Stage 1: param ``i``'s view of the flat grad buffer, shaped like the param (its running local gradient; made once)."""
+        """Stage 1: param ``i``'s view of the flat grad buffer, shaped like the param (its running local gradient).
+
+        Made once, and again if its storage was replaced since (``.grad.data = t``: in a hook, or by ``model.to(...)``, whose
+        ``Module._apply`` moves a ``.grad`` that way): that object then holds the gradient elsewhere, and callers that find
+        it in ``.grad`` copy it into the new view (:meth:`keep_in_flat_grad`).
+        """
         if self.flat is None:
             raise RuntimeError("internal error: stage 2 keeps no flat grad buffer")
         if not self.flat_views:
-            params = self.shard.buffer.params
-            self.flat_views = [self.shard.buffer.param_view(j, of=self.flat).view_as(params[j]) for j in range(len(params))]
+            self.flat_views = [self._make_flat_view(j) for j in range(len(self.shard.buffer.params))]
+            self.flat_addresses = [view.data_ptr() for view in self.flat_views]
+        view = self.flat_views[i]
+        if view.data_ptr() != self.flat_addresses[i]:
+            view = self.flat_views[i] = self._make_flat_view(i)
         self.zeroed[i] = False  # whoever takes the view may write it
-        return self.flat_views[i]
+        return view
+
+    def _make_flat_view(self, i: int) -> Tensor:
+        return self.shard.buffer.param_view(i, of=self.flat).view_as(self.shard.buffer.params[i])
 
     def marks(self) -> list[tuple[int, int]]:
         """The grad shard's and :attr:`flat`'s identity and version: equal marks mean neither was written in between."""

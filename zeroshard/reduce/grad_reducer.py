@@ -20,7 +20,7 @@ from torch.autograd import Variable
 
 from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
-from zeroshard.compat import accumulates_into_grad
+from zeroshard.compat import accumulates_into_grad, current_graph_task
 from zeroshard.grad.partial_norm import GradComm, ParamSpace
 from zeroshard.grad.shard_grads import ShardGrads
 from zeroshard.grad.sharded_grad import ShardedGrad, bind_virtual_grads
@@ -90,6 +90,7 @@ class GradReducer:
         self._late = False  # a gradient arrived after its bucket was reduced in this step (_take_grad)
         self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset; None: used since
         self._backward_started = False  # a gradient of the current backward pass has arrived
+        self._followed_task = -1  # the autograd graph task (backward pass) whose first gradient checked for moved params
         self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
         self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates locally
@@ -187,7 +188,9 @@ class GradReducer:
             if self.phase is not StepPhase.LOCAL:
                 for grads in self._grads:
                     grads.refuse_edits_before_rereduction()
-            for shard in self.shards:  # the model may have moved since the optimizer was built: one check per pass
+        if (task := current_graph_task()) != self._followed_task:  # once per backward pass: has the model moved (model.to(...))?
+            self._followed_task = task
+            for shard in self.shards:
                 shard.follow_all()
         grads = self._grads[k]
         grads.before_accumulate(i, param, reduced=self.phase is not _LOCAL, follow=not self._ddp_reduced)
@@ -269,8 +272,8 @@ class GradReducer:
             grads.refuse_partial_write(i, arrived.changed())
         if param.grad is None:  # a hook dropped it: as in DDP, the param is unused on this rank
             grads.used[i] = False
-        if grads.flat is not None and param.grad is not arrived.grad:  # a hook replaced .grad (None: zeroes it)
-            grads.keep_in_flat_grad(i, param)
+        if grads.flat is not None:
+            grads.keep_in_flat_grad(i, param)  # a hook may have replaced .grad or its storage (None: zeroes it)
         # alone, only a just completed bucket can launch
         if (self._take_grad(k, i, param) or not self.coordinator.alone()) and self.overlap_comm:
             self.launch_complete_buckets()
