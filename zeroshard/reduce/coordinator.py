@@ -61,7 +61,8 @@ class Reducer(Protocol):
     def launch_complete_buckets(self) -> None: ...
     def local_used(self) -> list[list[bool]]: ...  # per shard, per param: got a gradient on this rank since the last reset
     def settle_all(self) -> None: ...  # follow what user code did to its params' .grad
-    def reduce_everything(self) -> None: ...  # reduce every bucket of this pass (zeros where no gradient came)
+    def reduce_everything(self, rebuild_order: bool = True) -> None: ...  # reduce every bucket of this pass (zeros where no gradient came)
+    def rebuild_order(self) -> None: ...  # adopt the first reduced backward's launch order (a collective, once)
 
 
 class ReduceCoordinator:
@@ -158,24 +159,36 @@ class ReduceCoordinator:
         buckets of two optimizers would be summed together, in silence). Reducers under ``no_sync`` reduce nothing, and
         queue this callback all the same when the group has others, for the others' sake.
 
+        The launch orders of the first reduced backward are agreed on (a broadcast each) only after every reducer's
+        reductions: a later reducer may have launched buckets during the pass on one rank and launch them only here on
+        another (an earlier reducer's param unused there held its turn back), so a broadcast between the two would meet a
+        reduce-scatter.
+
         If a reduction raises, autograd drops the callbacks queued after this one: every reducer is then left with none
         queued, so the next backward queues and reduces as usual.
         """
         try:
+            reduced = []
             for r in self._live():
                 if r.accumulating:  # accumulates locally (its callback, if queued, has nothing to do)
                     if r is reducer:
                         r.end_of_backward = EndOfBackward.NONE  # the callback running now
                     elif r.end_of_backward is EndOfBackward.QUEUED:
                         r.end_of_backward = EndOfBackward.DONE
-                elif r is reducer:
-                    r.reduce_everything()
+                    continue
+                if r is reducer:
+                    r.reduce_everything(rebuild_order=False)
                 elif r.end_of_backward is EndOfBackward.QUEUED:
-                    r.reduce_everything()
+                    r.reduce_everything(rebuild_order=False)
                     r.end_of_backward = EndOfBackward.DONE
                 elif r.end_of_backward is EndOfBackward.NONE:  # got no gradient here: reduce zeros, after following what was done to its gradients
                     r.settle_all()
-                    r.reduce_everything()
+                    r.reduce_everything(rebuild_order=False)
+                else:
+                    continue
+                reduced.append(r)
+            for r in reduced:
+                r.rebuild_order()
         except BaseException:
             for r in self._live():
                 r.end_of_backward = EndOfBackward.NONE

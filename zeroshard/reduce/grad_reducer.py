@@ -359,8 +359,9 @@ class GradReducer:
             collectives.wait(work, self.timeout, f"backward or step(): {what}",
                              "run the same backward passes (outside no_sync()) and step() calls, with the same params used")
 
-    def reduce_everything(self) -> None:
-        """Complete every bucket not yet launched, launch it, and add all results into the grad shards."""
+    def reduce_everything(self, rebuild_order: bool = True) -> None:
+        """Complete every bucket not yet launched, launch it, and add all results into the grad shards; then, unless the
+        caller does it later (``rebuild_order=False``: :meth:`ReduceCoordinator.flush`), :meth:`rebuild_order`."""
         self._reset_marks = None
         self.take_deferred()
         for k, shard in enumerate(self.shards):
@@ -378,13 +379,18 @@ class GradReducer:
                 self._take_grad(k, i, param, last=True)
         self.launch_complete_buckets(in_turn=False)
         self.drain()
-        self._order.rebuild(self.groups, self.timeout)
+        if rebuild_order:
+            self.rebuild_order()
         if not self._ddp_reduced:  # else a DDP reduced this backward itself: its .grad stay (ignored)
             for grads in self._grads:
                 grads.leave_sharded_grads()
         self._clear_backward_state()
         self.phase = StepPhase.REDUCED
         self._note_flat_grad_versions()
+
+    def rebuild_order(self) -> None:
+        """Adopt the launch order data-parallel rank 0 recorded in the first reduced backward (a collective, once: :class:`BucketOrder`)."""
+        self._order.rebuild(self.groups, self.timeout)
 
     def drop_unused_grads(self, used: list[list[bool]]) -> None:
         """At ``step()``: params no rank gave a gradient (``used``) keep ``.grad = None`` (:meth:`ShardGrads.drop_unused`)."""
