@@ -353,7 +353,7 @@ def _check_shapes_everywhere(view: CheckpointView) -> None:
         if found:
             bad.append(f"{names[index]}: {found} (key: (found, expected))")
     flag = torch.tensor([float(len(bad))], device=view.shards[0].buffer.device if view.shards else None)
-    collectives.wait(collectives.all_reduce(flag, view.shard_group, op=dist.ReduceOp.MAX), None,
+    collectives.wait(collectives.all_reduce(flag, view.shard_group, op=dist.ReduceOp.MAX), view.timeout,
                      "consolidate_state_dict(): the check of the state's shapes", "call consolidate_state_dict() on every rank")
     if flag.item():
         raise RuntimeError(f"{type(view.optimizer).__name__} keeps state of other shapes than zeroshard expects from its hyperparameters "

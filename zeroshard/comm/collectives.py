@@ -174,7 +174,7 @@ def wait(work: AsyncWork, timeout: datetime.timedelta | None, what: str, hint: s
 
 
 # What a rank that misses consolidate_state_dict() makes the others wait in, and what they must all do.
-CONSOLIDATION = "consolidate_state_dict(): the gather of the optimizer state onto rank to"
+CONSOLIDATION = "consolidate_state_dict(): the gather of the optimizer state onto one rank"
 _CONSOLIDATE = "call consolidate_state_dict() with the same to="
 
 
