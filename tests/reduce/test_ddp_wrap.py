@@ -495,3 +495,44 @@ def two_optimizers_worker(stage: int) -> None:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_two_optimizers_over_one_ddp_wrapper(pools, stage):
     pools[2].run(two_optimizers_worker, stage)
+
+
+def direct_forward_worker(stage: int) -> float:
+    """A step, ``zero_grad(set_to_none=False)`` (zero ShardedGrads stay in ``.grad``), then DDP built around the model and
+    ``ddp.forward(x)`` called directly (no forward hook: the wrapper is adopted at the first gradient, its C++ reducer armed)
+    with ``b`` unused on rank 1; against torch SGD on the all-reduced mean. The largest param difference."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.ModuleDict(dict(a=nn.Linear(4, 4), b=nn.Linear(4, 4)))
+    ref_model = copy.deepcopy(model)
+    forward = lambda net, x, use_b: net["b"](net["a"](x)) if use_b else net["a"](x)  # noqa: E731
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    opt = zeroshard.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=stage, collective_timeout_s=30)
+    xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
+    try:
+        for net, optimizer in ((ref_model, ref_opt), (model, opt)):
+            forward(net, xs[0], True).sum().backward()
+            if net is ref_model:
+                for p in net.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(dist.get_world_size())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        wrapped = DDP(model, find_unused_parameters=True)
+        wrapped.module.forward = lambda x, use_b: forward(model, x, use_b)
+        wrapped.forward(xs[1], rank == 0).sum().backward()
+        opt.step()
+        forward(ref_model, xs[1], rank == 0).sum().backward()
+        for p in ref_model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(dist.get_world_size())
+        ref_opt.step()
+        return max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref_model.parameters()))
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_ddp_forward_called_directly_with_a_param_unused_on_some_ranks(pools, stage):
+    # stage 1 raised on rank 1 alone (DDP's reducer copied into a ShardedGrad's placeholder) and rank 0 hung in step()
+    assert pools[2].run(direct_forward_worker, stage) == [0.0, 0.0]

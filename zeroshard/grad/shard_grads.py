@@ -237,6 +237,15 @@ class ShardGrads:
                 param.grad = self.flat_view(i) if self.flat is not None else None
                 del self.reduced_versions[i]
 
+    def swap_out_sharded_grads(self) -> None:
+        """A DDP wrapper reduces this backward too: its C++ reducer reads and writes ``.grad`` past torch functions, also of
+        params unused on this rank, which a ShardedGrad's one-element placeholder cannot take (``copy_`` into it raises on
+        that rank alone). Swap each out as :meth:`before_accumulate` does: stage 1 its flat view, stage 2 ``None``."""
+        for i, param in enumerate(self.shard.buffer.params):
+            if isinstance(param.grad, ShardedGrad):
+                param.grad = self.flat_view(i) if self.flat is not None else None
+                self.reduced_versions.pop(i, None)
+
     def refuse_edits_before_rereduction(self) -> None:
         """Stage 1, at a backward after one that reduced this step: raise ``RuntimeError`` if a ``ShardedGrad`` was edited in place
         since (reducing the running local sums again would drop the edit)."""

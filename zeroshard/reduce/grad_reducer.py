@@ -1,9 +1,9 @@
 """Bucketed gradient reduce-scatter driven by post-accumulate-grad hooks.
 
-See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for the buffers named here, and "One step" and
-"Collective order" in ``docs/design.md``: buckets launch in one order on every rank (``bucket_order.py``, ``coordinator.py``),
-and a callback at the end of each backward (``nested_backward.py``) completes every bucket, a missing gradient counting as
-zero, and waits for all its reductions, as DDP's reducer finalizes.
+See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` and "One step" and "Collective order" in
+``docs/design.md``: buckets launch in one order on every rank (``bucket_order.py``, ``coordinator.py``), and a callback at
+the end of each backward (``nested_backward.py``) completes every bucket (a missing gradient is zero) and waits for all its
+reductions, as DDP's reducer finalizes.
 """
 
 from __future__ import annotations
@@ -46,25 +46,23 @@ class StepPhase(enum.Enum):
     REDUCED_THEN_LOCAL = "reduced_then_local"  # reduced, then more accumulated locally (no_sync) or shards added: step() reduces again
 
 
-_LOCAL = StepPhase.LOCAL  # for the per-param pre-hook: a module global is read in a sixth of the time of an Enum member
+_LOCAL = StepPhase.LOCAL  # for the per-param pre-hook: a global reads in 1/6 of an Enum member's time
 
 
 class GradReducer:
     """Reduce-scatters gradients, bucket by bucket, into each shard's ``grad_shard``.
 
     Stage 1 overwrites the grad shard with each reduction of the flat grad buffer (the running local sum); stage 2 adds
-    each reduction of its staging buckets into it, at most ``MAX_BUCKETS_IN_FLIGHT`` in flight ("One step" and "Gradient
-    accumulation" in ``docs/design.md``). Either way the grad shard ends up holding ``sum over data-parallel ranks /
-    their number`` (ZeRO, SC'20, §5.2).
+    each reduction of its staging buckets into it, at most ``MAX_BUCKETS_IN_FLIGHT`` in flight ("One step", "Gradient
+    accumulation": ``docs/design.md``). The grad shard ends up holding ``sum over ranks / their number`` (ZeRO, §5.2).
 
     Args:
         shards: the local shards whose params get hooks.
         stage: 1 or 2.
-        groups: the shard group (reduce-scatter) and, for hybrid sharding, the replicate group (all-reduce of the
-            reduced slice across replicas).
-        reduce_dtype: dtype of the reduce-scatter; ``None`` means each param's own dtype.
-        overlap_comm: launch buckets during backward as they complete (``True``) or all at the end of backward (``False``).
-        timeout: the bound on waiting for each reduction (:func:`zeroshard.comm.collectives.wait`), or ``None``: the process group's.
+        groups: the shard group (reduce-scatter) and, hybrid, the replicate group (all-reduce of the reduced slice).
+        reduce_dtype: dtype of the reduce-scatter; ``None``: each param's own dtype.
+        overlap_comm: launch buckets during backward as they complete (``True``) or all at its end (``False``).
+        timeout: the bound on each reduction's wait (:func:`zeroshard.comm.collectives.wait`); ``None``: the group's.
     """
 
     def __init__(self, shards: list[LocalShard], *, stage: int, groups: ShardingGroups, reduce_dtype: torch.dtype | None, overlap_comm: bool,
@@ -90,7 +88,7 @@ class GradReducer:
         self._late = False  # a gradient arrived after its bucket was reduced in this step (_take_grad)
         self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset; None: used since
         self._backward_started = False  # a gradient of the current backward pass has arrived
-        self._followed_task = -1  # the autograd graph task (backward pass) whose first gradient checked for moved params
+        self._followed_task = -1  # the graph task (backward pass) that last checked for moved params
         self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
         self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates locally
@@ -181,6 +179,8 @@ class GradReducer:
             self._ddp_no_sync, self._ddp_forward = self._ddp_forward and self._ddp_no_sync, False
             if any(syncs):
                 self._ddp_reduced = True
+                for grads in self._grads:  # before DDP's reducer reads or writes .grad
+                    grads.swap_out_sharded_grads()
             elif syncs:  # inside ``ddp.no_sync()`` (HF Trainer's, accelerate's first micro-step): accumulate locally
                 self._ddp_no_sync = True
                 self._accumulate_locally()
@@ -188,7 +188,7 @@ class GradReducer:
             if self.phase is not StepPhase.LOCAL:
                 for grads in self._grads:
                     grads.refuse_edits_before_rereduction()
-        if (task := current_graph_task()) != self._followed_task:  # once per backward pass: has the model moved (model.to(...))?
+        if (task := current_graph_task()) != self._followed_task:  # once per backward pass: did the model move?
             self._followed_task = task
             for shard in self.shards:
                 shard.follow_all()
@@ -301,7 +301,7 @@ class GradReducer:
         return True
 
     def launch_complete_buckets(self, in_turn: bool = True) -> None:
-        """Launch the complete buckets in order; ``in_turn``: after the group's earlier reducers (coordinator.py)."""
+        """Launch the complete buckets in order; ``in_turn``: after the group's earlier reducers."""
         if in_turn and not self.coordinator.turn_has_come(self):
             return
         while self._next_launch < len(self._order.order):
@@ -325,7 +325,7 @@ class GradReducer:
 
     def _on_backward_end(self) -> None:
         """At the end of backward: the group's reducers reduce this pass, this one included (ReduceCoordinator.flush)."""
-        # Not yet at the end of a reentrant checkpoint's nested backward; nothing to do once another reducer's flush ran.
+        # Not yet the end of a reentrant checkpoint's nested backward; or another reducer's flush ran.
         if self._outermost.defer() or self.end_of_backward is EndOfBackward.DONE:
             self.end_of_backward = EndOfBackward.NONE
         else:
@@ -360,8 +360,8 @@ class GradReducer:
                              "run the same backward passes (outside no_sync()) and step() calls, with the same params used")
 
     def reduce_everything(self, rebuild_order: bool = True) -> None:
-        """Complete every bucket not yet launched, launch it, and add all results into the grad shards; then, unless the
-        caller does it later (``rebuild_order=False``: :meth:`ReduceCoordinator.flush`), :meth:`rebuild_order`."""
+        """Complete every bucket not yet launched, launch it, add all results into the grad shards; then :meth:`rebuild_order`
+        unless the caller does it later (:meth:`ReduceCoordinator.flush`)."""
         self._reset_marks = None
         self.take_deferred()
         for k, shard in enumerate(self.shards):
@@ -389,7 +389,7 @@ class GradReducer:
         self._note_flat_grad_versions()
 
     def rebuild_order(self) -> None:
-        """Adopt the launch order data-parallel rank 0 recorded in the first reduced backward (a collective, once: :class:`BucketOrder`)."""
+        """Adopt rank 0's launch order of the first reduced backward (a collective, once: :class:`BucketOrder`)."""
         self._order.rebuild(self.groups, self.timeout)
 
     def drop_unused_grads(self, used: list[list[bool]]) -> None:
