@@ -106,7 +106,7 @@ def first_backward_order_worker(stage: int) -> float:
     return worst
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [2])  # at stage 1 gloo's point-to-point reduce-scatter passed the broadcast unseen (NCCL would not)
 def test_the_first_backward_agrees_on_launch_orders_after_every_optimizer_reduced(pools, stage):
     # Rank 0 launches the second optimizer's buckets in the backward, rank 1 (its branch unused) at the end: the launch-order
     # broadcast of the first optimizer met a reduce-scatter of the second there (stage 2 hung on gloo; a review found it).

@@ -532,7 +532,7 @@ def direct_forward_worker(stage: int) -> float:
         opt.close()
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1])  # stage 2 leaves None in .grad, which DDP skips
 def test_ddp_forward_called_directly_with_a_param_unused_on_some_ranks(pools, stage):
     # stage 1 raised on rank 1 alone (DDP's reducer copied into a ShardedGrad's placeholder) and rank 0 hung in step()
     assert pools[2].run(direct_forward_worker, stage) == [0.0, 0.0]
