@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from models import TinyNet, batch, loss_fn, param_groups
+from models import TinyNet, average_grads, batch, loss_fn, param_groups
 from rank_pool import RankPool
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -513,9 +513,7 @@ def direct_forward_worker(stage: int) -> float:
         for net, optimizer in ((ref_model, ref_opt), (model, opt)):
             forward(net, xs[0], True).sum().backward()
             if net is ref_model:
-                for p in net.parameters():
-                    dist.all_reduce(p.grad)
-                    p.grad.div_(dist.get_world_size())
+                average_grads(net)
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
         wrapped = DDP(model, find_unused_parameters=True)
@@ -523,9 +521,7 @@ def direct_forward_worker(stage: int) -> float:
         wrapped.forward(xs[1], rank == 0).sum().backward()
         opt.step()
         forward(ref_model, xs[1], rank == 0).sum().backward()
-        for p in ref_model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad.div_(dist.get_world_size())
+        average_grads(ref_model)
         ref_opt.step()
         return max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref_model.parameters()))
     finally:

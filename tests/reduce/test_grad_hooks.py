@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from models import VOCAB, TinyNet, batch, loss_fn, param_groups, tolerance_ratio
+from models import VOCAB, TinyNet, average_grads, batch, loss_fn, param_groups, tolerance_ratio
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -241,9 +241,7 @@ def rebound_grad_worker(stage: int, how: str) -> float:
                 net.double().float()
             net(xs[1]).pow(2).sum().backward()
             if net is ref_model:
-                for p in net.parameters():
-                    dist.all_reduce(p.grad)
-                    p.grad.div_(dist.get_world_size())
+                average_grads(net)
             optimizer.step()
         return max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref_model.parameters()))
     finally:

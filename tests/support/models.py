@@ -44,6 +44,15 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, use_branch: bool
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
 
 
+def average_grads(model: nn.Module) -> None:
+    """Replace every gradient of ``model`` with its mean over the ranks, as DDP leaves it (the reference of a test)."""
+    import torch.distributed as dist
+
+    for p in model.parameters():  # every param must have a gradient on every rank
+        dist.all_reduce(p.grad)
+        p.grad.div_(dist.get_world_size())
+
+
 def param_groups(model: nn.Module) -> list[dict]:
     """Two groups as in GPT training: decay for matrices, none for vectors (frozen one included)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]

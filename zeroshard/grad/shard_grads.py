@@ -234,8 +234,7 @@ class ShardGrads:
             if follow:
                 self.settle(i, param)
             if param.grad is held and isinstance(held, ShardedGrad):
-                param.grad = self.flat_view(i) if self.flat is not None else None
-                del self.reduced_versions[i]
+                self._swap_out(i, param)
 
     def swap_out_sharded_grads(self) -> None:
         """A DDP wrapper reduces this backward too: its C++ reducer reads and writes ``.grad`` past torch functions, also of
@@ -243,8 +242,12 @@ class ShardGrads:
         that rank alone). Swap each out as :meth:`before_accumulate` does: stage 1 its flat view, stage 2 ``None``."""
         for i, param in enumerate(self.shard.buffer.params):
             if isinstance(param.grad, ShardedGrad):
-                param.grad = self.flat_view(i) if self.flat is not None else None
-                self.reduced_versions.pop(i, None)
+                self._swap_out(i, param)
+
+    def _swap_out(self, i: int, param: nn.Parameter) -> None:
+        """Replace param ``i``'s ShardedGrad in ``.grad`` with what autograd accumulates into: stage 1 its flat view, stage 2 ``None``."""
+        param.grad = self.flat_view(i) if self.flat is not None else None
+        self.reduced_versions.pop(i, None)
 
     def refuse_edits_before_rereduction(self) -> None:
         """Stage 1, at a backward after one that reduced this step: raise ``RuntimeError`` if a ``ShardedGrad`` was edited in place
