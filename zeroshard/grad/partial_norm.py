@@ -157,21 +157,24 @@ class PartialNorm(Tensor):
 
     def _norms(self, sharded: list[int], reduced: Tensor) -> Tensor:
         """Per element its norm (fp64) rounded to its own dtype: ``sharded`` ones from their ``reduced`` power sums, plain as given, virtual local."""
+        device = self.local.device
         norms = self._root(self.local.clone())
-        norms[sharded] = self._root(reduced)
-        exact = [j for j, i in enumerate(sharded) if self.exact[i]]  # their reduced value is the norm itself
-        norms[[sharded[j] for j in exact]] = reduced[exact]
-        plain = [i for i, kind in enumerate(self.kinds) if kind == PLAIN]
-        norms[plain] = self.plain[plain]
+        if sharded:  # an exact one's reduced value is the norm itself
+            exact = _on_device([self.exact[i] for i in sharded], device, torch.bool)
+            norms.index_copy_(0, _on_device(sharded, device), torch.where(exact, reduced, self._root(reduced)))
+        if plain := [i for i, kind in enumerate(self.kinds) if kind == PLAIN]:
+            index = _on_device(plain, device)
+            norms.index_copy_(0, index, self.plain.index_select(0, index))
         for dtype in set(self.dtypes) - {torch.float64}:  # a bf16 gradient's norm is a bf16 number, also in an fp32 stack
-            own = [i for i, d in enumerate(self.dtypes) if d == dtype]
-            norms[own] = norms[own].to(dtype).to(torch.float64)
+            own = _on_device([i for i, d in enumerate(self.dtypes) if d == dtype], device)
+            norms.index_copy_(0, own, norms.index_select(0, own).to(dtype).to(torch.float64))
         return norms
 
     def _element_values(self) -> Tensor:
         """Per element its norm: sharded ones reduced over the ranks (one collective), virtual ones local (a virtual param's own)."""
         sharded = [i for i, kind in enumerate(self.kinds) if kind == SHARDED]
-        return self._norms(sharded, self._reduce(self.local[sharded]) if sharded else self.local[:0])
+        local = self.local.index_select(0, _on_device(sharded, self.local.device))
+        return self._norms(sharded, self._reduce(local) if sharded else local)
 
     def _aggregate_value(self) -> Tensor:
         """The norm of the elements, as ``torch.linalg.vector_norm`` of DDP's per-param norms computes it (one collective).
@@ -187,16 +190,20 @@ class PartialNorm(Tensor):
         one = len(spaces) == 1
         size = next(iter(spaces.values())).size if one else 1
         device = self.local.device
-        slots = torch.tensor([self.slots[i] if one else 0 for i in virtual], dtype=torch.long, device=device)
+        host_slots = [self.slots[i] if one else 0 for i in virtual]
+        slots = _on_device(host_slots, device)
         zeros = torch.zeros(size, dtype=torch.float64, device=device)
-        per_param = zeros.scatter_reduce(0, slots, self.local[virtual], "amax" if math.isinf(self.ord) else "sum")
+        per_param = zeros.scatter_reduce(0, slots, self.local.index_select(0, _on_device(virtual, device)), "amax" if math.isinf(self.ord) else "sum")
         pieces = zeros.index_add(0, slots, torch.ones(len(virtual), dtype=torch.float64, device=device))
-        vector = torch.cat([self.local[sharded], per_param, pieces])
+        vector = torch.cat([self.local.index_select(0, _on_device(sharded, device)), per_param, pieces])
         if sharded or virtual:
             vector = self._reduce(vector)
         per_param, pieces = vector[len(sharded) : len(sharded) + size], vector[len(sharded) + size :]
-        kept = self._norms(sharded, vector[: len(sharded)])[[i for i in range(len(self.kinds)) if i not in virtual]]
-        values = torch.cat([kept, self._root(per_param[pieces > 0])])
+        kept = self._norms(sharded, vector[: len(sharded)]).index_select(0, _on_device([i for i in range(len(self.kinds)) if i not in virtual], device))
+        roots = self._root(per_param) if virtual else per_param[:0]
+        if virtual and set(host_slots) != set(range(size)):  # a norm over some of the optimizer's params: those no rank has (a host sync)
+            roots = roots[pieces > 0]
+        values = torch.cat([kept, roots])
         with DisableTorchFunctionSubclass():
             return torch.linalg.vector_norm(values.to(self.dtype), self.ord)
 
@@ -219,6 +226,13 @@ class PartialNorm(Tensor):
             return total
         with DisableTorchFunctionSubclass():
             return func(*_resolved(args), **{k: _resolved(v) for k, v in kwargs.items()})
+
+
+def _on_device(values: Sequence[int] | Sequence[bool], device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
+    """Host ``values`` (indices or flags) as a 1-D tensor on ``device``, copied from pinned memory without blocking: a norm read
+    on a GPU does not wait for the device (an index list in ``t[list]`` is a blocking copy)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _resolved(value: Any) -> Any:
