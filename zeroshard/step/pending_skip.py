@@ -36,7 +36,7 @@ class PendingSkip:
         """Whether the device skipped the update (waits for the flag's copy only)."""
         if self._ready is not None:
             self._ready.synchronize()
-        return bool(self._values[0] != 0)
+        return self._values[0].item() != 0  # a read of the pinned copy itself (bench overhead counts no host sync)
 
     def loss_scale(self) -> float | None:
         """The dynamic loss scale after this step's update, as copied with the flag (after :meth:`skipped`); ``None`` without one."""
