@@ -463,23 +463,32 @@ def test_adagrad_trains_like_ddp(pools, stage):
 # -- 13. a rank that misses a collective -------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def timeout_child_output(tmp_path_factory) -> str:
+    """The stdout of one real 2-rank run in a child (a timed-out gloo group cannot serve the shared rank pool again)."""
+    child = SUPPORT / "collective_timeout_child.py"
+    out = tmp_path_factory.mktemp("timeouts")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(child), str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return result.stdout
+
+
 @pytest.mark.parametrize(("call", "expected"), [
     ("step", ("step(): the all-reduce of the gradient norm did not complete within 2 s on rank 0",
               "every rank must run the same backward passes and call clip_grad_norm_() and step() alike")),
     # ZeroRedundancyOptimizer's classic mistake, `if rank == 0: opt.consolidate_state_dict()`
     ("consolidate", ("consolidate_state_dict(): the check that every rank has the same consolidate_state_dict arguments did not "
                      "complete within 2 s on rank 0", "every rank must call consolidate_state_dict()")),
+    ("norm", ("reading a gradient norm (its reduction over the ranks) did not complete within 2 s on rank 0",)),
 ])
-def test_rank_missing_a_call_raises_naming_the_collective_within_the_bound(tmp_path, call, expected):
-    """With ``collective_timeout_s``, a rank left alone in ``step()`` or ``consolidate_state_dict()`` raises within the bound."""
-    # A real 2-rank run in a child: a timed-out gloo group cannot serve the shared rank pool again.
-    child = SUPPORT / "collective_timeout_child.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(child), str(tmp_path), call]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-3000:]
+def test_rank_missing_a_call_raises_naming_the_collective_within_the_bound(timeout_child_output, call, expected):
+    """With ``collective_timeout_s``, a rank left alone in ``step()``, ``consolidate_state_dict()`` or a gradient norm's
+    reduction raises within the bound, naming it."""
+    line = next((line for line in timeout_child_output.splitlines() if line.startswith(f"{call} ")), "")
+    assert line.startswith(f"{call} raised: "), timeout_child_output[-3000:]
     for text in expected:
-        assert text in result.stdout, output[-3000:]
+        assert text in line, timeout_child_output[-3000:]
 
 
 # -- the model also wrapped in DDP (HF Trainer, Lightning) ---------------------------------------

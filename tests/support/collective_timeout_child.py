@@ -1,9 +1,11 @@
 """Run with 2 ranks under torch.distributed.run (the process group keeps torch's 30-minute default
-timeout): both ranks run a backward, then rank 0 calls ``step()`` (or, with ``norm`` as the second
-argument, reads a param's gradient norm; with ``consolidate``, calls ``consolidate_state_dict()``) and rank 1 does not. With
-``collective_timeout_s=2`` rank 0 must raise a clear error naming the collective within the bound;
-it prints ``timeout raised: <message>``, then writes ``argv[1]/raised`` so that rank 1, which
-waits for that file, exits. Neither rank destroys the process group (it is unusable afterwards)."""
+timeout): a rank left alone in a collective raises within ``collective_timeout_s``. Each case has its
+own 2-rank subgroup, made up front (a timed-out gloo group is unusable afterwards; the others are not),
+and its own model and optimizer with ``collective_timeout_s=2``; both ranks run a backward on every
+model. Then, case by case, rank 0 calls ``step()`` (``step``), ``consolidate_state_dict()``
+(``consolidate``) or reads a param's gradient norm (``norm``) and rank 1 does not: rank 0 prints
+``<case> raised: <message>`` and writes ``argv[1]/<case>`` so that rank 1, which waits for that file,
+goes on to the next case. Neither rank destroys a process group."""
 
 from __future__ import annotations
 
@@ -20,33 +22,39 @@ from models import TinyNet, batch, loss_fn, param_groups
 
 import zeroshard
 
+CASES = ("step", "consolidate", "norm")
 
-def main(out: Path, what: str) -> None:
+
+def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = TinyNet()
-    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), collective_timeout_s=2.0)
-    loss_fn(model, *batch(rank, 0)).backward()
-    if rank == 0:
-        try:
-            if what == "step":
-                opt.step()
-            elif what == "consolidate":
-                opt.consolidate_state_dict()
+    groups = [dist.new_group([0, 1]) for _ in CASES]
+    models = [TinyNet() for _ in CASES]
+    opts = [zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), process_group=group, collective_timeout_s=2.0)
+            for model, group in zip(models, groups)]
+    for model in models:
+        loss_fn(model, *batch(rank, 0)).backward()
+    for case, model, opt in zip(CASES, models, opts):
+        if rank == 0:
+            try:
+                if case == "step":
+                    opt.step()
+                elif case == "consolidate":
+                    opt.consolidate_state_dict()
+                else:
+                    model.fc1.weight.grad.norm().item()
+            except RuntimeError as error:
+                print(f"{case} raised: {error}", flush=True)
             else:
-                model.fc1.weight.grad.norm().item()
-        except RuntimeError as error:
-            print(f"timeout raised: {error}", flush=True)
+                print(f"{case} returned without rank 1", flush=True)
+            (out / case).touch()
         else:
-            print(f"{what} returned without rank 1", flush=True)
-        (out / "raised").touch()
-    else:
-        deadline = time.monotonic() + 60
-        while not (out / "raised").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+            deadline = time.monotonic() + 60
+            while not (out / case).exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
     sys.stdout.flush()
-    os._exit(0)  # the process group is unusable: no destroy_process_group()
+    os._exit(0)  # the timed-out groups are unusable: no destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "step")
+    main(Path(sys.argv[1]))

@@ -100,8 +100,9 @@ class RankPool:
                 continue
             answers[rank] = (ok, value)
         if not all(ok for ok, _ in answers.values()):
-            # A rank that raised may have left the others mid-collective: start clean next time.
-            self.close()
+            # A rank that raised may have left the others mid-collective (a polite exit would wait out the group's
+            # timeout in destroy_process_group): kill them and start clean.
+            self.close(force=True)
             self._start()
         for rank in range(self.world_size):
             ok, value = answers[rank]
@@ -111,13 +112,13 @@ class RankPool:
                 raise error
         return [answers[rank][1] for rank in range(self.world_size)]
 
-    def close(self) -> None:
-        """Stop the rank processes (politely, then by force)."""
+    def close(self, force: bool = False) -> None:
+        """Stop the rank processes (politely, then by force; at once with ``force``)."""
         for q, proc in zip(self._tasks, self._procs):
-            if proc.is_alive():
+            if proc.is_alive() and not force:
                 q.put(None)
         for proc in self._procs:
-            proc.join(timeout=5)
+            proc.join(timeout=0 if force else 5)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
