@@ -497,17 +497,18 @@ def test_two_optimizers_over_one_ddp_wrapper(pools, stage):
     pools[2].run(two_optimizers_worker, stage)
 
 
-def direct_forward_worker(stage: int) -> float:
+def direct_forward_worker(stage: int, unused_everywhere: bool) -> tuple[float, str]:
     """A step, ``zero_grad(set_to_none=False)`` (zero ShardedGrads stay in ``.grad``), then DDP built around the model and
     ``ddp.forward(x)`` called directly (no forward hook: the wrapper is adopted at the first gradient, its C++ reducer armed)
-    with ``b`` unused on rank 1; against torch SGD on the all-reduced mean. The largest param difference."""
+    with ``b`` unused on rank 1 (or on every rank: its zeroed gradient is still a gradient, which moves AdamW's params); against
+    torch AdamW on the all-reduced mean. The largest param difference, and the error of a second direct ``ddp.forward(x)``."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.ModuleDict(dict(a=nn.Linear(4, 4), b=nn.Linear(4, 4)))
     ref_model = copy.deepcopy(model)
     forward = lambda net, x, use_b: net["b"](net["a"](x)) if use_b else net["a"](x)  # noqa: E731
-    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
-    opt = zeroshard.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=stage, collective_timeout_s=30)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=0.1)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), stage=stage, collective_timeout_s=30)
     xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
     try:
         for net, optimizer in ((ref_model, ref_opt), (model, opt)):
@@ -518,17 +519,26 @@ def direct_forward_worker(stage: int) -> float:
             optimizer.zero_grad(set_to_none=False)
         wrapped = DDP(model, find_unused_parameters=True)
         wrapped.module.forward = lambda x, use_b: forward(model, x, use_b)
-        wrapped.forward(xs[1], rank == 0).sum().backward()
+        use_b = rank == 0 and not unused_everywhere
+        wrapped.forward(xs[1], use_b).sum().backward()
         opt.step()
-        forward(ref_model, xs[1], rank == 0).sum().backward()
+        forward(ref_model, xs[1], use_b).sum().backward()
         average_grads(ref_model)
         ref_opt.step()
-        return max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref_model.parameters()))
+        refused = ""
+        try:  # now released, DDP's reducer cannot take the forward a direct call prepares
+            wrapped.forward(xs[1], use_b)
+        except RuntimeError as error:
+            refused = str(error)
+        return max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref_model.parameters())), refused
     finally:
         opt.close()
 
 
-@pytest.mark.parametrize("stage", [1])  # stage 2 leaves None in .grad, which DDP skips
-def test_ddp_forward_called_directly_with_a_param_unused_on_some_ranks(pools, stage):
-    # stage 1 raised on rank 1 alone (DDP's reducer copied into a ShardedGrad's placeholder) and rank 0 hung in step()
-    assert pools[2].run(direct_forward_worker, stage) == [0.0, 0.0]
+@pytest.mark.parametrize("unused_everywhere", [False, True])
+def test_ddp_forward_called_directly_with_a_param_unused_on_some_ranks(pools, unused_everywhere):
+    # Stage 1 (stage 2 leaves None in .grad, which DDP skips). Unused on rank 1: raised there alone (DDP's reducer copied into a
+    # ShardedGrad's placeholder) and rank 0 hung in step(); unused everywhere: its zeroed gradient was dropped, params off by 0.07
+    for difference, refused in pools[2].run(direct_forward_worker, 1, unused_everywhere):
+        assert difference == 0.0
+        assert "DistributedDataParallel.forward ran without its forward hooks (ddp.forward(x) called directly?)" in refused

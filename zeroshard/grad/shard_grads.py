@@ -239,8 +239,11 @@ class ShardGrads:
     def swap_out_sharded_grads(self) -> None:
         """A DDP wrapper reduces this backward too: its C++ reducer reads and writes ``.grad`` past torch functions, also of
         params unused on this rank, which a ShardedGrad's one-element placeholder cannot take (``copy_`` into it raises on
-        that rank alone). Swap each out as :meth:`before_accumulate` does: stage 1 its flat view, stage 2 ``None``."""
+        that rank alone). Swap each out as :meth:`before_accumulate` does, after following it (:meth:`settle`: one zeroed in
+        place is still a zero gradient, stepped): stage 1 its flat view, stage 2 ``None``."""
         for i, param in enumerate(self.shard.buffer.params):
+            if i in self.reduced_versions:
+                self.settle(i, param)
             if isinstance(param.grad, ShardedGrad):
                 self._swap_out(i, param)
 

@@ -87,7 +87,8 @@ class ReleasedLogger(_Refusing):
     """Stands in for ``ddp.logger`` (which holds the reducer) while the reducer is released.
 
     ``_get_ddp_logging_data()`` answers with what DDP's logger held at release (Lightning reads it at teardown);
-    ``set_error_and_log`` does nothing (DDP raises its error right after it).
+    ``set_error_and_log`` does nothing (DDP raises its error right after it); ``set_runtime_stats_and_log`` raises naming
+    a forward that skipped the hooks.
     """
 
     _name = "logger"
@@ -100,6 +101,13 @@ class ReleasedLogger(_Refusing):
 
     def set_error_and_log(self, message: str) -> None:
         pass
+
+    def set_runtime_stats_and_log(self) -> None:
+        """DDP's forward calls it only when set to reduce the coming backward, which zeroshard's forward pre-hook turns off."""
+        raise RuntimeError(
+            "DistributedDataParallel.forward ran without its forward hooks (ddp.forward(x) called directly?): zeroshard reduces "
+            "the gradients of the wrapped params and turns DDP's reduction off in a forward pre-hook before each forward; call "
+            f"ddp(x), {_WAY_OUT}")
 
 
 @dataclass
