@@ -15,6 +15,7 @@ param half-gathered: a stale read would be a silent wrong number.
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -76,6 +77,11 @@ class ParamGather:
         """The bucket all-gathers launched and not yet waited for, in launch order."""
         return tuple(self._pending)
 
+    @functools.cached_property
+    def size(self) -> int:
+        """The shard group's size, read once (see :attr:`~zeroshard.comm.groups.ShardingGroups.shard_size`)."""
+        return dist.get_world_size(self.group)
+
     def launch(self, shards: list[LocalShard]) -> None:
         """Start the all-gather of every bucket of ``shards``, last bucket of the layout first (forward order).
 
@@ -83,7 +89,7 @@ class ParamGather:
         before returning unless ``overlap`` is on and the guard could be pushed (only onto an empty mode stack).
         """
         self.wait()  # a param is written only after every earlier gather into it is done
-        if dist.get_world_size(self.group) == 1:
+        if self.size == 1:
             return  # a shard group of one: the params are already complete, nothing to guard
         for owner, chunk in reversed([(shard, chunk) for shard in shards for chunk in shard.chunks]):
             stream = _current_stream(chunk.params.device)
@@ -101,7 +107,7 @@ class ParamGather:
         """``chunk``'s gather pieces with the params each completes (computed at its first gather)."""
         plan = self._plans.get(chunk)
         if plan is None:
-            first = max(1, FIRST_PIECE_BYTES // (dist.get_world_size(self.group) * chunk.params.element_size()))
+            first = max(1, FIRST_PIECE_BYTES // (self.size * chunk.params.element_size()))
             pieces = forward_first_pieces(chunk.numel, first)
             plan = self._plans[chunk] = list(zip(pieces, _params_by_piece(owner, chunk, pieces)))
         return plan

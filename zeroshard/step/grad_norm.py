@@ -73,17 +73,14 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
     both = torch.cat([summed.reshape(1).to(dtype), flags])
     replica_rank = dist.get_rank(groups.replicate) if groups.replicate is not None else 0
     hint = "run the same backward passes and call clip_grad_norm_() and step() alike"
-    for group in groups.all():
-        if dist.get_world_size(group) == 1:
-            continue
+    for group in groups.reducing:
         if group is groups.replicate and norm_type == 2.0 and replica_rank != 0:
             both[0] = 0.0  # the replicas' grad shards are identical: count one of them
         collectives.wait(collectives.all_reduce(both, group), timeout, f"{caller}: the all-reduce of the gradient norm", hint)
     if norm_type != 2.0:
-        for group in groups.all():
-            if dist.get_world_size(group) > 1:
-                work = collectives.all_reduce(local, group, op=dist.ReduceOp.MAX)
-                collectives.wait(work, timeout, f"{caller}: the all-reduce of the gradient inf-norm", hint)
+        for group in groups.reducing:
+            work = collectives.all_reduce(local, group, op=dist.ReduceOp.MAX)
+            collectives.wait(work, timeout, f"{caller}: the all-reduce of the gradient inf-norm", hint)
     return ReducedStats(both, local, local_used, norm_type, dtype)
 
 
