@@ -48,8 +48,8 @@ def device_multiplier(norm: Tensor, loss_scale: float | Tensor, max_norm: float 
 
     ``norm``: the 0-dim float64 global norm of the still-scaled gradients; ``loss_scale``: a float, or a dynamic scale's
     0-dim float64 device tensor. The clip coefficient is computed in float64, as the host computes it in Python floats.
-    Without a clip and a device loss scale the multiplier is the host's float, so the update runs the kernel the host's
-    step runs (none multiplies by 1.0).
+    With no clip and a float loss scale nothing depends on the device: the multiplier is the host's float, so the update
+    runs the kernel variant the host's step runs (a device 1.0 multiplier gave results up to 1 ulp apart on an H100).
     """
     if max_norm is None:
         if isinstance(loss_scale, Tensor):
