@@ -29,7 +29,7 @@ class Pools:
 
     def close(self) -> None:
         for pool in self._pools.values():
-            pool.close()
+            pool.close(force=True)  # the session is over: no rank has anything left to finish
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import enum
 import weakref
 from collections.abc import Iterator
 
@@ -31,19 +30,11 @@ from zeroshard.reduce.bucket_order import BucketOrder
 from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrappers_of_owners
 from zeroshard.reduce.ddp import DDPWrappers, find_wrappers, release, watch_new_wrappers
 from zeroshard.reduce.nested_backward import OutermostBackward
-from zeroshard.reduce.records import ArrivedGrad, param_hooks, weak_method
+from zeroshard.reduce.records import ArrivedGrad, StepPhase, param_hooks, weak_method
 from zeroshard.reduce.staging import StagingBuckets
 
 # Stage 2's bucket reductions in flight at most (DeepSpeed ZeRO-2's double buffering): staging memory ~ this + 1 buckets.
 MAX_BUCKETS_IN_FLIGHT = 2
-
-
-class StepPhase(enum.Enum):
-    """Where a step's gradients are, from one ``reset()`` (``step()``, ``zero_grad()``) to the next."""
-
-    LOCAL = "local"  # no backward reduced yet: .grad holds this rank's own gradients (micro-steps under no_sync, or none)
-    REDUCED = "reduced"  # reduced: each .grad is DDP's averaged gradient (a ShardedGrad), nothing accumulated locally since
-    REDUCED_THEN_LOCAL = "reduced_then_local"  # reduced, then more accumulated locally (no_sync) or shards added: step() reduces again
 
 
 _LOCAL = StepPhase.LOCAL  # for the per-param pre-hook: a global reads in 1/6 of an Enum member's time

@@ -1,13 +1,23 @@
-"""What a ``GradReducer`` holds between hooks (a gradient arrived but not taken yet), and the weak calls its hooks make."""
+"""What a ``GradReducer`` holds between hooks (a gradient arrived but not taken yet, where the step's gradients are), and
+the weak calls its hooks make."""
 
 from __future__ import annotations
 
+import enum
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
+
+
+class StepPhase(enum.Enum):
+    """Where a step's gradients are, from one ``reset()`` (``step()``, ``zero_grad()``) to the next."""
+
+    LOCAL = "local"  # no backward reduced yet: .grad holds this rank's own gradients (micro-steps under no_sync, or none)
+    REDUCED = "reduced"  # reduced: each .grad is DDP's averaged gradient (a ShardedGrad), nothing accumulated locally since
+    REDUCED_THEN_LOCAL = "reduced_then_local"  # reduced, then more accumulated locally (no_sync) or shards added: step() reduces again
 
 
 @dataclass(slots=True)
