@@ -23,15 +23,23 @@ import zeroshard
 BUCKET_MB = 100 * 4 / 2**20  # several buckets in TinyNet, params split over both ranks
 
 
+# Ops that make a CUDA host wait: a scalar read, a boolean mask (nonzero), an index built from a Python list (a blocking
+# copy of the list to the device; index_select / index_copy_ with a device index do not).
+SYNCING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::index.Tensor", "aten::index_put_"}
+
+
 class CountCollectives(TorchDispatchMode):
-    """Counts the c10d ops dispatched inside the block."""
+    """Counts the c10d ops dispatched inside the block, and names the :data:`SYNCING` ones."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.syncing: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += func.namespace == "c10d"
+        if func.name() in SYNCING:
+            self.syncing.add(func.name())
         return func(*args, **(kwargs or {}))
 
 
@@ -217,10 +225,11 @@ def test_clip_of_whole_gradients_is_ddps_bit_for_bit(pools, stage, partition, fo
         assert ours == ddps and same
 
 
-def collectives_worker(stage: int) -> dict[str, int]:
+def collectives_worker(stage: int) -> tuple[dict[str, int], dict[str, set[str]]]:
+    """Per call: the collectives it ran, and the :data:`SYNCING` ops it dispatched (the CPU sees the ops a GPU would run)."""
     _, _, model, opt = _pair(stage)
     loss_fn(model, *batch(dist.get_rank(), 0)).backward()
-    counts = {}
+    counts, syncing = {}, {}
     for name, clip in [("clip", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)),
                        ("clip foreach", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)),
                        ("clip param_groups", lambda: torch.nn.utils.clip_grad_norm_(_optimizer_params(opt), 1.0)),
@@ -230,16 +239,21 @@ def collectives_worker(stage: int) -> dict[str, int]:
                        ("div_", lambda: model.fc1.weight.grad.div_(2))]:
         with CountCollectives() as counter:
             clip()
-        counts[name] = counter.count
+        counts[name], syncing[name] = counter.count, counter.syncing
     opt.step()
-    return counts
+    return counts, syncing
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_clip_is_one_collective_and_edits_none(pools, stage):
-    for counts in pools[2].run(collectives_worker, stage):
+    for counts, syncing in pools[2].run(collectives_worker, stage):
         assert counts == {"clip": 1, "clip foreach": 1, "clip param_groups": 1, "one param's norm": 1, "a virtual param's norm": 0,
                           "full_tensor": 1, "div_": 0}, counts
+        for clip in ("clip", "clip foreach"):  # the model's params: no host wait on a GPU
+            assert not syncing[clip], (clip, syncing[clip])
+        # The optimizer's params: each rank holds pieces of some, so the norm drops the params no rank holds (a boolean mask)
+        assert syncing["clip param_groups"] == {"aten::index.Tensor"}, syncing["clip param_groups"]
+        assert "aten::_local_scalar_dense" in syncing["one param's norm"]  # the mode sees a read (its .item())
 
 
 def full_tensor_worker(stage: int) -> None:

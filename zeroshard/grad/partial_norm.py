@@ -201,7 +201,8 @@ class PartialNorm(Tensor):
         per_param, pieces = vector[len(sharded) : len(sharded) + size], vector[len(sharded) + size :]
         kept = self._norms(sharded, vector[: len(sharded)]).index_select(0, _on_device([i for i in range(len(self.kinds)) if i not in virtual], device))
         roots = self._root(per_param) if virtual else per_param[:0]
-        if virtual and set(host_slots) != set(range(size)):  # a norm over some of the optimizer's params: those no rank has (a host sync)
+        # Not every param of the optimizer here (its param_groups: this rank's pieces of some): drop those no rank has (a host sync)
+        if virtual and set(host_slots) != set(range(size)):
             roots = roots[pieces > 0]
         values = torch.cat([kept, roots])
         with DisableTorchFunctionSubclass():
