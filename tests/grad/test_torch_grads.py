@@ -249,10 +249,8 @@ def test_a_clip_is_one_collective_and_edits_none(pools, stage):
     for counts, syncing in pools[2].run(collectives_worker, stage):
         assert counts == {"clip": 1, "clip foreach": 1, "clip param_groups": 1, "one param's norm": 1, "a virtual param's norm": 0,
                           "full_tensor": 1, "div_": 0}, counts
-        for clip in ("clip", "clip foreach"):  # the model's params: no host wait on a GPU
+        for clip in ("clip", "clip foreach", "clip param_groups"):  # no host wait on a GPU
             assert not syncing[clip], (clip, syncing[clip])
-        # The optimizer's params: each rank holds pieces of some, so the norm drops the params no rank holds (a boolean mask)
-        assert syncing["clip param_groups"] == {"aten::index.Tensor"}, syncing["clip param_groups"]
         assert "aten::_local_scalar_dense" in syncing["one param's norm"]  # the mode sees a read (its .item())
 
 

@@ -190,8 +190,7 @@ class PartialNorm(Tensor):
         one = len(spaces) == 1
         size = next(iter(spaces.values())).size if one else 1
         device = self.local.device
-        host_slots = [self.slots[i] if one else 0 for i in virtual]
-        slots = _on_device(host_slots, device)
+        slots = _on_device([self.slots[i] if one else 0 for i in virtual], device)
         zeros = torch.zeros(size, dtype=torch.float64, device=device)
         per_param = zeros.scatter_reduce(0, slots, self.local.index_select(0, _on_device(virtual, device)), "amax" if math.isinf(self.ord) else "sum")
         pieces = zeros.index_add(0, slots, torch.ones(len(virtual), dtype=torch.float64, device=device))
@@ -200,10 +199,10 @@ class PartialNorm(Tensor):
             vector = self._reduce(vector)
         per_param, pieces = vector[len(sharded) : len(sharded) + size], vector[len(sharded) + size :]
         kept = self._norms(sharded, vector[: len(sharded)]).index_select(0, _on_device([i for i in range(len(self.kinds)) if i not in virtual], device))
-        roots = self._root(per_param) if virtual else per_param[:0]
-        # Not every param of the optimizer here (its param_groups: this rank's pieces of some): drop those no rank has (a host sync)
-        if virtual and set(host_slots) != set(range(size)):
-            roots = roots[pieces > 0]
+        # A param no rank has a piece of here (a norm of some of the optimizer's params) counts as 0: no host sync to drop it.
+        # Where every param is here (the model's params, or all param_groups on every rank) that is the norm of DDP's norms to
+        # the bit; with some left out, the zeros change only how the sum is grouped (its rounding).
+        roots = torch.where(pieces > 0, self._root(per_param), 0.0) if virtual else per_param[:0]
         values = torch.cat([kept, roots])
         with DisableTorchFunctionSubclass():
             return torch.linalg.vector_norm(values.to(self.dtype), self.ord)
