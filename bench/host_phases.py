@@ -6,7 +6,8 @@ A GPU runs kernels asynchronously, so the host time of the forward, ``backward()
 suite builds them): 10 warm-up steps, then 60 steps timed phase by phase with the host clock and
 no sync, then one synchronization for the wall time per step. One rank (NCCL on a GPU, gloo on
 CPU), fp32. With ``--profile``, zeroshard stage 2 at the small-compute size runs 20 more steps
-under ``cProfile`` and prints the 40 functions with the most time of their own.
+under ``cProfile`` and prints the 40 functions with the most time of their own; with ``--profile-step``,
+stages 1 and 2 at the example size run ``--steps`` more steps with only ``opt.step()`` profiled (30 functions).
 """
 
 from __future__ import annotations
@@ -56,9 +57,22 @@ def phase_times(model, opt, x: torch.Tensor, device: torch.device, steps: int = 
     return (time.perf_counter() - start) / steps, {phase: seconds / steps for phase, seconds in totals.items()}
 
 
+def profile_steps(model, opt, x: torch.Tensor, steps: int) -> cProfile.Profile:
+    """``steps`` training steps with only ``opt.step()`` under cProfile (forward, backward and ``zero_grad`` outside it)."""
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        model(x, x).backward()
+        profiler.enable()
+        opt.step()
+        profiler.disable()
+        opt.zero_grad()
+    return profiler
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", action="store_true", help="cProfile zeroshard stage 2 at the small-compute size")
+    parser.add_argument("--profile-step", action="store_true", help="cProfile only opt.step() of zeroshard stages 1 and 2 at the example size")
     parser.add_argument("--steps", type=int, default=60, help="timed steps per method")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before them")
     args = parser.parse_args(argv)
@@ -86,6 +100,9 @@ def main(argv: list[str] | None = None) -> None:
                     phase_times(model, opt, x, device, steps=20, warmup=0)
                     profiler.disable()
                     pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
+                if args.profile_step and size == "example" and method != "ddp_adamw_fused":
+                    print(f"{size} {method}: opt.step() under cProfile, {args.steps} steps", flush=True)
+                    pstats.Stats(profile_steps(model, opt, x, args.steps)).sort_stats("tottime").print_stats(30)
     finally:
         dist.destroy_process_group()
 

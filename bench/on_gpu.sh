@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one call, for a machine with one CUDA GPU and torch + Triton already installed
 # (no network): the GPU tests, the example trained on one rank, then the bench suites that run on
-# one GPU (kernel, offload, overhead at 1 rank; step, memory and muon need one GPU per rank, 2 or more).
+# one GPU (kernel, offload, overhead at 1 rank; step, memory and muon need one GPU per rank, 2 or more), and
+# python -m bench.host_phases --profile-step (host time per phase; opt.step() under cProfile).
 # Logs and CSVs go to $OUT (default ./gpu-out). Run from the repository root:
 #     bash bench/on_gpu.sh
 # BENCH_SUITES="kernel" picks suites ("none": no bench), SKIP_EXAMPLE=1 skips the example, BENCH_ARGS=--quick shrinks them.
@@ -32,5 +33,9 @@ if [ "$suites" != none ]; then
     log "bench $suites"
     # shellcheck disable=SC2086
     timeout "${BENCH_TIMEOUT:-360}" python3 -m bench $suites ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.txt"
+fi
+if [ "$suites" != none ]; then
+    log "host time per phase, and opt.step() under cProfile"
+    timeout 240 python3 -m bench.host_phases --profile-step 2>&1 | tee "$OUT/host_phases.txt" | grep "ms/step"
 fi
 log "done"

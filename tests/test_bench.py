@@ -279,8 +279,11 @@ def test_overhead_suite_runs_end_to_end(tmp_path):
 
 
 def test_host_phases_prints_a_line_per_size_and_method():
-    result = subprocess.run([sys.executable, "-m", "bench.host_phases", "--steps", "1", "--warmup", "1"], cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "bench.host_phases", "--steps", "1", "--warmup", "1", "--profile-step"], cwd=ROOT, capture_output=True,
                             text=True, timeout=300, env={**os.environ, "MASTER_PORT": "29547"})
     lines = [line for line in result.stdout.splitlines() if "ms/step" in line]
     assert result.returncode == 0 and len(lines) == 6, result.stdout + result.stderr
     assert all("forward" in line and "zero_grad" in line for line in lines)
+    for method in ("zeroshard_stage1", "zeroshard_stage2"):  # --profile-step: a profile of step() for each
+        assert f"example {method}: opt.step() under cProfile, 1 steps" in result.stdout, result.stdout
+    assert result.stdout.count("Ordered by: internal time") == 2, result.stdout
