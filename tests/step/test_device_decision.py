@@ -223,17 +223,18 @@ def nccl_group(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype, clip", [(torch.float32, "optimizer"), (torch.bfloat16, "optimizer"), (torch.float16, "optimizer"),
-                                         (torch.float32, "torch"), (torch.bfloat16, "torch")])
+                                         (torch.float32, "optimizer, coefficient 1"), (torch.float32, "torch"), (torch.bfloat16, "torch")])
 def test_cuda_training_step_makes_no_host_sync(nccl_group, dtype, clip):
     """After the first step, backward + clipped step + zero_grad run under ``torch.cuda.set_sync_debug_mode("error")``
     (which raises at any synchronizing CUDA call), and the result is what the host path gives; fp16 with a dynamic
     loss scale (``opt.backward``), kept on the device; ``clip="torch"``: ``torch.nn.utils.clip_grad_norm_`` on the
-    model's params (HF Trainer's, accelerate's), where the optimizer clips nothing."""
+    model's params (HF Trainer's, accelerate's), where the optimizer clips nothing (the host's multiplier is 1.0, as it is
+    with a clip coefficient of 1)."""
     torch.manual_seed(0)
     models = [TinyNet().to("cuda", dtype) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     scaling = {"loss_scale": zeroshard.DynamicLossScaler(initial_scale=256.0, growth_interval=2)} if dtype == torch.float16 else {}
-    max_norm = 0.5 if clip == "optimizer" else None
+    max_norm = {"optimizer": 0.5, "optimizer, coefficient 1": 1e6}.get(clip)  # 1e6: the clip multiplies by 1.0, a device 1.0
     opts = [zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(m), lr=1e-2), max_grad_norm=max_norm, **copy.deepcopy(scaling))
             for m in models]
 

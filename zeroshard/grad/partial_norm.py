@@ -160,20 +160,20 @@ class PartialNorm(Tensor):
         device = self.local.device
         norms = self._root(self.local.clone())
         if sharded:  # an exact one's reduced value is the norm itself
-            exact = _on_device([self.exact[i] for i in sharded], device, torch.bool)
-            norms.index_copy_(0, _on_device(sharded, device), torch.where(exact, reduced, self._root(reduced)))
+            exact = copy_to_device([self.exact[i] for i in sharded], device, torch.bool)
+            norms.index_copy_(0, copy_to_device(sharded, device), torch.where(exact, reduced, self._root(reduced)))
         if plain := [i for i, kind in enumerate(self.kinds) if kind == PLAIN]:
-            index = _on_device(plain, device)
+            index = copy_to_device(plain, device)
             norms.index_copy_(0, index, self.plain.index_select(0, index))
         for dtype in set(self.dtypes) - {torch.float64}:  # a bf16 gradient's norm is a bf16 number, also in an fp32 stack
-            own = _on_device([i for i, d in enumerate(self.dtypes) if d == dtype], device)
+            own = copy_to_device([i for i, d in enumerate(self.dtypes) if d == dtype], device)
             norms.index_copy_(0, own, norms.index_select(0, own).to(dtype).to(torch.float64))
         return norms
 
     def _element_values(self) -> Tensor:
         """Per element its norm: sharded ones reduced over the ranks (one collective), virtual ones local (a virtual param's own)."""
         sharded = [i for i, kind in enumerate(self.kinds) if kind == SHARDED]
-        local = self.local.index_select(0, _on_device(sharded, self.local.device))
+        local = self.local.index_select(0, copy_to_device(sharded, self.local.device))
         return self._norms(sharded, self._reduce(local) if sharded else local)
 
     def _aggregate_value(self) -> Tensor:
@@ -190,15 +190,15 @@ class PartialNorm(Tensor):
         one = len(spaces) == 1
         size = next(iter(spaces.values())).size if one else 1
         device = self.local.device
-        slots = _on_device([self.slots[i] if one else 0 for i in virtual], device)
+        slots = copy_to_device([self.slots[i] if one else 0 for i in virtual], device)
         zeros = torch.zeros(size, dtype=torch.float64, device=device)
-        per_param = zeros.scatter_reduce(0, slots, self.local.index_select(0, _on_device(virtual, device)), "amax" if math.isinf(self.ord) else "sum")
+        per_param = zeros.scatter_reduce(0, slots, self.local.index_select(0, copy_to_device(virtual, device)), "amax" if math.isinf(self.ord) else "sum")
         pieces = zeros.index_add(0, slots, torch.ones(len(virtual), dtype=torch.float64, device=device))
-        vector = torch.cat([self.local.index_select(0, _on_device(sharded, device)), per_param, pieces])
+        vector = torch.cat([self.local.index_select(0, copy_to_device(sharded, device)), per_param, pieces])
         if sharded or virtual:
             vector = self._reduce(vector)
         per_param, pieces = vector[len(sharded) : len(sharded) + size], vector[len(sharded) + size :]
-        kept = self._norms(sharded, vector[: len(sharded)]).index_select(0, _on_device([i for i in range(len(self.kinds)) if i not in virtual], device))
+        kept = self._norms(sharded, vector[: len(sharded)]).index_select(0, copy_to_device([i for i in range(len(self.kinds)) if i not in virtual], device))
         # A param no rank has a piece of here (a norm of some of the optimizer's params) counts as 0: no host sync to drop it.
         # Where every param is here (the model's params, or all param_groups on every rank) that is the norm of DDP's norms to
         # the bit; with some left out, the zeros change only how the sum is grouped (its rounding).
@@ -228,9 +228,9 @@ class PartialNorm(Tensor):
             return func(*_resolved(args), **{k: _resolved(v) for k, v in kwargs.items()})
 
 
-def _on_device(values: Sequence[int] | Sequence[bool], device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
-    """Host ``values`` (indices or flags) as a 1-D tensor on ``device``, copied from pinned memory without blocking: a norm read
-    on a GPU does not wait for the device (an index list in ``t[list]`` is a blocking copy)."""
+def copy_to_device(values: Sequence[int] | Sequence[bool], device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
+    """Host ``values`` (indices or flags) as a 1-D ``dtype`` tensor on ``device``, on CUDA copied from pinned memory without
+    blocking: the host does not wait for the device (a pageable copy, or an index list in ``t[list]``, would)."""
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 

@@ -101,6 +101,10 @@ def device_adam(runs: list[Run], group: dict, multiplier: float | Tensor, adamw:
         None if multiplier == 1.0 else torch.full((1,), multiplier, device=device, dtype=torch.float64 if fp64 else torch.float32))
     backend = _kernel_backend(device, fp64)
     if backend is not None:
+        if grad_scale is None:  # the kernel always multiplies: its variant without a multiplier rounds differently on a GPU
+            # (up to 1 ulp, H100), and a step deciding on the device cannot know that its multiplier is 1.0 (no clip, or a clip
+            # coefficient of 1): its update must be the host-decided step's to the bit
+            grad_scale = torch.ones(1, device=device, dtype=torch.float32)
         for run in runs:
             fused_adamw_(
                 run.param, run.grad, run.exp_avg, run.exp_avg_sq, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
+from zeroshard.grad.partial_norm import copy_to_device
 from zeroshard.kernels import grad_sumsq
 from zeroshard.layout.local_shard import LocalShard
 
@@ -62,9 +63,7 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
     device = shards[0].grad_shard.device
     # The norm in fp64 for fp64 gradients, as torch.nn.utils.clip_grad_norm_ computes it in their dtype.
     dtype = torch.float64 if any(s.grad_shard.dtype == torch.float64 for s in shards) else torch.float32
-    flags = torch.tensor([u for used in local_used for u in used], dtype=dtype)
-    # On CUDA from pinned memory: a pageable copy would wait for the device (a second sync per step).
-    flags = flags.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flags.to(device)
+    flags = copy_to_device([u for used in local_used for u in used], device, dtype)  # no second host sync per step
     if norm_type == 2.0:
         local = sum((grad_sumsq(s.grad_shard) for s in shards), torch.zeros((), device=device))
     else:

@@ -43,17 +43,15 @@ class PendingSkip:
         return float(self._values[1]) if self._values.numel() > 1 else None
 
 
-def device_multiplier(norm: Tensor, loss_scale: float | Tensor, max_norm: float | None) -> float | Tensor:
+def device_multiplier(norm: Tensor, loss_scale: float | Tensor, max_norm: float | None) -> Tensor:
     """:func:`~zeroshard.step.wrapped.grad_multiplier` on the device: a 1-element fp32 tensor, the host's to the bit.
 
     ``norm``: the 0-dim float64 global norm of the still-scaled gradients; ``loss_scale``: a float, or a dynamic scale's
     0-dim float64 device tensor. The clip coefficient is computed in float64, as the host computes it in Python floats.
-    With no clip and a float loss scale nothing depends on the device: the multiplier is the host's float, so the update
-    runs the kernel variant the host's step runs (a device 1.0 multiplier gave results up to 1 ulp apart on an H100).
     """
     if max_norm is None:
         if isinstance(loss_scale, Tensor):
             return (1.0 / loss_scale).float().reshape(1)
-        return 1.0 / loss_scale
+        return torch.full((1,), 1.0 / loss_scale, device=norm.device, dtype=torch.float32)
     coefficient = (max_norm / (norm / loss_scale + 1e-6)).clamp(max=1.0)
     return (coefficient / loss_scale).float().reshape(1)
