@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -298,7 +299,14 @@ class ShardGrads:
 
     def settle_all(self) -> None:
         """Before a step: follow what was done to every param's gradient (:meth:`settle`; stage 1 also: a flat view set to ``None``)."""
-        for i, param in enumerate(self.shard.buffer.params):
+        params = self.shard.buffer.params
+        if len(self.reduced_versions) == len(params):  # the common case: every .grad still the ShardedGrad left, unedited
+            with DisableTorchFunctionSubclass():  # checked over lists, without a Python call per param (#27)
+                grads = [param.grad for param in params]
+                if all(map(operator.is_, grads, map(self.reduced.get, range(len(params))))) \
+                        and [grad._version for grad in grads if grad is not None] == list(map(self.reduced_versions.__getitem__, range(len(params)))):
+                    return
+        for i, param in enumerate(params):
             if i in self.reduced_versions:
                 self.settle(i, param, take=True)
             elif self.flat is not None and param.grad is None and self.used[i] and not self.ready[i]:

@@ -8,6 +8,7 @@ over whole runs of pieces: :func:`device_adam` on the device, :func:`host_adam` 
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -38,6 +39,28 @@ class Run(NamedTuple):
     # param; host chunks, copied back by the offload pipeline)
     param_out: Tensor | None
     step: int  # the pieces' step number after this update (>= 1)
+
+
+class _Bound(NamedTuple):
+    """A chunk as :meth:`FusedAdam.bind` left it: its moments and, per piece, the wrapped optimizer's state and its two moment
+    views (``None`` for a piece without state)."""
+
+    exp_avg: Tensor | None
+    exp_avg_sq: Tensor | None
+    states: list[dict | None]
+    exp_avgs: list[Tensor | None]
+    exp_avg_sqs: list[Tensor | None]
+
+    @staticmethod
+    def of(chunk: Chunk, states: list[dict | None]) -> _Bound:
+        return _Bound(chunk.exp_avg, chunk.exp_avg_sq, states, [s["exp_avg"] if s else None for s in states],
+                      [s["exp_avg_sq"] if s else None for s in states])
+
+    def matches(self, chunk: Chunk, states: list[dict | None]) -> bool:
+        """Whether ``chunk``'s moments and the pieces' ``states`` (and their moment entries) are still the objects bound."""
+        return (self.exp_avg is chunk.exp_avg and self.exp_avg_sq is chunk.exp_avg_sq and all(map(operator.is_, states, self.states))
+                and all(map(operator.is_, [s["exp_avg"] if s else None for s in states], self.exp_avgs))
+                and all(map(operator.is_, [s["exp_avg_sq"] if s else None for s in states], self.exp_avg_sqs)))
 
 
 def fused_adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
@@ -156,34 +179,36 @@ class FusedAdam:
         self._pipeline = OffloadPipeline()
         self.placement: Placement | None = None  # where place_once put the chunks
         self._margin: tuple[MemoryTracer, float, torch.device] | None = None  # (tracer, ratio, device) until place_once
-        # id(virtual param) -> (its state, its chunk's exp_avg and exp_avg_sq, the addresses of the state's views) as bind() left
-        # them: all unchanged means the views are in place (a virtual param lives as long as its chunk, so as this object)
-        self._bound: dict[int, tuple[dict, Tensor | None, Tensor | None, int, int]] = {}
+        # Per chunk, what bind() left: all of it unchanged (by identity) means every piece's state views its moments.
+        self._bound: weakref.WeakKeyDictionary[Chunk, _Bound] = weakref.WeakKeyDictionary()
+        self._layout_runs: weakref.WeakKeyDictionary[Chunk, list[tuple[int, int]]] = weakref.WeakKeyDictionary()  # see _runs
 
     @torch.no_grad()
     def bind(self, shards: list[LocalShard]) -> None:
         """Allocate every chunk's moments where missing; make each piece's state a view of them (copying a state entry that is
-        not yet one, fresh from ``load_state_dict`` or left behind by a chunk that moved, into the moments)."""
+        not yet one, fresh from ``load_state_dict`` or left behind by a chunk that moved, into the moments).
+
+        Per chunk and step, the common case (nothing changed since the last call) is three identity checks over lists,
+        not Python work per piece (#27).
+        """
         for shard in shards:
             for chunk in shard.chunks:
                 chunk.allocate_moments()
-                for piece, vparam in zip(chunk.pieces, chunk.virtual_params):
-                    state = self.optimizer.state.get(vparam)
+                states = list(map(self.optimizer.state.get, chunk.virtual_params))
+                bound = self._bound.get(chunk)
+                if bound is not None and bound.matches(chunk, states):
+                    continue
+                for piece, state in zip(chunk.pieces, states):
                     if not state:
-                        self._bound.pop(id(vparam), None)
-                        continue
-                    bound = self._bound.get(id(vparam))  # where this method last left the views (the common case: still there)
-                    if bound is not None and bound[0] is state and bound[1] is chunk.exp_avg and bound[2] is chunk.exp_avg_sq \
-                            and state["exp_avg"].data_ptr() == bound[3] and state["exp_avg_sq"].data_ptr() == bound[4]:
                         continue
                     for key in ("exp_avg", "exp_avg_sq"):
                         moments = getattr(chunk, key)
-                        # Where the view would start, without making it (two aten ops per piece and step otherwise).
+                        # Where the view would start, without making it (two aten ops per piece otherwise).
                         if state[key].data_ptr() != moments.data_ptr() + chunk.offset_of(piece) * moments.element_size():
                             view = chunk.shaped(piece, moments)
                             view.copy_(state[key].reshape(view.shape))
                             state[key] = view
-                    self._bound[id(vparam)] = (state, chunk.exp_avg, chunk.exp_avg_sq, state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr())
+                self._bound[chunk] = _Bound.of(chunk, states)
 
     def start_margin_trace(self, device: torch.device, ratio: float) -> None:
         """Measure from now to the first step for ``gpu_margin_mem_ratio`` = ``ratio`` (> 0); :meth:`place_once` then places the chunks."""
@@ -283,7 +308,17 @@ class FusedAdam:
         where the run so far is a whole number of 64-byte cache lines, so that each element takes the path (vector body or
         scalar tail loop) it takes in torch's own per-param fused step: see docs/numerics.md, "What is bitwise".
         """
-        unit = 64 // chunk.master_dtype.itemsize if chunk.device.type == "cpu" else 1  # elements per cache line
+        pieces = chunk.pieces
+        chunk_steps = [steps[piece.param] for piece in pieces]
+        step = chunk_steps[0] if pieces else 0
+        bound = self._bound.get(chunk)  # bind() has just run
+        if step and chunk_steps.count(step) == len(pieces) and bound is not None and all(bound.states):
+            # The common case: every piece used, at one step count, with its state: the layout's runs, no work per piece.
+            compat.foreach_copy_([state["step"] for state in bound.states if state], [torch.scalar_tensor(float(step))] * len(pieces))
+            for first, end in self._whole_runs(chunk):
+                yield self._run(chunk, first, end, step)
+            return
+        unit = self._unit(chunk)
         start: int | None = None  # the current run's first piece
         run_step = 0  # the current run's step
         counts: dict[int, list[Tensor]] = defaultdict(list)  # step -> the state["step"] tensors to set to it
@@ -309,6 +344,24 @@ class FusedAdam:
             compat.foreach_copy_(tensors, [torch.scalar_tensor(float(step))] * len(tensors))
         if start is not None:
             yield self._run(chunk, start, len(chunk.pieces), run_step)
+
+    @staticmethod
+    def _unit(chunk: Chunk) -> int:
+        """How many elements a run must hold, in multiples, before another piece may join it: a cache line on CPU (see :meth:`_runs`)."""
+        return 64 // chunk.master_dtype.itemsize if chunk.device.type == "cpu" else 1
+
+    def _whole_runs(self, chunk: Chunk) -> list[tuple[int, int]]:
+        """``[start, end)`` piece ranges of ``chunk``'s runs when every piece is used at one step count (fixed by the layout)."""
+        runs = self._layout_runs.get(chunk)
+        if runs is None:
+            pieces, unit, runs, start = chunk.pieces, self._unit(chunk), [], 0
+            for i in range(1, len(pieces)):
+                previous, piece = pieces[i - 1], pieces[i]
+                if previous.shard_offset + previous.numel != piece.shard_offset or (piece.shard_offset - pieces[start].shard_offset) % unit:
+                    runs.append((start, i))
+                    start = i
+            runs = self._layout_runs[chunk] = [*runs, (start, len(pieces))] if pieces else []
+        return runs
 
     @staticmethod
     def _run(chunk: Chunk, start: int, end: int, step: int) -> Run:
