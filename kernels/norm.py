@@ -56,8 +56,9 @@ def grad_sumsq(grad: Tensor, *, backend: str = "auto") -> Tensor:
         # cascade summation (torch.dot and vector_norm were 1e-4 and 1e-3 off at 16M elements).
         return torch.stack([grad_sumsq_reference(part) for part in grad.split(CPU_BLOCK_SIZE)]).sum()
     blocks = triton.cdiv(grad.numel(), BLOCK_SIZE)
-    partial = torch.zeros(max(blocks, 1), dtype=torch.float32, device=grad.device)
-    if blocks:
-        with on_device(grad):
-            _sumsq_kernel[(blocks,)](grad, partial, grad.numel(), BLOCK_SIZE=BLOCK_SIZE)
+    if not blocks:
+        return torch.zeros((), dtype=torch.float32, device=grad.device)
+    partial = torch.empty(blocks, dtype=torch.float32, device=grad.device)  # every program writes its block's sum
+    with on_device(grad):
+        _sumsq_kernel[(blocks,)](grad, partial, grad.numel(), BLOCK_SIZE=BLOCK_SIZE)
     return partial.sum()

@@ -338,6 +338,8 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         with torch.no_grad():
             for shard in self._shards:  # before any collective: raises alike on every rank
                 shard.follow_all()
+            if self._fused is not None:  # raises on the ranks holding a piece of a param whose state was removed
+                self._fused.check_state(self._shards, self._shard_set.param_steps)
             stats = self._stats or self._gather_stats(2.0, "step()")
             if isinstance(stats, ReducedStats) and not self._on_device(stats):  # the one host read (or a GradScaler since clip_grad_norm_)
                 stats = stats.read()

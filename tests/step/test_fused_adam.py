@@ -2,11 +2,16 @@
 
 ``step()`` checks once per chunk that every piece's ``state["exp_avg"]``/``state["exp_avg_sq"]`` is still the view of the
 chunk's moments it made; a state entry replaced by another tensor is copied into the moments and stepped from, as
-``torch.optim.AdamW`` steps from whatever its state holds. Checked bitwise against AdamW unsharded at world size 1.
+``torch.optim.AdamW`` steps from whatever its state holds. Checked bitwise against AdamW unsharded at world size 1. State
+removed by user code after updates (which torch's AdamW restarts from zero) is refused at the next ``step()``, before it
+changes anything.
 """
 
 from __future__ import annotations
 
+import collections
+
+import pytest
 import torch
 from torch import nn
 
@@ -53,3 +58,28 @@ def edited_state_worker() -> bool:
 
 def test_state_replaced_or_edited_between_steps_is_stepped_from(pools):
     assert pools[1].run(edited_state_worker) == [True]
+
+
+def cleared_state_worker(reassign: bool) -> str:
+    model = _model()
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(model, opt, range(2))
+    if reassign:
+        opt.optimizer.state = collections.defaultdict(dict)
+    else:
+        opt.optimizer.state.clear()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        _train(model, opt, range(2, 3))
+    except RuntimeError as error:
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # raised before any update
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("reassign", [False, True])
+def test_state_removed_after_updates_raises_before_the_step(pools, reassign):
+    # Before: the step recreated the state as views of the old moments and went on counting steps, where torch's AdamW
+    # restarts from zero moments at step 1: 0.035 off after three more steps, silently.
+    [message] = pools[1].run(cleared_state_worker, reassign)
+    assert "has no optimizer state after 2 updates" in message and "build a new optimizer" in message

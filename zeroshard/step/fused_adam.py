@@ -42,25 +42,27 @@ class Run(NamedTuple):
 
 
 class _Bound(NamedTuple):
-    """A chunk as :meth:`FusedAdam.bind` left it: its moments and, per piece, the wrapped optimizer's state and its two moment
-    views (``None`` for a piece without state)."""
+    """A chunk as :meth:`FusedAdam.bind` left it: its moments and, per piece, the wrapped optimizer's state and where its two
+    moment entries point (0 for a piece without state): a state tensor given new storage in place (``.data =``, ``set_``)
+    keeps its identity but not its address."""
 
     exp_avg: Tensor | None
     exp_avg_sq: Tensor | None
     states: list[dict | None]
-    exp_avgs: list[Tensor | None]
-    exp_avg_sqs: list[Tensor | None]
+    addresses: list[int]  # per piece, the data pointers of exp_avg then exp_avg_sq
 
     @staticmethod
     def of(chunk: Chunk, states: list[dict | None]) -> _Bound:
-        return _Bound(chunk.exp_avg, chunk.exp_avg_sq, states, [s["exp_avg"] if s else None for s in states],
-                      [s["exp_avg_sq"] if s else None for s in states])
+        return _Bound(chunk.exp_avg, chunk.exp_avg_sq, states, _addresses(states))
 
     def matches(self, chunk: Chunk, states: list[dict | None]) -> bool:
-        """Whether ``chunk``'s moments and the pieces' ``states`` (and their moment entries) are still the objects bound."""
+        """Whether ``chunk``'s moments and the pieces' ``states`` are the objects bound, their moment entries where bound."""
         return (self.exp_avg is chunk.exp_avg and self.exp_avg_sq is chunk.exp_avg_sq and all(map(operator.is_, states, self.states))
-                and all(map(operator.is_, [s["exp_avg"] if s else None for s in states], self.exp_avgs))
-                and all(map(operator.is_, [s["exp_avg_sq"] if s else None for s in states], self.exp_avg_sqs)))
+                and _addresses(states) == self.addresses)
+
+
+def _addresses(states: list[dict | None]) -> list[int]:
+    return [state[key].data_ptr() if state else 0 for state in states for key in ("exp_avg", "exp_avg_sq")]
 
 
 def fused_adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
@@ -184,12 +186,18 @@ class FusedAdam:
         self._layout_runs: weakref.WeakKeyDictionary[Chunk, list[tuple[int, int]]] = weakref.WeakKeyDictionary()  # see _runs
 
     @torch.no_grad()
-    def bind(self, shards: list[LocalShard]) -> None:
+    def bind(self, shards: list[LocalShard], param_steps: list[int] | None = None) -> None:
         """Allocate every chunk's moments where missing; make each piece's state a view of them (copying a state entry that is
         not yet one, fresh from ``load_state_dict`` or left behind by a chunk that moved, into the moments).
 
         Per chunk and step, the common case (nothing changed since the last call) is three identity checks over lists,
         not Python work per piece (#27).
+
+        Raises:
+            RuntimeError: with ``param_steps`` (per ``torch.optim`` param index, its updates so far), a piece of a param
+                already updated has no state: user code removed it (``optimizer.state.clear()``, a new ``defaultdict``),
+                which torch's Adam would restart from zero moments and step 1; the moments here and the replicated step
+                counts cannot restart for one rank's pieces alone.
         """
         for shard in shards:
             for chunk in shard.chunks:
@@ -200,6 +208,13 @@ class FusedAdam:
                     continue
                 for piece, state in zip(chunk.pieces, states):
                     if not state:
+                        if param_steps is not None and param_steps[shard.param_indices[piece.param]]:
+                            raise RuntimeError(
+                                f"{shard.buffer.names[piece.param]} has no optimizer state after "
+                                f"{param_steps[shard.param_indices[piece.param]]} updates: it was removed (optimizer.state.clear() "
+                                "or a new state dict), or a full-format checkpoint loaded while the param was frozen carried none "
+                                "for it. zeroshard keeps the moments in its own buffers and cannot restart them from zero: to reset "
+                                "the optimizer state, build a new optimizer and ShardedOptimizer (or load_state_dict() a saved state)")
                         continue
                     for key in ("exp_avg", "exp_avg_sq"):
                         moments = getattr(chunk, key)
@@ -209,6 +224,17 @@ class FusedAdam:
                             view.copy_(state[key].reshape(view.shape))
                             state[key] = view
                 self._bound[chunk] = _Bound.of(chunk, states)
+
+    def check_state(self, shards: list[LocalShard], param_steps: list[int]) -> None:
+        """Before a step's collectives: :meth:`bind`, raising where user code removed the state of a param already updated.
+
+        Each rank checks the pieces it holds: after a ``state.clear()`` on every rank, every rank that holds a piece of an
+        updated param raises; one that holds none (``partition="param"``, owning only params never updated) goes on into
+        the statistics' all-reduce, where ``collective_timeout_s`` names the wait. Nothing while the first step's margin is
+        still traced (:meth:`place_once` binds).
+        """
+        if self._margin is None:
+            self.bind(shards, param_steps)
 
     def start_margin_trace(self, device: torch.device, ratio: float) -> None:
         """Measure from now to the first step for ``gpu_margin_mem_ratio`` = ``ratio`` (> 0); :meth:`place_once` then places the chunks."""

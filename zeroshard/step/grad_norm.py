@@ -8,6 +8,7 @@ overflow check never rests on MAX, which gloo computes with ``std::max`` and so 
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 from dataclasses import dataclass
 
@@ -65,7 +66,7 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
     dtype = torch.float64 if any(s.grad_shard.dtype == torch.float64 for s in shards) else torch.float32
     flags = copy_to_device([u for used in local_used for u in used], device, dtype)  # no second host sync per step
     if norm_type == 2.0:
-        local = sum((grad_sumsq(s.grad_shard) for s in shards), torch.zeros((), device=device))
+        local = functools.reduce(torch.add, [grad_sumsq(s.grad_shard) for s in shards])  # shards in order, as sum() adds them
     else:
         local = torch.stack([s.grad_shard.abs().max() if s.grad_shard.numel() else torch.zeros((), device=device) for s in shards]).max()
     summed = local if norm_type == 2.0 else (~torch.isfinite(local)).float()  # sum of squares, or a non-finite count
