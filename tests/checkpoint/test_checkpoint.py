@@ -247,7 +247,8 @@ def mismatch_worker() -> None:
     sgd = torch.optim.SGD(param_groups(TinyNet()), lr=0.1, momentum=0.9)
     for group in sgd.param_groups:
         for p in group["params"]:
-            p.grad = torch.ones_like(p)
+            if p.requires_grad:  # as a training run steps them (a frozen param's state is refused first)
+                p.grad = torch.ones_like(p)
     sgd.step()
     with pytest.raises(ValueError, match=r"has \['momentum_buffer'\], AdamW keeps \['exp_avg', 'exp_avg_sq', 'step'\]"):
         opt.load_state_dict(sgd.state_dict())
@@ -438,6 +439,37 @@ def frozen_later_worker(directory: str) -> list[bool]:
 def test_state_of_params_frozen_after_training_started_survives(pools, tmp_path):
     for results in pools[2].run(frozen_later_worker, str(tmp_path)):
         assert results == [True, True, True]
+
+
+def frozen_at_build_worker() -> list[str]:
+    """A full dict holding state for a param frozen when the loading optimizer was built: refused (both partitions'
+    formats); loaded once that param is trainable at build, or once its entry is deleted."""
+    model, opt = _build()
+    _train(model, opt, range(2))
+    saved = _full(opt)
+    index = [id(p) for g in param_groups(model) for p in g["params"]].index(id(model.fc2.weight))
+    outcomes = []
+    for remedy in ("none", "trainable", "deleted"):
+        fresh_model = TinyNet()
+        fresh_model.fc2.weight.requires_grad_(remedy == "trainable")
+        fresh = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(fresh_model), lr=1e-2, foreach=False), bucket_size_mb=BUCKET_MB)
+        state_dict = copy.deepcopy(saved)
+        if remedy == "deleted":
+            del state_dict["state"][index]
+        try:
+            fresh.load_state_dict(state_dict)
+            outcomes.append("loaded")
+        except ValueError as error:
+            outcomes.append(str(error))
+    return outcomes
+
+
+def test_full_dict_with_state_for_a_param_frozen_at_build_is_refused(pools):
+    # Before: the load dropped that param's state but kept its step count, so unfrozen later it restarted from zero moments
+    # at step 3 (and the sharded format already refused the same checkpoint).
+    for refused, trainable, deleted in pools[2].run(frozen_at_build_worker):
+        assert "frozen (requires_grad=False) when this optimizer was built" in refused and "['params']" in refused
+        assert (trainable, deleted) == ("loaded", "loaded")
 
 
 def hooks_worker(directory: str) -> list[str]:

@@ -69,7 +69,8 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
 def check_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
     """The checks every full state dict passes (its structure; this optimizer's groups, param counts, shapes and dtypes).
     Returns the saved index of each of our params in ``torch.optim`` order, and the ``"zeroshard"`` entry (``{}`` for a plain
-    ``torch.optim`` dict). Raises ``ValueError`` for a non-state dict or another group count, param count, shape or dtype (named)."""
+    ``torch.optim`` dict). Raises ``ValueError`` for a non-state dict or another group count, param count, shape or dtype (named),
+    or state for params frozen when this optimizer was built (named; the sharded format refuses them too)."""
     if not isinstance(state_dict.get("state"), dict) or not isinstance(state_dict.get("param_groups"), list):
         raise ValueError("state_dict has no 'state' dict and 'param_groups' list: neither a zeroshard nor a torch.optim state dict")
     saved_groups = state_dict["param_groups"]
@@ -86,6 +87,13 @@ def check_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[list[i
             shape, dtype = meta["params"][saved_index]
             if (tuple(shape), dtype) != (tuple(p.shape), str(p.dtype)):
                 raise ValueError(f"{names[ours]} was saved with shape {tuple(shape)} and {dtype}, this model has {tuple(p.shape)} and {p.dtype}")
+    sharded = {i for shard in view.shards for i in shard.param_indices}
+    frozen = [ours for ours, saved_index in enumerate(order) if ours not in sharded and state_dict["state"].get(saved_index)]
+    if frozen:  # no shard to hold it: dropped, its moments would restart from zero when unfrozen, its step count not
+        names = param_names(view)
+        raise ValueError(f"state_dict holds optimizer state for {[names[i] for i in frozen]}, frozen (requires_grad=False) when this "
+                         "optimizer was built, so not sharded: unfreeze them before building the ShardedOptimizer, as when the "
+                         "state was saved, or delete their entries from state_dict['state'] to train them from fresh state")
     return order, meta
 
 
