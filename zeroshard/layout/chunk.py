@@ -71,6 +71,7 @@ class Chunk:
         self.host_grad: Tensor | None = None  # master dtype, host: the copy of grad the CPU update reads; None until used, and on the device
         self.host_param: Tensor | None = None  # param dtype, host, pinned: the cast of the updated master of 16-bit CUDA params; None until used
         self.pieces: list[ShardPiece] = list(pieces)
+        self._runs: dict[int, list[tuple[int, int]]] = {}  # see runs()
         self._shapes = {piece.param: buffer.params[piece.param].shape if layout.whole_params else torch.Size([piece.numel]) for piece in self.pieces}
         # One per piece, a view of weights, what the wrapped optimizer steps (its state is keyed by them); 1-D, or shaped
         # like the param with whole params (partition="param").
@@ -91,6 +92,23 @@ class Chunk:
     def offset_of(self, piece: ShardPiece) -> int:
         """First element of ``piece`` (one of :attr:`pieces`) within the chunk."""
         return piece.shard_offset - self.shard_offset
+
+    def breaks_run(self, start: int, i: int, unit: int) -> bool:
+        """Whether piece ``i`` cannot join a run of adjacent :attr:`pieces` that starts at piece ``start``: it does not follow
+        piece ``i - 1`` in the shard, or the run so far is not a whole number of ``unit`` elements."""
+        previous, piece = self.pieces[i - 1], self.pieces[i]
+        return previous.shard_offset + previous.numel != piece.shard_offset or bool((piece.shard_offset - self.pieces[start].shard_offset) % unit)
+
+    def runs(self, unit: int) -> list[tuple[int, int]]:
+        """``[start, end)`` ranges of :attr:`pieces` split where :meth:`breaks_run` (fixed by the layout: computed once per ``unit``)."""
+        if unit not in self._runs:
+            runs, start = [], 0
+            for i in range(1, len(self.pieces)):
+                if self.breaks_run(start, i, unit):
+                    runs.append((start, i))
+                    start = i
+            self._runs[unit] = [*runs, (start, len(self.pieces))] if self.pieces else []
+        return self._runs[unit]
 
     def view(self, piece: ShardPiece, of: Tensor | None = None) -> Tensor:
         """1-D view of ``piece``'s elements in ``of``, a per-chunk tensor (default: :attr:`weights`)."""

@@ -183,7 +183,6 @@ class FusedAdam:
         self._margin: tuple[MemoryTracer, float, torch.device] | None = None  # (tracer, ratio, device) until place_once
         # Per chunk, what bind() left: all of it unchanged (by identity) means every piece's state views its moments.
         self._bound: weakref.WeakKeyDictionary[Chunk, _Bound] = weakref.WeakKeyDictionary()
-        self._layout_runs: weakref.WeakKeyDictionary[Chunk, list[tuple[int, int]]] = weakref.WeakKeyDictionary()  # see _runs
 
     @torch.no_grad()
     def bind(self, shards: list[LocalShard], param_steps: list[int] | None = None) -> None:
@@ -341,7 +340,7 @@ class FusedAdam:
         if step and chunk_steps.count(step) == len(pieces) and bound is not None and all(bound.states):
             # The common case: every piece used, at one step count, with its state: the layout's runs, no work per piece.
             compat.foreach_copy_([state["step"] for state in bound.states if state], [torch.scalar_tensor(float(step))] * len(pieces))
-            for first, end in self._whole_runs(chunk):
+            for first, end in chunk.runs(self._unit(chunk)):
                 yield self._run(chunk, first, end, step)
             return
         unit = self._unit(chunk)
@@ -350,12 +349,9 @@ class FusedAdam:
         counts: dict[int, list[Tensor]] = defaultdict(list)  # step -> the state["step"] tensors to set to it
         for i, (piece, vparam) in enumerate(zip(chunk.pieces, chunk.virtual_params)):
             step = steps[piece.param]
-            if start is not None:  # the run ends unless this piece is used, follows it and starts on a cache line
-                previous = chunk.pieces[i - 1]
-                if step != run_step or previous.shard_offset + previous.numel != piece.shard_offset \
-                        or (piece.shard_offset - chunk.pieces[start].shard_offset) % unit:
-                    yield self._run(chunk, start, i, run_step)
-                    start = None
+            if start is not None and (step != run_step or chunk.breaks_run(start, i, unit)):  # the run ends here
+                yield self._run(chunk, start, i, run_step)
+                start = None
             if not step:
                 continue
             state = self.optimizer.state[vparam]
@@ -375,19 +371,6 @@ class FusedAdam:
     def _unit(chunk: Chunk) -> int:
         """How many elements a run must hold, in multiples, before another piece may join it: a cache line on CPU (see :meth:`_runs`)."""
         return 64 // chunk.master_dtype.itemsize if chunk.device.type == "cpu" else 1
-
-    def _whole_runs(self, chunk: Chunk) -> list[tuple[int, int]]:
-        """``[start, end)`` piece ranges of ``chunk``'s runs when every piece is used at one step count (fixed by the layout)."""
-        runs = self._layout_runs.get(chunk)
-        if runs is None:
-            pieces, unit, runs, start = chunk.pieces, self._unit(chunk), [], 0
-            for i in range(1, len(pieces)):
-                previous, piece = pieces[i - 1], pieces[i]
-                if previous.shard_offset + previous.numel != piece.shard_offset or (piece.shard_offset - pieces[start].shard_offset) % unit:
-                    runs.append((start, i))
-                    start = i
-            runs = self._layout_runs[chunk] = [*runs, (start, len(pieces))] if pieces else []
-        return runs
 
     @staticmethod
     def _run(chunk: Chunk, start: int, end: int, step: int) -> Run:
