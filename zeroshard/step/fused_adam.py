@@ -183,6 +183,7 @@ class FusedAdam:
         self._margin: tuple[MemoryTracer, float, torch.device] | None = None  # (tracer, ratio, device) until place_once
         # Per chunk, what bind() left: all of it unchanged (by identity) means every piece's state views its moments.
         self._bound: weakref.WeakKeyDictionary[Chunk, _Bound] = weakref.WeakKeyDictionary()
+        self._checked: set[int] = set()  # ids of the shards check_state() bound in this step (step() binds the others)
 
     @torch.no_grad()
     def bind(self, shards: list[LocalShard], param_steps: list[int] | None = None) -> None:
@@ -232,8 +233,10 @@ class FusedAdam:
         the statistics' all-reduce, where ``collective_timeout_s`` names the wait. Nothing while the first step's margin is
         still traced (:meth:`place_once` binds).
         """
+        self._checked = set()
         if self._margin is None:
             self.bind(shards, param_steps)
+            self._checked = {id(shard) for shard in shards}
 
     def start_margin_trace(self, device: torch.device, ratio: float) -> None:
         """Measure from now to the first step for ``gpu_margin_mem_ratio`` = ``ratio`` (> 0); :meth:`place_once` then places the chunks."""
@@ -291,10 +294,12 @@ class FusedAdam:
         device_runs: dict[int, list[Run]] = defaultdict(list)  # per shard
         host_runs: dict[Chunk, list[Run]] = defaultdict(list)  # per host chunk, in layout order
         for k, shard in enumerate(shards):
-            self.bind([shard])
+            if id(shard) not in self._checked:  # bound since check_state() otherwise (shards added in between are not)
+                self.bind([shard])
             for chunk in shard.chunks:
                 for run in self._runs(chunk, steps[k]):
                     (host_runs[chunk] if chunk.on_host else device_runs[k]).append(run)
+        self._checked = set()
         self._pipeline.start(list(host_runs))
         for k, runs in device_runs.items():
             device_adam(runs, self.optimizer.param_groups[shards[k].group], multiplier, self.adamw, shards[k].grad_shard.device, found_inf)
