@@ -122,14 +122,12 @@ def device_adam(runs: list[Run], group: dict, multiplier: float | Tensor, adamw:
     device flag (non-zero: leave everything untouched): then nothing is read back to the host.
     """
     fp64 = bool(runs) and runs[0].grad.dtype == torch.float64  # (one shard's runs share a dtype)
-    grad_scale = multiplier if isinstance(multiplier, Tensor) else (
-        None if multiplier == 1.0 else torch.full((1,), multiplier, device=device, dtype=torch.float64 if fp64 else torch.float32))
     backend = _kernel_backend(device, fp64)
     if backend is not None:
-        if grad_scale is None:  # the kernel always multiplies: its variant without a multiplier rounds differently on a GPU
-            # (up to 1 ulp, H100), and a step deciding on the device cannot know that its multiplier is 1.0 (no clip, or a clip
-            # coefficient of 1): its update must be the host-decided step's to the bit
-            grad_scale = torch.ones(1, device=device, dtype=torch.float32)
+        # The kernel always multiplies, also by 1.0: its variant without a multiplier rounds differently on a GPU (up to 1 ulp,
+        # H100), and a step deciding on the device cannot know that its multiplier is 1.0 (no clip, or a clip coefficient of
+        # 1): its update must be the host-decided step's to the bit.
+        grad_scale = multiplier if isinstance(multiplier, Tensor) else torch.full((1,), multiplier, device=device, dtype=torch.float32)
         for run in runs:
             fused_adamw_(
                 run.param, run.grad, run.exp_avg, run.exp_avg_sq, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
@@ -137,9 +135,10 @@ def device_adam(runs: list[Run], group: dict, multiplier: float | Tensor, adamw:
                 param_out=run.param_out, maximize=group.get("maximize", False), adamw=adamw, backend=backend,
             )
         return
-    if found_inf is not None:
-        raise RuntimeError("internal error: a device overflow flag for an update off the Triton kernel (see takes_device_scalars)")
-    if grad_scale is not None:
+    if found_inf is not None or isinstance(multiplier, Tensor):
+        raise RuntimeError("internal error: a device multiplier or overflow flag for an update off the Triton kernel (see takes_device_scalars)")
+    if multiplier != 1.0:
+        grad_scale = torch.full((1,), multiplier, device=device, dtype=torch.float64 if fp64 else torch.float32)
         for run in runs:
             run.grad.mul_(grad_scale)
     functional_adam(runs, group, adamw, foreach=group.get("foreach"), fused=group.get("fused"))
@@ -181,7 +180,8 @@ class FusedAdam:
         self._pipeline = OffloadPipeline()
         self.placement: Placement | None = None  # where place_once put the chunks
         self._margin: tuple[MemoryTracer, float, torch.device] | None = None  # (tracer, ratio, device) until place_once
-        # Per chunk, what bind() left: all of it unchanged (by identity) means every piece's state views its moments.
+        # Per chunk, what bind() left: all of it unchanged (the same objects, at the same addresses) means every piece's state
+        # views its moments.
         self._bound: weakref.WeakKeyDictionary[Chunk, _Bound] = weakref.WeakKeyDictionary()
         self._checked: set[int] = set()  # ids of the shards check_state() bound in this step (step() binds the others)
 
@@ -190,8 +190,8 @@ class FusedAdam:
         """Allocate every chunk's moments where missing; make each piece's state a view of them (copying a state entry that is
         not yet one, fresh from ``load_state_dict`` or left behind by a chunk that moved, into the moments).
 
-        Per chunk and step, the common case (nothing changed since the last call) is three identity checks over lists,
-        not Python work per piece (#27).
+        Per chunk and step, the common case (nothing changed since the last call) is an identity check and an address check
+        over lists (:class:`_Bound`), not Python work per piece (#27).
 
         Raises:
             RuntimeError: with ``param_steps`` (per ``torch.optim`` param index, its updates so far), a piece of a param
