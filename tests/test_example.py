@@ -16,23 +16,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_train_gpt_learns_on_two_ranks_checkpoints_and_resumes_offloaded_on_three(tmp_path):
     base = [sys.executable, "-m", "torch.distributed.run", str(ROOT / "examples" / "train_gpt.py"), "--ckpt-dir", str(tmp_path),
-            "--ckpt-every", "15", "--log-interval", "10", "--eval-batches", "4"]
-    first = subprocess.run(base[:3] + ["--nproc_per_node", "2"] + base[3:] + ["--steps", "30"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+            "--ckpt-every", "6", "--log-interval", "6", "--eval-batches", "4"]
+    first = subprocess.run(base[:3] + ["--nproc_per_node", "2"] + base[3:] + ["--steps", "12"], capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "optimizer state per rank:" in first.stdout
-    summary = re.search(r"done: 30 steps .* train loss ([\d.]+) -> ([\d.]+), val loss ([\d.]+) -> ([\d.]+)", first.stdout)
+    summary = re.search(r"done: 12 steps .* train loss ([\d.]+) -> ([\d.]+), val loss ([\d.]+) -> ([\d.]+)", first.stdout)
     assert summary, first.stdout[-3000:]
     train_before, train_after, val_before, val_after = map(float, summary.groups())
     assert val_after < val_before - 1.0 and train_after < train_before - 1.0, summary.group(0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000015", "step_000030"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000006", "step_000012"]
     # The resumed run offloads its state and keeps what the measured margin allows on the "device".
-    resumed_offloaded = ["--steps", "33", "--resume", "--offload", "cpu", "--gpu-margin-mem-ratio", "0.5"]
+    resumed_offloaded = ["--steps", "14", "--resume", "--offload", "cpu", "--gpu-margin-mem-ratio", "0.5"]
     second = subprocess.run(base[:3] + ["--nproc_per_node", "3"] + base[3:] + resumed_offloaded,
                             capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert re.search(r"gpu_margin_mem_ratio=0.5 of a [\d,]+ MiB margin .*: (\d+) of \1 chunks", second.stderr), second.stderr[-3000:]
-    assert f"resumed from {tmp_path / 'step_000030'} (step 30) on 3 ranks" in second.stdout
-    assert "done: 3 steps" in second.stdout
+    assert f"resumed from {tmp_path / 'step_000012'} (step 12) on 3 ranks" in second.stdout
+    assert "done: 2 steps" in second.stdout
 
 
 def test_kernels_installs_under_zeroshard_only(tmp_path):
@@ -47,7 +47,7 @@ def test_train_gpt_with_muon_shards_both_optimizers_learns_and_resumes_on_anothe
 
     base = [sys.executable, "-m", "torch.distributed.run", str(ROOT / "examples" / "train_gpt.py"), "--optimizer", "muon",
             "--ckpt-dir", str(tmp_path), "--ckpt-every", "5", "--log-interval", "5", "--eval-batches", "2"]
-    first = subprocess.run(base[:3] + ["--nproc_per_node", "2"] + base[3:] + ["--steps", "20", "--ckpt-every", "10"],
+    first = subprocess.run(base[:3] + ["--nproc_per_node", "2"] + base[3:] + ["--steps", "10"],
                            capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     # Muon on the blocks' 16 weight matrices, each owned whole by one rank; AdamW on the other 36 params, in flat slices.
@@ -55,18 +55,18 @@ def test_train_gpt_with_muon_shards_both_optimizers_learns_and_resumes_on_anothe
     assert re.search(r"^Muon on 16 params .*: ShardedOptimizer\(stage=2, partition='param'\), rank 0 updates 8 of them whole",
                      first.stdout, re.M), first.stdout
     assert re.search(r"optimizer state per rank: [\d.]+ \+ [\d.]+ MiB .* unsharded AdamW \+ Muon would hold", first.stdout), first.stdout
-    summary = re.search(r"done: 20 steps .* train loss ([\d.]+) -> ([\d.]+), val loss ([\d.]+) -> ([\d.]+)", first.stdout)
+    summary = re.search(r"done: 10 steps .* train loss ([\d.]+) -> ([\d.]+), val loss ([\d.]+) -> ([\d.]+)", first.stdout)
     assert summary, first.stdout[-3000:]
     train_before, train_after, val_before, val_after = map(float, summary.groups())
     assert val_after < val_before - 1.0 and train_after < train_before - 1.0, summary.group(0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010", "step_000020"]
-    saved = FileSystemReader(str(tmp_path / "step_000020")).read_metadata().state_dict_metadata
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000005", "step_000010"]
+    saved = FileSystemReader(str(tmp_path / "step_000010")).read_metadata().state_dict_metadata
     assert {key.split(".")[0] for key in saved} >= {"model", "optim", "optim_muon", "schedule", "schedule_muon", "step"}, sorted(saved)[:20]
-    second = subprocess.run(base[:3] + ["--nproc_per_node", "3"] + base[3:] + ["--steps", "25", "--resume"],
+    second = subprocess.run(base[:3] + ["--nproc_per_node", "3"] + base[3:] + ["--steps", "12", "--resume"],
                             capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert f"resumed from {tmp_path / 'step_000020'} (step 20) on 3 ranks" in second.stdout
-    assert "done: 5 steps" in second.stdout
+    assert f"resumed from {tmp_path / 'step_000010'} (step 10) on 3 ranks" in second.stdout
+    assert "done: 2 steps" in second.stdout
 
 
 def _example_module():
