@@ -140,9 +140,11 @@ def test_large_param_gets_own_bucket_and_padding_goes_last():
 
 
 @settings(max_examples=200, deadline=None)
-@given(data=st.data(), numels=numels, bucket_numel=st.integers(1, 700), world_size=st.integers(1, 4), owned=st.booleans())
-def test_staging_bucket_equals_zeros_plus_every_gradient(data, numels, bucket_numel, world_size, owned):
-    """Stage 2's staging (copy on first write, zero only what was not written) equals zero-fill + add, reused buffers included."""
+@given(data=st.data(), numels=numels, bucket_numel=st.integers(1, 700), world_size=st.integers(1, 4), owned=st.booleans(),
+       grad_dtype=st.sampled_from([torch.float64, torch.float32]))
+def test_staging_bucket_equals_zeros_plus_every_gradient(data, numels, bucket_numel, world_size, owned, grad_dtype):
+    """Stage 2's staging (held gradients written per run of adjacent slots, only what none wrote zeroed) equals zero-fill + add,
+    reused buffers included, gradients of another dtype cast."""
     from zeroshard.reduce.staging import StagingBuckets
 
     owners = data.draw(st.lists(st.integers(0, world_size - 1), min_size=len(numels), max_size=len(numels))) if owned else None
@@ -152,11 +154,11 @@ def test_staging_bucket_equals_zeros_plus_every_gradient(data, numels, bucket_nu
         writes = data.draw(st.lists(st.integers(0, len(numels) - 1), max_size=2 * len(numels)))
         expected = {b.index: torch.zeros(b.padded_numel, dtype=torch.float64) for b in layout.buckets}
         for i in writes:
-            grad = torch.randn(numels[i], dtype=torch.float64)
+            grad = torch.randn(numels[i], dtype=grad_dtype)  # cast to the staging (reduce) dtype, float64
             slot = layout.slots[i]
             start = slot.offset - layout.buckets[slot.bucket].offset
             expected[slot.bucket][start : start + slot.numel] += grad
-            staging.add((0, slot.bucket), layout, i, grad, torch.float64)
+            staging.add((0, slot.bucket), i, grad, torch.float64)
         for b in layout.buckets:
             got = staging.pop((0, b.index), layout)
             if got is None:

@@ -284,7 +284,7 @@ class GradReducer:
             return False
         grad = param.grad
         if grads.flat is None and grad is not None and not isinstance(grad, ShardedGrad):  # stage 2
-            self._staging.add(key, self.shards[k].buffer.layout, i, grad, self.reduce_dtype or grads.shard.buffer.dtype)
+            self._staging.add(key, i, grad, self.reduce_dtype or grads.shard.buffer.dtype)
             param.grad = None if self._ddp_reduced else grads.sharded_grad(i, param)
         if not grads.take(i, last):
             return False

@@ -1,19 +1,17 @@
-"""Stage 2's staging buckets: where a backward's gradients wait for their bucket's reduce-scatter.
+"""Stage 2's staging buckets: where a backward's gradients meet for their bucket's reduce-scatter.
 
 See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for buckets and slots.
 
-Each bucket being filled gets a 1-D staging buffer in the reduce dtype, ``padded_numel`` elements, taken from a pool of
-free ones (or allocated) without zeroing. A param's gradient is *copied* into its slot the first time (one read and one
-write, where zero-filling and adding took two passes more); a second one for the same slot before the launch is added.
-At the launch only what no gradient wrote is zeroed: the slots of params without a gradient on this rank and the
-padding. After the reduce-scatter the buffer goes back to the pool; :meth:`StagingBuckets.clear` drops them all (no
-gradient memory is held between steps).
+A bucket's gradients are held as autograd made them until the bucket launches (FSDP2 holds a module's the same way), then
+written into a 1-D staging buffer in the reduce dtype, ``padded_numel`` elements, taken from a pool of free ones (or
+allocated) without zeroing: one ``torch.cat`` per run of adjacent slots, where a copy per param cost two operators per
+param and backward. A second gradient for the same slot before the launch is added (in the reduce dtype, as a copy then
+an ``add_``). Only what no gradient wrote is zeroed: the slots of params without a gradient on this rank and the padding.
+Holding the gradients costs at most one bucket of memory at the launch. After the reduce-scatter the buffer goes back to
+the pool; :meth:`StagingBuckets.clear` drops them all (no gradient memory is held between steps).
 """
 
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -21,72 +19,63 @@ from torch import Tensor
 from zeroshard.layout.partition import FlatLayout
 
 
-@dataclass
-class _Staged:
-    data: Tensor  # 1D reduce dtype, the bucket's padded_numel elements
-    written: set[int] = field(default_factory=set)  # indices of the params whose gradient is in ``data``
-
-
-@functools.lru_cache(maxsize=1024)
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (in elements)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 class StagingBuckets:
     """The staging buffers of one gradient reducer's buckets, keyed by (shard, bucket)."""
 
     def __init__(self) -> None:
-        self._open: dict[tuple[int, int], _Staged] = {}
+        self._open: dict[tuple[int, int], dict[int, Tensor]] = {}  # per open bucket: param index -> its gradient
+        self._dtypes: dict[tuple[int, int], torch.dtype] = {}  # per open bucket: the reduce dtype
         self._pool: dict[tuple[int, torch.dtype], list[Tensor]] = {}  # (numel, dtype) -> free buffers, until clear()
 
-    def add(self, key: tuple[int, int], layout: FlatLayout, index: int, grad: Tensor, dtype: torch.dtype) -> None:
-        """Put param ``index``'s gradient (any shape, ``slot.numel`` elements) into its slot of bucket ``key`` (shard, bucket), cast to ``dtype``."""
-        slot = layout.slots[index]
-        bucket = layout.buckets[slot.bucket]
-        staged = self._open.get(key)
-        if staged is None:
-            free = self._pool.get((bucket.padded_numel, dtype))
-            staged = self._open[key] = _Staged(free.pop() if free else torch.empty(bucket.padded_numel, dtype=dtype, device=grad.device))
-        start = slot.offset - bucket.offset
-        # The slot shaped like the gradient, in one operator (a slice and a view would be two per param and backward).
-        target = staged.data.as_strided(grad.shape, contiguous_strides(grad.shape), staged.data.storage_offset() + start)
-        if index in staged.written:
-            target.add_(grad)
+    def add(self, key: tuple[int, int], index: int, grad: Tensor, dtype: torch.dtype) -> None:
+        """Hold param ``index``'s gradient (any shape, its slot's numel elements) for bucket ``key`` (shard, bucket), to be cast to ``dtype``."""
+        held = self._open.get(key)
+        if held is None:
+            held = self._open[key] = {}
+            self._dtypes[key] = dtype
+        if index in held:  # a second gradient before the launch: summed as the staging buffer would have summed it
+            held[index] = held[index].to(dtype, copy=True).add_(grad)
         else:
-            target.copy_(grad)
-            staged.written.add(index)
+            held[index] = grad
 
     def pop(self, key: tuple[int, int], layout: FlatLayout) -> Tensor | None:
-        """The filled staging buffer of bucket ``key``, every element no gradient wrote set to zero; ``None`` if none arrived."""
-        staged = self._open.pop(key, None)
-        if staged is None:
+        """The staging buffer of bucket ``key``: every held gradient in its slot, every other element zero; ``None`` if none arrived."""
+        held = self._open.pop(key, None)
+        if held is None:
             return None
+        dtype = self._dtypes.pop(key)
         bucket = layout.buckets[key[1]]
+        free = self._pool.get((bucket.padded_numel, dtype))
+        data = free.pop() if free else torch.empty(bucket.padded_numel, dtype=dtype, device=next(iter(held.values())).device)
+        runs: list[tuple[int, list[Tensor]]] = []  # (first element, the gradients written back to back from it)
         end = 0  # the first element not yet accounted for
-        for slot in sorted((layout.slots[i] for i in bucket.params), key=lambda s: s.offset):
-            if slot.index in staged.written:
-                start = slot.offset - bucket.offset
-                if start > end:
-                    staged.data[end:start].zero_()  # padding, or the slots of params without a gradient, before this one
-                end = start + slot.numel
-        if end < staged.data.numel():
-            staged.data[end:].zero_()
-        return staged.data
+        for index in bucket.params:  # in flat order
+            grad = held.get(index)
+            if grad is None:
+                continue
+            start = layout.slots[index].offset - bucket.offset
+            if start > end:
+                data[end:start].zero_()  # padding, or the slots of params without a gradient, before this one
+            if start > end or not runs:
+                runs.append((start, []))
+            runs[-1][1].append(grad.reshape(-1))
+            end = start + layout.slots[index].numel
+        if end < data.numel():
+            data[end:].zero_()
+        for start, grads in runs:
+            torch.cat(grads, out=data[start : start + sum(g.numel() for g in grads)])
+        return data
 
     def recycle(self, data: Tensor) -> None:
         """Return a staging buffer whose reduce-scatter has completed to the pool."""
         self._pool.setdefault((data.numel(), data.dtype), []).append(data)
 
     def clear(self) -> None:
-        """Forget every open and pooled buffer (between steps, or after a backward that raised)."""
+        """Forget every held gradient and pooled buffer (between steps, or after a backward that raised)."""
         self._open.clear()
+        self._dtypes.clear()
         self._pool.clear()
 
     def buffers(self) -> list[Tensor]:
-        """Every buffer held now, open or pooled (not those in flight: the caller holds them)."""
-        return [s.data for s in self._open.values()] + [t for free in self._pool.values() for t in free]
+        """Every tensor held now: the gradients of open buckets and the pooled buffers (not those in flight: the caller holds them)."""
+        return [g for held in self._open.values() for g in held.values()] + [t for free in self._pool.values() for t in free]
