@@ -284,7 +284,8 @@ class GradReducer:
             return False
         grad = param.grad
         if grads.flat is None and grad is not None and not isinstance(grad, ShardedGrad):  # stage 2
-            self._staging.add(key, i, grad, self.reduce_dtype or grads.shard.buffer.dtype)
+            # Held until the bucket launches; a DDP reducing this backward may reduce its bucket (.grad's storage) in place before.
+            self._staging.add(key, i, grad.clone() if self._ddp_reduced else grad, self.reduce_dtype or grads.shard.buffer.dtype)
             param.grad = None if self._ddp_reduced else grads.sharded_grad(i, param)
         if not grads.take(i, last):
             return False
