@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 
@@ -58,17 +59,27 @@ def weak_method(method: Callable) -> Callable:
 
 def param_hooks(reducer: Any, shard: int, index: int, param: nn.Parameter) -> tuple[Callable, Callable]:
     """The tensor pre-hook and post-accumulate-grad hook of param ``index`` of shard ``shard``, calling ``reducer``'s
-    ``before_accumulate`` and ``on_grad_ready``; both hold the reducer and the param weakly (no-ops once either is gone)."""
+    ``before_accumulate`` and ``on_grad_ready``; both hold the reducer and the param weakly (no-ops once either is gone).
+
+    Under ``backward(create_graph=True)`` hooks run with grad mode on: the reducer's copies and collectives then run under
+    ``torch.no_grad()``, carrying the gradients' values only (as DDP's reducer does), never autograd history.
+    """
     reducer_ref, param_ref = weakref.ref(reducer), weakref.ref(param)
 
     def pre_hook(grad: Tensor) -> None:  # before autograd accumulates ``grad`` into ``param.grad``
         live, held = reducer_ref(), param_ref()
         if live is not None and held is not None:
+            if torch.is_grad_enabled():  # backward(create_graph=True)
+                with torch.no_grad():
+                    return live.before_accumulate(shard, index, held, grad)
             live.before_accumulate(shard, index, held, grad)
 
     def post_hook(held: nn.Parameter) -> None:  # once ``held.grad`` holds the accumulated gradient
         live = reducer_ref()
         if live is not None:
+            if torch.is_grad_enabled():
+                with torch.no_grad():
+                    return live.on_grad_ready(shard, index, held)
             live.on_grad_ready(shard, index, held)
 
     return pre_hook, post_hook

@@ -29,6 +29,8 @@ class StagingBuckets:
 
     def add(self, key: tuple[int, int], index: int, grad: Tensor, dtype: torch.dtype) -> None:
         """Hold param ``index``'s gradient (any shape, its slot's numel elements) for bucket ``key`` (shard, bucket), to be cast to ``dtype``."""
+        if grad.requires_grad:  # backward(create_graph=True): the reduction carries values only, as DDP's does
+            grad = grad.detach()
         held = self._open.get(key)
         if held is None:
             held = self._open[key] = {}
