@@ -32,8 +32,8 @@ SMALL_BUCKETS_MB = 0.0005  # ~130 fp32 elements: TinyNet's params span several b
 
 @contextlib.contextmanager
 def _delayed_all_gathers(delay_s: float):
-    """Sleep ``delay_s`` before the first all-gather launched in the block (a whole bucket, or a piece
-    of one on gloo), which delays every later one too: they are launched after it."""
+    """Sleep ``delay_s`` before the first bucket all-gather launched in the block, which delays every later one too:
+    they are launched after it."""
     slept = []
 
     def delayed(real):
@@ -44,8 +44,7 @@ def _delayed_all_gathers(delay_s: float):
 
         return launch
 
-    with mock.patch.object(collectives, "all_gather", delayed(collectives.all_gather)), \
-            mock.patch.object(collectives, "all_gather_piece", delayed(collectives.all_gather_piece)):
+    with mock.patch.object(collectives, "all_gather", delayed(collectives.all_gather)):
         yield
 
 
@@ -54,7 +53,7 @@ EACH_DELAY_S = 0.03
 
 @contextlib.contextmanager
 def _delayed_gathers(delay_s: float):
-    """Sleep ``delay_s`` before every all-gather launched in the block (a bucket, or a piece of one on gloo)."""
+    """Sleep ``delay_s`` before every bucket all-gather launched in the block."""
 
     def delayed(real):
         def launch(*args):
@@ -63,8 +62,7 @@ def _delayed_gathers(delay_s: float):
 
         return launch
 
-    with mock.patch.object(collectives, "all_gather", delayed(collectives.all_gather)), \
-            mock.patch.object(collectives, "all_gather_piece", delayed(collectives.all_gather_piece)):
+    with mock.patch.object(collectives, "all_gather", delayed(collectives.all_gather)):
         yield
 
 
@@ -91,11 +89,8 @@ def _read(how: str, model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tenso
     raise ValueError(how)
 
 
-def overlapped_reads_worker(how: str, guard_waits: bool, first_piece_bytes: int = param_gather.FIRST_PIECE_BYTES) -> bool:
-    """Step with rank 1's gathers delayed, read at once on every rank; whether the reads were current.
-
-    ``first_piece_bytes``: the first piece of each bucket's gather (gloo sends them in pieces, forward-first).
-    """
+def overlapped_reads_worker(how: str, guard_waits: bool) -> bool:
+    """Step with rank 1's gathers delayed, read at once on every rank; whether the reads were current."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = TinyNet()
@@ -105,12 +100,10 @@ def overlapped_reads_worker(how: str, guard_waits: bool, first_piece_bytes: int 
     loss_fn(model, x, y).backward()
     passthrough = mock.patch.object(param_gather._ParamGuard, "__torch_function__",
                                     lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})))
-    with _delayed_all_gathers(DELAY_S if rank == 1 else 0.0), mock.patch.object(param_gather, "FIRST_PIECE_BYTES", first_piece_bytes):
+    with _delayed_all_gathers(DELAY_S if rank == 1 else 0.0):
         opt.step()
     opt.zero_grad()
-    assert opt._gather.pending > 0 or rank == 1, "step() waited for its all-gathers"
-    buckets = sum(len(shard.chunks) for shard in opt._shards)
-    assert rank == 1 or (opt._gather.pending > buckets) == (first_piece_bytes < 256), "pieces: one gather per bucket piece"
+    assert opt._gather.pending == sum(len(shard.chunks) for shard in opt._shards) or rank == 1, "one gather per bucket, in flight"
     if guard_waits:
         read = _read(how, reader, x)
     else:
@@ -128,10 +121,29 @@ def test_reads_after_step_see_every_ranks_update(pools, how):
     assert pools[2].run(overlapped_reads_worker, how, True) == [True, True]
 
 
-@pytest.mark.parametrize("how", ["clone", "forward"])
-def test_reads_wait_for_the_pieces_holding_their_params(pools, how):
-    # 32-byte first pieces: several per bucket, params split across pieces and ranks' slots
-    assert pools[2].run(overlapped_reads_worker, how, True, 32) == [True, True]
+def first_read_waits_for_all_worker() -> list[int]:
+    """Off CUDA a wait blocks the host, so the first param read waits for every gather: the guard is off the mode stack by
+    the forward's next module call. The mode depth at each Linear's call in the forward that follows ``step()``."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), bucket_size_mb=SMALL_BUCKETS_MB)
+    depths: list[int] = []
+    for layer in model:
+        layer.register_forward_pre_hook(lambda module, args: depths.append(len(compat.function_mode_stack())))
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    opt.step()
+    assert opt._gather.pending > 1 or rank == 1, "the buckets' gathers in flight"
+    depths.clear()
+    model(x)
+    opt.close()
+    return depths
+
+
+def test_off_cuda_the_first_read_waits_for_every_gather_and_the_guard_goes(pools):
+    for depths in pools[2].run(first_read_waits_for_all_worker):
+        assert depths == [1, 0, 0, 0], depths  # pushed at the first Linear, popped at the second's call
 
 
 def test_the_delay_exposes_a_stale_read_without_the_guard(pools):

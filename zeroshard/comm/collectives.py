@@ -123,18 +123,10 @@ def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> AsyncWork:
     """
     if not point_to_point(input, group):
         return dist.all_gather_single(output, input, group=group, async_op=True)
-    own = output.view(-1, input.numel())[dist.get_rank(group)]
-    if own.data_ptr() != input.data_ptr():
-        own.copy_(input)
-    return all_gather_piece(output, 0, input.numel(), group)
-
-
-def all_gather_piece(output: Tensor, start: int, end: int, group: ProcessGroup) -> PointToPointWork:
-    """Start an in-place all-gather of elements ``[start, end)`` of every rank's slot of ``output``, point to point (only where
-    :func:`point_to_point` holds): ``output`` is 1-D, ``group.size()`` equal slots, this rank's already holding its values.
-    Call ``wait()`` on the handle before reading those elements."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    slots = [slot[start:end] for slot in output.view(world, -1).unbind()]
+    slots = output.view(world, -1).unbind()
+    if slots[me].data_ptr() != input.data_ptr():
+        slots[me].copy_(input)
     others = [q for q in range(world) if q != me]
     return PointToPointWork(_exchange({q: slots[me] for q in others}, {q: slots[q] for q in others}, group, _ALL_GATHER_TAG))
 

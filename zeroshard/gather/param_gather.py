@@ -1,8 +1,9 @@
 """The all-gather of updated params after ``step()``, overlapped with whatever runs next (the next forward).
 
-See "One step" in ``docs/design.md`` (buckets gathered in forward order, each waited for just before the first torch
-function that touches one of its params, as Megatron-LM's ``overlap_param_gather`` overlaps them) and "Reading params
-after ``step()``" in ``docs/api.md`` (what the guard covers and what not, when it is pushed and popped, its cost).
+See "One step" in ``docs/design.md`` (buckets gathered in forward order; on CUDA each waited for just before the first
+torch function that touches one of its params, as Megatron-LM's ``overlap_param_gather`` overlaps them; where a wait
+blocks the host, all of them at the first such touch) and "Reading params after ``step()``" in ``docs/api.md`` (what the
+guard covers and what not, when it is pushed and popped, its cost).
 
 Why a ``TorchFunctionMode`` rather than forward pre-hooks on the modules (Megatron's way): the optimizer is given params,
 not modules, and a param can be read outside any forward (an EMA copy, ``model.state_dict()``, ``torch.save``,
@@ -17,7 +18,6 @@ from __future__ import annotations
 import datetime
 import functools
 import itertools
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from zeroshard.comm import collectives
 from zeroshard.compat import function_mode_stack, pop_function_mode, push_function_mode
-from zeroshard.layout.chunk import Chunk
 from zeroshard.layout.local_shard import LocalShard
-
-# Point to point (gloo), a bucket's gather goes in pieces, forward-first: the first piece holds this
-# many bytes of the bucket (its slice of every rank's slot), each later piece twice the one before.
-FIRST_PIECE_BYTES = 1 << 20
 
 
 @dataclass(eq=False)
@@ -64,8 +59,6 @@ class ParamGather:
         self._pending: list[BucketGather] = []  # in launch order; earlier ones complete first
         # Waited for on another CUDA stream than their launch stream only: still guarded (see _settle).
         self._unsettled: list[BucketGather] = []
-        # Per chunk (gathered in pieces): its pieces, and the params each completes (fixed by the layout).
-        self._plans: weakref.WeakKeyDictionary[Chunk, list[tuple[tuple[int, int], tuple[nn.Parameter, ...]]]] = weakref.WeakKeyDictionary()
 
     @property
     def pending(self) -> int:
@@ -92,25 +85,11 @@ class ParamGather:
         if self.size == 1:
             return  # a shard group of one: the params are already complete, nothing to guard
         for owner, chunk in reversed([(shard, chunk) for shard in shards for chunk in shard.chunks]):
-            stream = _current_stream(chunk.params.device)
-            if collectives.point_to_point(chunk.params, self.group):
-                for (start, end), params in self._plan(owner, chunk):
-                    self._pending.append(BucketGather(collectives.all_gather_piece(chunk.bucket_params, start, end, self.group), params, stream))
-            else:
-                work = collectives.all_gather(chunk.bucket_params, chunk.params, self.group)
-                bucket_params = tuple(owner.buffer.params[i] for i in owner.buffer.layout.buckets[chunk.bucket].params)
-                self._pending.append(BucketGather(work, bucket_params, stream))
+            work = collectives.all_gather(chunk.bucket_params, chunk.params, self.group)
+            bucket_params = tuple(owner.buffer.params[i] for i in owner.buffer.layout.buckets[chunk.bucket].params)
+            self._pending.append(BucketGather(work, bucket_params, _current_stream(chunk.params.device)))
         if not (self.overlap and _GUARD.watch(self)):
             self.wait()
-
-    def _plan(self, owner: LocalShard, chunk: Chunk) -> list[tuple[tuple[int, int], tuple[nn.Parameter, ...]]]:
-        """``chunk``'s gather pieces with the params each completes (computed at its first gather)."""
-        plan = self._plans.get(chunk)
-        if plan is None:
-            first = max(1, FIRST_PIECE_BYTES // (self.size * chunk.params.element_size()))
-            pieces = forward_first_pieces(chunk.numel, first)
-            plan = self._plans[chunk] = list(zip(pieces, _params_by_piece(owner, chunk, pieces)))
-        return plan
 
     def drop_completed(self) -> None:
         """Retire the gathers at the front that have completed by themselves (never blocks)."""
@@ -151,41 +130,6 @@ class ParamGather:
         if gather.stream is None or gather.work.is_completed() or _current_stream(gather.stream.device) == gather.stream:
             self._unsettled.remove(gather)
             _GUARD.forget(gather)
-
-
-def forward_first_pieces(slot_numel: int, first_numel: int) -> list[tuple[int, int]]:
-    """``[start, end)`` pieces of a slot of ``slot_numel`` elements: from its end backwards, each twice the one before.
-
-    The end of a slot is where the next forward begins (the layout follows backward order), so the first piece is small
-    and the first layers wait for little; doubling keeps the pieces few (``log2`` of the slot over ``first_numel``), as
-    DDP's small first bucket does for backward.
-    """
-    pieces, end, size = [], slot_numel, first_numel
-    while end > 0:
-        start = max(0, end - size)
-        pieces.append((start, end))
-        end, size = start, 2 * size
-    return pieces
-
-
-def _params_by_piece(shard: LocalShard, chunk: Chunk, pieces: list[tuple[int, int]]) -> list[tuple[nn.Parameter, ...]]:
-    """Per piece, the params of the bucket that it completes: those whose last piece (in launch order) it is.
-
-    A param's elements may lie in several ranks' slots; in each, the piece holding its first element is its latest
-    there, pieces going from the end of a slot backwards.
-    """
-    layout, slot_numel = shard.buffer.layout, chunk.numel
-    bucket = layout.buckets[chunk.bucket]
-    completes: list[list[nn.Parameter]] = [[] for _ in pieces]
-    for i in bucket.params:
-        start = layout.slots[i].offset - bucket.offset
-        end = start + layout.slots[i].numel
-        last = 0
-        for rank in range(start // slot_numel, max(start, end - 1) // slot_numel + 1):
-            first = max(start, rank * slot_numel) - rank * slot_numel
-            last = max(last, next(j for j, (lo, _) in enumerate(pieces) if first >= lo))
-        completes[last].append(shard.buffer.params[i])
-    return [tuple(params) for params in completes]
 
 
 class _ParamGuard(TorchFunctionMode):
@@ -264,7 +208,9 @@ class _ParamGuard(TorchFunctionMode):
                 for item in value if isinstance(value, (list, tuple)) else (value,):
                     entry = self._waiting.get(id(item))
                     if entry is not None:
-                        entry[0].wait(upto=entry[1])
+                        # On CUDA a wait orders the stream (the rest overlap on); a host-blocking wait waits for all at
+                        # once: the mode then goes at the next module call, not after the last param's first read.
+                        entry[0].wait(upto=entry[1] if entry[1].stream is not None else None)
         return func(*args, **(kwargs or {}))
 
 
