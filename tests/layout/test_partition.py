@@ -167,3 +167,21 @@ def test_staging_bucket_equals_zeros_plus_every_gradient(data, numels, bucket_nu
             assert torch.equal(got, expected[b.index])
             got.fill_(float("nan"))  # dirty, as after a reduce-scatter
             staging.recycle(got)
+
+
+def test_staging_copies_a_gradient_that_is_a_slice_of_a_larger_tensor():
+    """Held until its bucket launches, a slice would keep the whole tensor alive (a new embedding row's gradient, cut from
+    the gradient of ``torch.cat([frozen_table, new_rows])``): such a gradient is copied when it arrives, an own one held."""
+    from zeroshard.reduce.staging import StagingBuckets
+
+    layout = build_layout([8, 8], bucket_numel=16, world_size=2)
+    whole = torch.randn(1000, 8)
+    own = torch.randn(8)
+    staging = StagingBuckets()
+    staging.add((0, 0), 0, whole[-1], torch.float32)
+    staging.add((0, 0), 1, own, torch.float32)
+    held = staging.buffers()
+    assert [t.untyped_storage().nbytes() for t in held] == [8 * 4, 8 * 4] and held[1] is own
+    expected = torch.cat([whole[-1], own])
+    whole.zero_()  # the larger tensor written after the gradient arrived
+    assert torch.equal(staging.pop((0, 0), layout), expected)

@@ -7,8 +7,10 @@ written into a 1-D staging buffer in the reduce dtype, ``padded_numel`` elements
 allocated) without zeroing: one ``torch.cat`` per run of adjacent slots, where a copy per param cost two operators per
 param and backward. A second gradient for the same slot before the launch is added (in the reduce dtype, as a copy then
 an ``add_``). Only what no gradient wrote is zeroed: the slots of params without a gradient on this rank and the padding.
-Holding the gradients costs at most one bucket of memory at the launch. After the reduce-scatter the buffer goes back to
-the pool; :meth:`StagingBuckets.clear` drops them all (no gradient memory is held between steps).
+A gradient that is a slice of a larger tensor (``torch.cat``'s backward hands out such slices) is copied on arrival
+instead: held, it would keep all of that tensor alive. Holding the gradients costs at most one bucket of memory. After
+the reduce-scatter the buffer goes back to the pool; :meth:`StagingBuckets.clear` drops them all (no gradient memory is
+held between steps).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class StagingBuckets:
         """Hold param ``index``'s gradient (any shape, its slot's numel elements) for bucket ``key`` (shard, bucket), to be cast to ``dtype``."""
         if grad.requires_grad:  # backward(create_graph=True): the reduction carries values only, as DDP's does
             grad = grad.detach()
+        if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():  # a slice of a larger gradient (cat's backward)
+            grad = grad.clone()  # held, it would keep all of that alive until the launch
         held = self._open.get(key)
         if held is None:
             held = self._open[key] = {}
