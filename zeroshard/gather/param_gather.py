@@ -99,6 +99,12 @@ class ParamGather:
             self._unsettled.remove(gather)
             _GUARD.forget(gather)
 
+    def wait_for(self, gather: BucketGather) -> None:
+        """Wait before a read of ``gather``'s params: on CUDA for it and those launched before it (a wait orders the stream,
+        the rest overlap on); where a wait blocks the host, for every gather at once, so the guard can go at the next
+        module call instead of staying pushed until the last param's first read."""
+        self.wait(upto=gather if gather.stream is not None else None)
+
     def wait(self, upto: BucketGather | None = None) -> None:
         """Wait for the pending gathers in launch order, through ``upto`` (``None``: all of them).
 
@@ -198,7 +204,7 @@ class _ParamGuard(TorchFunctionMode):
             for param in module.parameters():
                 entry = self._waiting.get(id(param))
                 if entry is not None:
-                    entry[0].wait(upto=entry[1])
+                    entry[0].wait_for(entry[1])
         self.pop_if_done()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -208,9 +214,7 @@ class _ParamGuard(TorchFunctionMode):
                 for item in value if isinstance(value, (list, tuple)) else (value,):
                     entry = self._waiting.get(id(item))
                     if entry is not None:
-                        # On CUDA a wait orders the stream (the rest overlap on); a host-blocking wait waits for all at
-                        # once: the mode then goes at the next module call, not after the last param's first read.
-                        entry[0].wait(upto=entry[1] if entry[1].stream is not None else None)
+                        entry[0].wait_for(entry[1])
         return func(*args, **(kwargs or {}))
 
 
