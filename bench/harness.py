@@ -199,7 +199,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
         raise NotEnoughGPUs(f"{fn.__module__}.{fn.__name__} needs {world_size} ranks, one per GPU, and this machine has "
                             f"{torch.cuda.device_count()} GPU(s); CUDA_VISIBLE_DEVICES= runs it on CPU ranks with gloo")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # ranks forked from one server that imported torch once, not each importing it
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # (no CUDA call: a fork of it may use any GPU)
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_entry, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]

@@ -4,6 +4,7 @@ kernel, offload, muon and overhead suites (their output included). No timing is 
 from __future__ import annotations
 
 import csv
+import itertools
 import os
 import subprocess
 import sys
@@ -148,37 +149,57 @@ def test_profiler_notices_are_dropped_and_the_rest_of_stderr_kept(capfd):
     assert capfd.readouterr().err == "a warning that stays\n"
 
 
-def _run_suite(name: str, out, phases: int, ranks: int = 1) -> list[dict]:
-    """Run ``python -m bench <name> --quick`` into ``out``; the rows of the CSV it wrote.
+# The suites run end to end here, with the world size each needs: a suite needing more ranks than the machine has GPUs
+# runs on CPU ranks (NCCL takes one GPU per rank).
+SUITE_RANKS = {"step": 4, "kernel": 1, "offload": 1, "muon": muon.WORLD_SIZE, "overhead": 2}
 
-    A suite of more ``ranks`` than the machine has GPUs runs on CPU ranks (NCCL takes one GPU per
-    rank). Also checks what it printed: ``phases`` progress lines before the first table, each
-    table's legend under its last row (the shared ratio legend where it has a ``ratio`` column),
-    and none of the profiler's own notices."""
-    env = dict(os.environ)
-    if 0 < torch.cuda.device_count() < ranks:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    result = subprocess.run([sys.executable, "-m", "bench", name, "--quick", "--out", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    (path,) = out.glob(f"{name}-*.csv")
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
-    lines = result.stdout.splitlines()
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory) -> dict[str, tuple[list[str], list[dict]]]:
+    """Per suite: the lines ``python -m bench ... --quick`` printed for it and the rows of the CSV it wrote.
+
+    The suites share a command (one ``python -m bench`` per set of suites that see the same GPUs): a
+    command starts its rank processes from one server that imported torch once."""
+    out = tmp_path_factory.mktemp("bench")
+    hidden = {name for name, ranks in SUITE_RANKS.items() if 0 < torch.cuda.device_count() < ranks}
+    stdout = []
+    for names in ([n for n in SUITE_RANKS if n not in hidden], [n for n in SUITE_RANKS if n in hidden]):
+        if not names:
+            continue
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if names[0] in hidden else dict(os.environ)
+        result = subprocess.run([sys.executable, "-m", "bench", *names, "--quick", "--out", str(out)],
+                                capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        noise = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith(("USDT:", "STAGE:"))]
+        assert not noise, noise
+        stdout += result.stdout.splitlines()
+    runs = {}
+    for name in SUITE_RANKS:  # each suite's lines end with "<name>: <seconds> s, wrote <csv>"
+        (last,) = [i for i, line in enumerate(stdout) if line.startswith(f"{name}: ") and ", wrote " in line]
+        lines, stdout = stdout[:last + 1], stdout[last + 1:]
+        (path,) = out.glob(f"{name}-*.csv")
+        with open(path) as f:
+            runs[name] = (list(itertools.dropwhile(lambda line: not line, lines)), list(csv.DictReader(f)))
+    return runs
+
+
+def _run_suite(runs: dict, name: str, phases: int) -> list[dict]:
+    """The rows of suite ``name``'s CSV from :func:`quick_runs`, after checking what it printed: ``phases`` progress lines
+    before the first table, each table's legend under its last row (the shared ratio legend where it has a ``ratio``
+    column), and none of the profiler's own notices."""
+    lines, rows = runs[name]
     progress = [i for i, line in enumerate(lines) if line.startswith(f"{name}: ") and line.endswith(" ...")]
-    assert len(progress) == phases and progress == list(range(phases)), result.stdout
+    assert len(progress) == phases and progress == list(range(phases)), lines
     for table in bench_main.SUITES[name].TABLES:
         legend = lines.index(table.legend)
         header = lines[legend - len(table.select(rows)) - 2]
-        assert set(lines[legend - len(table.select(rows)) - 1]) == {"-", " "}, result.stdout
+        assert set(lines[legend - len(table.select(rows)) - 1]) == {"-", " "}, lines
         assert ("ratio" in header.split()) == (RATIO_LEGEND in table.legend), header
-    noise = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith(("USDT:", "STAGE:"))]
-    assert not noise, noise
     return rows
 
 
-def test_step_suite_runs_end_to_end(tmp_path):
-    rows = _run_suite("step", tmp_path, phases=2, ranks=4)
+def test_step_suite_runs_end_to_end(quick_runs):
+    rows = _run_suite(quick_runs, "step", phases=2)
     times = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "time"}
     # DeepSpeed's stages join when it is installed (the bench extra)
     assert set(times) == {"ddp", "torch_zero", "fsdp2", "zeroshard_stage1", "zeroshard_stage2"} | (set(step.DEEPSPEED) if step.HAS_DEEPSPEED else set())
@@ -196,16 +217,16 @@ def test_step_suite_runs_end_to_end(tmp_path):
         assert float(r["vs_flat"]) == pytest.approx(sent[r["method"]] / sent["zeroshard_flat"], rel=1e-6)
 
 
-def test_kernel_suite_runs_end_to_end(tmp_path):
-    rows = _run_suite("kernel", tmp_path, phases=1)
+def test_kernel_suite_runs_end_to_end(quick_runs):
+    rows = _run_suite(quick_runs, "kernel", phases=1)
     times = {r["method"]: float(r["median_us"]) for r in rows if r["kind"] == "time"}
     assert all(t > 0 for t in times.values()) and len(times) == 4
     for r in (r for r in rows if r["kind"] == "ratio"):  # zeroshard's time over the baseline's, same run
         assert float(r["ratio"]) == pytest.approx(times[r["method"]] / times[r["baseline"]], rel=1e-6)
 
 
-def test_offload_suite_runs_end_to_end(tmp_path):
-    rows = _run_suite("offload", tmp_path, phases=2)
+def test_offload_suite_runs_end_to_end(quick_runs):
+    rows = _run_suite(quick_runs, "offload", phases=2)
     times = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "time"}
     assert set(times) == {"zeroshard_offload", "zeroshard_offload_cpu_adam", "zeroshard_on_device", "torch_adamw_fused", "torch_adamw_fused_profiled"}
     assert times["zeroshard_offload_cpu_adam"] > 0  # the CPU-update ranges were found in the profile
@@ -218,8 +239,8 @@ def test_offload_suite_runs_end_to_end(tmp_path):
     assert ratios["offload_half"] == pytest.approx(train["offload_half"] / max(train["on_device"], train["offload_half_cpu_adam"]), rel=1e-6)
 
 
-def test_muon_suite_runs_end_to_end(tmp_path):
-    rows = _run_suite("muon", tmp_path, phases=1, ranks=muon.WORLD_SIZE)
+def test_muon_suite_runs_end_to_end(quick_runs):
+    rows = _run_suite(quick_runs, "muon", phases=1)
     times = {r["method"]: float(r["median_ms"]) for r in rows if r["kind"] == "time"}
     assert set(times) == {"torch_muon", "zeroshard_muon", "all_gather", "zeroshard_adamw"}
     assert all(t > 0 for t in times.values())
@@ -258,8 +279,8 @@ def test_host_syncs_are_scalar_reads_and_blocking_copies_to_the_host():
     assert counter.counts().aten == 0
 
 
-def test_overhead_suite_runs_end_to_end(tmp_path):
-    rows = _run_suite("overhead", tmp_path, phases=1, ranks=2)
+def test_overhead_suite_runs_end_to_end(quick_runs):
+    rows = _run_suite(quick_runs, "overhead", phases=1)
     forwards = [r for r in rows if r["kind"] == "forward"]
     rows = [r for r in rows if r["kind"] == "overhead"]
     assert [(r["size"], r["method"]) for r in rows] == [("small-compute", m) for m in overhead.METHODS]  # --quick: the small size only

@@ -21,6 +21,9 @@ from typing import Any
 import torch.multiprocessing as mp
 
 PROCESS_GROUP_TIMEOUT_S = 60
+# Imported once by the fork server that forks every rank: a rank then starts in a fraction of a second, not the
+# seconds importing torch costs (a pool restarts after each test whose ranks raised).
+PRELOAD = ["torch", "torch.distributed", "zeroshard"]
 
 
 def _worker(rank: int, world_size: int, store_path: str, tasks: Any, results: Any) -> None:
@@ -61,7 +64,8 @@ class RankPool:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
         store_path = os.path.join(tempfile.mkdtemp(prefix="zeroshard-pool-"), "store")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
