@@ -100,11 +100,14 @@ def test_the_current_autograd_node_is_known_inside_a_backward_only():
 
 def test_post_accumulate_grad_hook_ids_follow_registration_order():
     param = nn.Parameter(torch.ones(2))
+    assert compat.last_post_accumulate_grad_hook_id(param) is None, TORCH
     first = param.register_post_accumulate_grad_hook(lambda p: None)
     second = param.register_post_accumulate_grad_hook(lambda p: None)
     assert compat.post_accumulate_grad_hook_ids(param) == [first.id, second.id], f"{TORCH}: Tensor._post_accumulate_grad_hooks"
+    assert compat.last_post_accumulate_grad_hook_id(param) == second.id, TORCH
     second.remove()
     assert compat.post_accumulate_grad_hook_ids(param) == [first.id], TORCH
+    assert compat.last_post_accumulate_grad_hook_id(param) == first.id, TORCH
 
 
 def test_the_version_counter_moves_as_zeroshard_reads_it():

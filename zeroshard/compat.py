@@ -74,7 +74,7 @@ def current_graph_task() -> int:
 _ACCUMULATES: dict[int, bool] = {}  # graph task id -> whether it accumulates into .grad (accumulates_into_grad)
 
 
-def accumulates_into_grad(param: nn.Parameter) -> bool:
+def accumulates_into_grad(param: nn.Parameter, task: int | None = None) -> bool:
     """In ``param``'s tensor pre-hook: whether the running backward accumulates into ``.grad``.
 
     ``torch.autograd.grad(outputs, params)`` runs the params' tensor pre-hooks too but leaves ``.grad``
@@ -82,9 +82,10 @@ def accumulates_into_grad(param: nn.Parameter) -> bool:
     grad_reducer.py: its pre-hook changes ``.grad`` only where autograd will then accumulate.
     ``torch._C._will_engine_execute_node`` answers for a param's grad accumulator in ``backward()``
     and refuses (``RuntimeError``) inside ``torch.autograd.grad``: either way it tells the two
-    apart. Asked once per graph task (``torch._C._current_graph_task_id``).
+    apart. Asked once per graph task (``torch._C._current_graph_task_id``; ``task``: the caller's read of it).
     """
-    task = current_graph_task()
+    if task is None:
+        task = current_graph_task()
     found = _ACCUMULATES.get(task)
     if found is None:
         try:
@@ -104,6 +105,15 @@ def post_accumulate_grad_hook_ids(param: nn.Parameter) -> list[int]:
     rank's gradient); ``Tensor.register_post_accumulate_grad_hook`` returns handles but no registry.
     """
     return list(getattr(param, "_post_accumulate_grad_hooks", None) or {})
+
+
+def last_post_accumulate_grad_hook_id(param: nn.Parameter) -> int | None:
+    """The handle id of the post-accumulate-grad hook registered last on ``param`` (it runs last), or ``None``.
+
+    grad_reducer.py: a gradient is taken at once when no hook runs after zeroshard's (one dict read per gradient).
+    """
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    return next(reversed(hooks)) if hooks else None
 
 
 def load_checkpoint_without_process_group(state: dict[str, Any], checkpoint: str) -> None:

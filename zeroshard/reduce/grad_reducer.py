@@ -19,7 +19,7 @@ from torch.autograd import Variable
 
 from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
-from zeroshard.compat import accumulates_into_grad, current_graph_task
+from zeroshard.compat import accumulates_into_grad, current_graph_task, last_post_accumulate_grad_hook_id
 from zeroshard.grad.partial_norm import GradComm, ParamSpace
 from zeroshard.grad.shard_grads import ShardGrads
 from zeroshard.grad.sharded_grad import ShardedGrad, bind_virtual_grads
@@ -158,10 +158,12 @@ class GradReducer:
 
     def before_accumulate(self, k: int, i: int, param: nn.Parameter, grad: Tensor) -> None:
         """Param ``i`` of shard ``k``'s pre-hook: take the deferred gradient, follow what user code did to ``.grad``, swap out a ShardedGrad."""
-        if not accumulates_into_grad(param):  # torch.autograd.grad()
+        task = current_graph_task()
+        if not accumulates_into_grad(param, task):  # torch.autograd.grad()
             return
         self._reset_marks = None
-        self.coordinator.take_deferred(self)  # before this accumulation bumps the flat grad's version (stage 1)
+        if self._deferred is not None or not self.coordinator.alone():
+            self.coordinator.take_deferred(self)  # before this accumulation bumps the flat grad's version (stage 1)
         if not self._backward_started:
             # DDP wrappers built since the last backward; adopting one may raise: nothing changed yet.
             syncs = self._ddps.adopt([ddp for ref in self._ddps.new if (ddp := ref()) is not None]) if self._ddps.new else []
@@ -179,7 +181,7 @@ class GradReducer:
             if self.phase is not StepPhase.LOCAL:
                 for grads in self._grads:
                     grads.refuse_edits_before_rereduction()
-        if (task := current_graph_task()) != self._followed_task:  # once per backward pass: did the model move?
+        if task != self._followed_task:  # once per backward pass: did the model move?
             self._followed_task = task
             for shard in self.shards:
                 shard.follow_all()
@@ -245,9 +247,11 @@ class GradReducer:
             grads.refuse_partial_write(i, grads.hooked_before(i, param))
         if self.end_of_backward is EndOfBackward.NONE:
             self._queue_end_of_backward()
-        self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this pre-hook
-        if self._ddp_reduced:  # DDP's reducer, hooked after, reads .grad as left here: take it now
-            self.take_deferred()
+        if self._ddp_reduced or last_post_accumulate_grad_hook_id(param) == grads.hook_ids[i]:
+            # No hook runs after zeroshard's on this param (or DDP's reducer, hooked after, reads .grad as left here): take it now.
+            self._take(k, i, param)
+        else:
+            self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this pre-hook
 
     def take_deferred(self) -> None:
         """Take the gradient that arrived last, now that the hooks after zeroshard's have run; launch what is complete.
@@ -265,6 +269,10 @@ class GradReducer:
             grads.used[i] = False
         if grads.flat is not None:
             grads.keep_in_flat_grad(i, param)  # a hook may have replaced .grad or its storage (None: zeroes it)
+        self._take(k, i, param)
+
+    def _take(self, k: int, i: int, param: nn.Parameter) -> None:
+        """Take param ``i`` of shard ``k``'s gradient as ``.grad`` holds it now; launch what is complete."""
         # alone, only a just completed bucket can launch
         if (self._take_grad(k, i, param) or not self.coordinator.alone()) and self.overlap_comm:
             self.launch_complete_buckets()
