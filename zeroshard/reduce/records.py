@@ -23,7 +23,8 @@ class StepPhase(enum.Enum):
 
 @dataclass(slots=True)
 class ArrivedGrad:
-    """The gradient autograd accumulated last into param ``index`` of shard ``shard``, not taken yet.
+    """The gradient autograd accumulated last into param ``index`` of shard ``shard``, not taken yet: a post-accumulate-grad
+    hook is registered after zeroshard's on the param (with none, the gradient is taken in zeroshard's hook).
 
     It is taken (marked ready, moved into a staging bucket, its bucket launched) before the next gradient is accumulated
     or at the end of backward, once the hooks registered after zeroshard's have run, as DDP sees them ("One step", ``docs/design.md``).
