@@ -74,6 +74,9 @@ class ReduceCoordinator:
 
     def __init__(self) -> None:
         self._reducers: list[weakref.ref] = []  # in the order they were built
+        # A single reducer is registered: then it is the caller (open, or its hooks would not have run). The common case, one
+        # optimizer per process group, reads this attribute per gradient, not a pass over weak references.
+        self.alone = False
         self._owned: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, reducer), both weak
         self._scaled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer with a dynamic loss scale -> (scaler, reducer)
         self._joint: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> ids of the optimizers of its last joint clip
@@ -90,6 +93,7 @@ class ReduceCoordinator:
             gc.collect()  # only when another open reducer is registered: a full collection takes 50-150 ms
         self._reducers[:] = [ref for ref in self._reducers if ref() is not None]
         self._reducers.append(weakref.ref(reducer))
+        self.alone = len(self._reducers) == 1
 
     def own(self, param: nn.Parameter, reducer: Reducer) -> None:
         """Record that ``reducer``'s hooks are on ``param`` (both held weakly)."""
@@ -106,13 +110,6 @@ class ReduceCoordinator:
             return None
         return reducer
 
-    def alone(self) -> bool:
-        """Whether a single reducer is registered: then it is the caller (open, or its hooks would not have run).
-
-        The common case, one optimizer per process group, takes this one length check per gradient, not a pass over weak references.
-        """
-        return len(self._reducers) == 1
-
     def _live(self) -> list[Reducer]:
         return [r for ref in self._reducers if (r := ref()) is not None and not r.closed]
 
@@ -126,17 +123,17 @@ class ReduceCoordinator:
 
     def turn_has_come(self, reducer: Reducer) -> bool:
         """Whether every earlier reducer has launched all it launches in this backward pass."""
-        return self.alone() or all(r.launched_all for r in self._earlier(reducer))
+        return self.alone or all(r.launched_all for r in self._earlier(reducer))
 
     def drain_earlier(self, reducer: Reducer) -> None:
         """Complete the earlier reducers' reductions in flight, before ``reducer`` launches (one order across replicas too)."""
-        if not self.alone():
+        if not self.alone:
             for r in self._earlier(reducer):
                 r.drain()
 
     def take_deferred(self, reducer: Reducer) -> None:
         """A gradient is about to be accumulated into a param of ``reducer``: every reducer takes the one it deferred (see ``ArrivedGrad``)."""
-        if self.alone():
+        if self.alone:
             reducer.take_deferred()
             return
         for r in self._live():
@@ -144,7 +141,7 @@ class ReduceCoordinator:
 
     def let_later_launch(self, reducer: Reducer) -> None:
         """``reducer`` launched everything: the later reducers taking part in this pass launch their complete buckets."""
-        if not self.alone():
+        if not self.alone:
             for r in self._later(reducer):
                 if r.end_of_backward is EndOfBackward.QUEUED:
                     r.launch_complete_buckets()

@@ -67,6 +67,7 @@ class GradReducer:
         self._comm = GradComm(groups.shard, timeout)  # where every gradient's pieces are
         self._space = ParamSpace()  # the params as torch.optim numbers them (VirtualGrad norms)
         self._grads: list[ShardGrads] = []  # per shard: its gradient bookkeeping
+        self._reduce_dtypes: list[torch.dtype] = []  # per shard: the dtype its gradients are reduced in
         self._order = BucketOrder()  # rebuilt once, from the first reduced backward
         self._staging = StagingBuckets()  # stage 2
         self._pending: list[PendingReduce] = []
@@ -129,6 +130,7 @@ class GradReducer:
         """Register ``shard``'s params: hooks, launch order, and (stage 1) a flat grad buffer."""
         k = len(self.shards)
         self.shards.append(shard)
+        self._reduce_dtypes.append(self.reduce_dtype or shard.buffer.dtype)
         self._grads.append(ShardGrads.for_shard(shard, flat=self.stage == 1, comm=self._comm))
         bind_virtual_grads(shard, self._comm, self._space)
         self._order.append(k, len(shard.buffer.layout.buckets))
@@ -138,9 +140,6 @@ class GradReducer:
             self._hooks.append(param.register_post_accumulate_grad_hook(post_hook))
             self._grads[k].hook_ids[i] = self._hooks[-1].id
             self.coordinator.own(param, self)
-
-    def _reduce_dtype(self, k: int) -> torch.dtype:
-        return self.reduce_dtype or self.shards[k].buffer.dtype
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -162,7 +161,7 @@ class GradReducer:
         if not accumulates_into_grad(param, task):  # torch.autograd.grad()
             return
         self._reset_marks = None
-        if self._deferred is not None or not self.coordinator.alone():
+        if self._deferred is not None or not self.coordinator.alone:
             self.coordinator.take_deferred(self)  # before this accumulation bumps the flat grad's version (stage 1)
         if not self._backward_started:
             # DDP wrappers built since the last backward; adopting one may raise: nothing changed yet.
@@ -274,7 +273,7 @@ class GradReducer:
     def _take(self, k: int, i: int, param: nn.Parameter) -> None:
         """Take param ``i`` of shard ``k``'s gradient as ``.grad`` holds it now; launch what is complete."""
         # alone, only a just completed bucket can launch
-        if (self._take_grad(k, i, param) or not self.coordinator.alone()) and self.overlap_comm:
+        if (self._take_grad(k, i, param) or not self.coordinator.alone) and self.overlap_comm:
             self.launch_complete_buckets()
 
     def _take_grad(self, k: int, i: int, param: nn.Parameter, last: bool = False) -> bool:
@@ -293,7 +292,7 @@ class GradReducer:
         grad = param.grad
         if grads.flat is None and grad is not None and not isinstance(grad, ShardedGrad):  # stage 2
             # Held until the bucket launches; a DDP reducing this backward may reduce its bucket (.grad's storage) in place before.
-            self._staging.add(key, i, grad.clone() if self._ddp_reduced else grad, self.reduce_dtype or grads.shard.buffer.dtype)
+            self._staging.add(key, i, grad.clone() if self._ddp_reduced else grad, self._reduce_dtypes[k])
             param.grad = None if self._ddp_reduced else grads.sharded_grad(i, param)
         if not grads.take(i, last):
             return False
@@ -333,7 +332,7 @@ class GradReducer:
 
     def _launch(self, k: int, b: int) -> None:
         buffer, grads_of = self.shards[k].buffer, self._grads[k]
-        dtype = self._reduce_dtype(k)
+        dtype = self._reduce_dtypes[k]
         if self.stage == 1:
             grads, frozen = bucket.stage1_input(buffer.bucket_view(b, of=grads_of.flat), dtype, self.groups.shard_size)
         else:
