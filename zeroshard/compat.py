@@ -9,6 +9,7 @@ raises naming the torch version before anything is changed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,10 +66,10 @@ def current_autograd_node() -> Any:
     return torch._C._current_autograd_node()
 
 
-def current_graph_task() -> int:
-    """The id of the autograd graph task (one ``backward()`` or ``autograd.grad()`` call) running on this thread; ids are not
-    reused (``torch._C._current_graph_task_id``; -1 outside one). grad_reducer.py: a backward pass's first gradient."""
-    return torch._C._current_graph_task_id()
+# The id of the autograd graph task (one ``backward()`` or ``autograd.grad()`` call) running on this thread; ids are not
+# reused (-1 outside one). grad_reducer.py: a backward pass's first gradient, read in every param's pre-hook (so bound
+# directly, without a Python frame of ours).
+current_graph_task: Callable[[], int] = torch._C._current_graph_task_id
 
 
 _ACCUMULATES: dict[int, bool] = {}  # graph task id -> whether it accumulates into .grad (accumulates_into_grad)

@@ -158,7 +158,7 @@ class GradReducer:
     def before_accumulate(self, k: int, i: int, param: nn.Parameter, grad: Tensor) -> None:
         """Param ``i`` of shard ``k``'s pre-hook: take the deferred gradient, follow what user code did to ``.grad``, swap out a ShardedGrad."""
         task = current_graph_task()
-        if not accumulates_into_grad(param, task):  # torch.autograd.grad()
+        if task != self._followed_task and not accumulates_into_grad(param, task):  # torch.autograd.grad() (a task followed accumulates)
             return
         self._reset_marks = None
         if self._deferred is not None or not self.coordinator.alone:
@@ -224,7 +224,8 @@ class GradReducer:
     # -- backward --
 
     def on_grad_ready(self, k: int, i: int, param: nn.Parameter) -> None:
-        """Param ``i`` of shard ``k``'s post-accumulate-grad hook: keep its gradient and defer taking it (see ``ArrivedGrad``).
+        """Param ``i`` of shard ``k``'s post-accumulate-grad hook: take its gradient, or defer taking it while a hook registered
+        after zeroshard's is still to run (see ``ArrivedGrad``).
 
         Raises:
             RuntimeError: a sparse gradient; see :meth:`ShardGrads.refuse_partial_write`.
@@ -246,11 +247,12 @@ class GradReducer:
             grads.refuse_partial_write(i, grads.hooked_before(i, param))
         if self.end_of_backward is EndOfBackward.NONE:
             self._queue_end_of_backward()
-        if self._ddp_reduced or last_post_accumulate_grad_hook_id(param) == grads.hook_ids[i]:
-            # No hook runs after zeroshard's on this param (or DDP's reducer, hooked after, reads .grad as left here): take it now.
-            self._take(k, i, param)
-        else:
+        if not self._ddp_reduced and last_post_accumulate_grad_hook_id(param) != grads.hook_ids[i]:
             self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this pre-hook
+        # Else no hook runs after zeroshard's on this param (or DDP's reducer, hooked after, reads .grad as left here): take it
+        # now. Alone, only a just completed bucket can launch.
+        elif (self._take_grad(k, i, param) or not self.coordinator.alone) and self.overlap_comm:
+            self.launch_complete_buckets()
 
     def take_deferred(self) -> None:
         """Take the gradient that arrived last, now that the hooks after zeroshard's have run; launch what is complete.
@@ -268,11 +270,6 @@ class GradReducer:
             grads.used[i] = False
         if grads.flat is not None:
             grads.keep_in_flat_grad(i, param)  # a hook may have replaced .grad or its storage (None: zeroes it)
-        self._take(k, i, param)
-
-    def _take(self, k: int, i: int, param: nn.Parameter) -> None:
-        """Take param ``i`` of shard ``k``'s gradient as ``.grad`` holds it now; launch what is complete."""
-        # alone, only a just completed bucket can launch
         if (self._take_grad(k, i, param) or not self.coordinator.alone) and self.overlap_comm:
             self.launch_complete_buckets()
 
