@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import Tensor, nn
 
-from zeroshard.compat import DisableTorchFunctionSubclass, foreach_norm, make_subclass
+from zeroshard.compat import DisableTorchFunctionSubclass, current_graph_task, foreach_norm, make_subclass
 from zeroshard.grad.partial_norm import NORMS, SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_arguments, norm_order
 
 if TYPE_CHECKING:
@@ -90,9 +90,15 @@ class ShardedGrad(Tensor):
         return [(p.param_offset, grad_shard[p.shard_offset : p.shard_offset + p.numel]) for p in self.home.pieces_of[self.param_index]]
 
     def _check_live(self, what: str) -> None:
-        if self.consumed:
-            raise RuntimeError(f"{self.param_name}: its gradient was consumed by ShardedOptimizer.step() (torch.{what} was called on it); "
-                               "read or edit gradients between backward and step(), as the clip before step() does")
+        if not self.consumed:
+            return
+        if current_graph_task() != -1:  # inside a backward, after zeroshard's hook took the gradient for its bucket
+            raise RuntimeError(f"{self.param_name}: torch.{what} was called on its gradient inside backward, after zeroshard took it for "
+                               "its bucket's reduce-scatter (by a hook that runs after zeroshard's: a grad accumulator's node hook, or "
+                               "another param's hook), which DDP would not reduce either; edit it in a post-accumulate-grad hook on the "
+                               "param itself, or between backward and step()")
+        raise RuntimeError(f"{self.param_name}: its gradient was consumed by ShardedOptimizer.step() (torch.{what} was called on it); "
+                           "read or edit gradients between backward and step(), as the clip before step() does")
 
     @torch.no_grad()
     def full_tensor(self) -> Tensor:
