@@ -288,6 +288,17 @@ class DDPWrappers:
                         "gradient reduction is switched off")
         return [ddp.require_forward_param_sync for ddp in wrappers]
 
+    def adopt_new(self) -> list[bool]:
+        """At a backward's first gradient: :meth:`adopt` the wrappers built since the last backward began (what it returns).
+
+        Raises ``RuntimeError`` from :func:`check_supported`, before any wrapper is changed.
+        """
+        if not self.new:
+            return []
+        syncs = self.adopt([ddp for ref in self.new if (ddp := ref()) is not None])
+        self.new.clear()
+        return syncs
+
     def adopt_at_first_forward(self, ddp: nn.Module, args: object) -> None:
         """Adopt ``ddp``, built after the optimizer, before its first forward prepares DDP's reducer: DDP reduces no backward.
 

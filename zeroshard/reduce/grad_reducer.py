@@ -164,9 +164,7 @@ class GradReducer:
         if self._deferred is not None or not self.coordinator.alone:
             self.coordinator.take_deferred(self)  # before this accumulation bumps the flat grad's version (stage 1)
         if not self._backward_started:
-            # DDP wrappers built since the last backward; adopting one may raise: nothing changed yet.
-            syncs = self._ddps.adopt([ddp for ref in self._ddps.new if (ddp := ref()) is not None]) if self._ddps.new else []
-            self._ddps.new.clear()
+            syncs = self._ddps.adopt_new()  # may raise: nothing changed yet
             self._backward_started = True
             self._ddp_no_sync, self._ddp_forward = self._ddp_forward and self._ddp_no_sync, False
             if any(syncs):
@@ -249,8 +247,8 @@ class GradReducer:
             self._queue_end_of_backward()
         if not self._ddp_reduced and last_post_accumulate_grad_hook_id(param) != grads.hook_ids[i]:
             self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this pre-hook
-        # Else no hook runs after zeroshard's on this param (or DDP's reducer, hooked after, reads .grad as left here): take it
-        # now. Alone, only a just completed bucket can launch.
+        # else none runs after zeroshard's (or DDP's reducer, hooked after, reads .grad as left): take it now; alone, only
+        # a just completed bucket can launch
         elif (self._take_grad(k, i, param) or not self.coordinator.alone) and self.overlap_comm:
             self.launch_complete_buckets()
 
@@ -409,11 +407,8 @@ class GradReducer:
             grads.clear_backward()
 
     def reduce_for_step(self) -> None:
-        """Reduce whatever is still local: gradients from ``no_sync``, a late one (``_take_grad``), or a step with no reduced backward.
-
-        These conditions are the same on every rank as long as the ranks run the same training loop, so every rank issues
-        the same collectives here.
-        """
+        """Reduce whatever is still local: gradients from ``no_sync``, a late one (``_take_grad``), or a step with no reduced backward
+        (the same on every rank running the same loop, so every rank issues the same collectives here)."""
         self.settle_all()
         if self.phase is not StepPhase.REDUCED or self._late:
             self._late = False
@@ -422,8 +417,7 @@ class GradReducer:
     def reduce_again(self) -> None:
         """Have the next :meth:`reduce_for_step` reduce every bucket again (shards were added mid-step).
 
-        Gradients already reduced are not reduced twice: stage 2's ``ShardedGrad`` s add nothing, and stage 1 overwrites
-        each slice of the grad shard with the same sum.
+        Nothing is reduced twice: stage 2's ``ShardedGrad`` s add nothing; stage 1 overwrites each slice with the same sum.
         """
         self._accumulate_locally()
 
@@ -435,9 +429,8 @@ class GradReducer:
     def reset(self) -> None:
         """Zero the grad shards (and stage 1's flat grad buffers) and forget which params were used.
 
-        Also clears what a backward pass that raised midway left behind, so the next one starts clean, and what a DDP
-        wrapper wrote into ``.grad`` in the backward it still reduced. Returns at once when nothing happened since the
-        last reset (``zero_grad()`` right after ``step()``, which resets).
+        Also clears what a backward pass that raised midway left behind, and what a DDP wrapper wrote into ``.grad`` in a
+        backward it reduced. Returns at once when nothing happened since the last reset (``zero_grad()`` after ``step()``).
         """
         if self._reset_marks is not None and self._reset_marks == self._marks():
             return
