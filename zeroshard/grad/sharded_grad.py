@@ -30,6 +30,7 @@ class GradHome(Protocol):
     whole: list[bool]  # per param, whether this rank holds it whole
     comm: GradComm  # where the other ranks' pieces are
     edited: bool  # set when user code writes a ShardedGrad in place
+    arrivals: list[int]  # per param, the gradients taken in the running backward pass
 
 
 # Torch functions that read only metadata, or that nn.Module.zero_grad and printing call.
@@ -92,7 +93,7 @@ class ShardedGrad(Tensor):
     def _check_live(self, what: str) -> None:
         if not self.consumed:
             return
-        if current_graph_task() != -1:  # inside a backward, after zeroshard's hook took the gradient for its bucket
+        if current_graph_task() != -1 and self.home.arrivals[self.param_index]:  # zeroshard's hook took it in this backward
             raise RuntimeError(f"{self.param_name}: torch.{what} was called on its gradient inside backward, after zeroshard took it for "
                                "its bucket's reduce-scatter (by a hook that runs after zeroshard's: a grad accumulator's node hook, or "
                                "another param's hook), which DDP would not reduce either; edit it in a post-accumulate-grad hook on the "
