@@ -175,7 +175,7 @@ def test_a_pre_hook_tells_backward_from_autograd_grad():
     """grad_reducer.py changes ``.grad`` in a param's tensor pre-hook only where autograd then accumulates into it."""
     param = torch.nn.Parameter(torch.ones(3))
     seen: list[bool] = []
-    param.register_hook(lambda grad: seen.append(compat.accumulates_into_grad(param)))
+    param.register_hook(lambda grad: seen.append(compat.accumulates_into_grad(param, compat.current_graph_task())))
     (param * 2).sum().backward()
     torch.autograd.grad((param * 2).sum(), [param])
     assert seen == [True, False], f"torch {torch.__version__}: _will_engine_execute_node / _current_graph_task_id changed ({seen})"

@@ -75,7 +75,7 @@ current_graph_task: Callable[[], int] = torch._C._current_graph_task_id
 _ACCUMULATES: dict[int, bool] = {}  # graph task id -> whether it accumulates into .grad (accumulates_into_grad)
 
 
-def accumulates_into_grad(param: nn.Parameter, task: int | None = None) -> bool:
+def accumulates_into_grad(param: nn.Parameter, task: int) -> bool:
     """In ``param``'s tensor pre-hook: whether the running backward accumulates into ``.grad``.
 
     ``torch.autograd.grad(outputs, params)`` runs the params' tensor pre-hooks too but leaves ``.grad``
@@ -83,10 +83,8 @@ def accumulates_into_grad(param: nn.Parameter, task: int | None = None) -> bool:
     grad_reducer.py: its pre-hook changes ``.grad`` only where autograd will then accumulate.
     ``torch._C._will_engine_execute_node`` answers for a param's grad accumulator in ``backward()``
     and refuses (``RuntimeError``) inside ``torch.autograd.grad``: either way it tells the two
-    apart. Asked once per graph task (``torch._C._current_graph_task_id``; ``task``: the caller's read of it).
+    apart. Asked once per graph task (``task``: the caller's :func:`current_graph_task`).
     """
-    if task is None:
-        task = current_graph_task()
     found = _ACCUMULATES.get(task)
     if found is None:
         try:

@@ -245,12 +245,13 @@ class GradReducer:
             grads.refuse_partial_write(i, grads.hooked_before(i, param))
         if self.end_of_backward is EndOfBackward.NONE:
             self._queue_end_of_backward()
-        if not self._ddp_reduced and last_post_accumulate_grad_hook_id(param) != grads.hook_ids[i]:
+        if self._ddp_reduced or last_post_accumulate_grad_hook_id(param) == grads.hook_ids[i]:
+            # No hook runs after zeroshard's (or DDP's reducer, hooked after, reads .grad as left): take it now. Alone,
+            # only a just completed bucket can launch.
+            if (self._take_grad(k, i, param) or not self.coordinator.alone) and self.overlap_comm:
+                self.launch_complete_buckets()
+        else:
             self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this pre-hook
-        # else none runs after zeroshard's (or DDP's reducer, hooked after, reads .grad as left): take it now; alone, only
-        # a just completed bucket can launch
-        elif (self._take_grad(k, i, param) or not self.coordinator.alone) and self.overlap_comm:
-            self.launch_complete_buckets()
 
     def take_deferred(self) -> None:
         """Take the gradient that arrived last, now that the hooks after zeroshard's have run; launch what is complete.
@@ -268,7 +269,7 @@ class GradReducer:
             grads.used[i] = False
         if grads.flat is not None:
             grads.keep_in_flat_grad(i, param)  # a hook may have replaced .grad or its storage (None: zeroes it)
-        if (self._take_grad(k, i, param) or not self.coordinator.alone) and self.overlap_comm:
+        if (self._take_grad(k, i, param) or not self.coordinator.alone) and self.overlap_comm:  # as in on_grad_ready
             self.launch_complete_buckets()
 
     def _take_grad(self, k: int, i: int, param: nn.Parameter, last: bool = False) -> bool:
