@@ -31,7 +31,7 @@ from zeroshard.state_dict import StateDictMixin
 from zeroshard.step.fused_adam import FusedAdam, fused_adam_kind
 from zeroshard.step.grad_norm import NORM_TYPES, GradStats, ReducedStats, reduce_grad_stats
 from zeroshard.step.loss_scaler import DynamicLossScaler, choose_loss_scale
-from zeroshard.step.pending_skip import PendingSkip
+from zeroshard.step.pending_skip import PendingSkip, unscale
 from zeroshard.update import UpdateMixin
 from zeroshard.validation import check_construction
 
@@ -281,7 +281,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         if self._on_device(stats):  # step() decides again: a GradScaler may step in since
             self._stats = stats
             scale = self._loss_scale_value()  # no GradScaler here (_on_device): the loss scale, maybe a device tensor
-            return (stats.norm() / (1.0 if scale is None else scale)).to(stats.dtype)
+            return unscale(stats.norm(), 1.0 if scale is None else scale).to(stats.dtype)
         self._stats = stats.read()
         return torch.tensor(self._stats.norm / self._gradient_scale(), dtype=self._stats.dtype)
 

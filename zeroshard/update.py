@@ -3,6 +3,8 @@ the step's one host sync, or on the device with no host sync (:meth:`UpdateMixin
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -13,7 +15,7 @@ from zeroshard.shard_set import ShardSet
 from zeroshard.step.fused_adam import FusedAdam, takes_device_scalars
 from zeroshard.step.grad_norm import GradStats, ReducedStats
 from zeroshard.step.loss_scaler import DynamicLossScaler, log_skip
-from zeroshard.step.pending_skip import PendingSkip, device_multiplier
+from zeroshard.step.pending_skip import PendingSkip, device_multiplier, unscale
 from zeroshard.step.wrapped import grad_multiplier, wrapped_step
 
 
@@ -82,10 +84,12 @@ class UpdateMixin:
             self._scaler.to_device(norm.device)
         value = self._loss_scale_value()  # a float, or the dynamic scale's device tensor (no GradScaler: _on_device)
         scale = 1.0 if value is None else value
-        self.grad_norm = (norm / scale).to(stats.dtype)
-        found_inf = (~torch.isfinite(norm)).float().reshape(1)
+        unscaled = unscale(norm, scale)
+        self.grad_norm = unscaled.to(stats.dtype)
+        # The norm is never negative: not below inf is inf or NaN. Two kernels where ~isfinite(norm).float() takes six.
+        found_inf = torch.where(norm < math.inf, 0.0, 1.0).reshape(1)
         used = stats.local_used  # every param got a gradient on this rank (_on_device)
-        steps = self._update(used, device_multiplier(norm, scale, self._max_norm()), found_inf)
+        steps = self._update(used, device_multiplier(unscaled, scale, self._max_norm()), found_inf)
         if self._scaler is not None:
             self._scaler.update(found_inf)  # after the multiplier was taken from the scale of this step's gradients
         self._step_was_skipped = False

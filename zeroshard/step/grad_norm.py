@@ -64,7 +64,9 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
     device = shards[0].grad_shard.device
     # The norm in fp64 for fp64 gradients, as torch.nn.utils.clip_grad_norm_ computes it in their dtype.
     dtype = torch.float64 if any(s.grad_shard.dtype == torch.float64 for s in shards) else torch.float32
-    flags = copy_to_device([u for used in local_used for u in used], device, dtype)  # no second host sync per step
+    flat_used = [u for used in local_used for u in used]
+    # No second host sync per step; in the common step, every param used, not even a copy.
+    flags = _all_set(len(flat_used), device, dtype) if all(flat_used) else copy_to_device(flat_used, device, dtype)
     if norm_type == 2.0:
         local = functools.reduce(torch.add, [grad_sumsq(s.grad_shard) for s in shards])  # shards in order, as sum() adds them
     else:
@@ -82,6 +84,15 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
             work = collectives.all_reduce(local, group, op=dist.ReduceOp.MAX)
             collectives.wait(work, timeout, f"{caller}: the all-reduce of the gradient inf-norm", hint)
     return ReducedStats(both, local, local_used, norm_type, dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _all_set(count: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``count`` used-flags, all set, on ``device``: made once (and waited for, so any stream may read it later)."""
+    flags = torch.ones(count, device=device, dtype=dtype)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return flags
 
 
 @dataclass(frozen=True)

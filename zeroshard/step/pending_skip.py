@@ -43,15 +43,25 @@ class PendingSkip:
         return float(self._values[1]) if self._values.numel() > 1 else None
 
 
-def device_multiplier(norm: Tensor, loss_scale: float | Tensor, max_norm: float | None) -> Tensor:
+def device_multiplier(unscaled_norm: Tensor, loss_scale: float | Tensor, max_norm: float | None) -> Tensor:
     """:func:`~zeroshard.step.wrapped.grad_multiplier` on the device: a 1-element fp32 tensor, the host's to the bit.
 
-    ``norm``: the 0-dim float64 global norm of the still-scaled gradients; ``loss_scale``: a float, or a dynamic scale's
-    0-dim float64 device tensor. The clip coefficient is computed in float64, as the host computes it in Python floats.
+    ``unscaled_norm``: the 0-dim float64 global norm divided by ``loss_scale`` (a float, or a dynamic scale's 0-dim float64
+    device tensor). The clip coefficient is computed in float64, as the host computes it in Python floats; a division by a
+    float 1.0 (no loss scaling), which leaves every value as it is, launches nothing.
     """
     if max_norm is None:
         if isinstance(loss_scale, Tensor):
             return (1.0 / loss_scale).float().reshape(1)
-        return torch.full((1,), 1.0 / loss_scale, device=norm.device, dtype=torch.float32)
-    coefficient = (max_norm / (norm / loss_scale + 1e-6)).clamp(max=1.0)
-    return (coefficient / loss_scale).float().reshape(1)
+        return torch.full((1,), 1.0 / loss_scale, device=unscaled_norm.device, dtype=torch.float32)
+    coefficient = (max_norm / (unscaled_norm + 1e-6)).clamp(max=1.0)
+    return (coefficient if _is_one(loss_scale) else coefficient / loss_scale).float().reshape(1)
+
+
+def unscale(norm: Tensor, loss_scale: float | Tensor) -> Tensor:
+    """``norm / loss_scale``, launching nothing for a float scale of 1.0 (``x / 1.0`` is ``x`` for every float, inf and NaN included)."""
+    return norm if _is_one(loss_scale) else norm / loss_scale
+
+
+def _is_one(loss_scale: float | Tensor) -> bool:
+    return not isinstance(loss_scale, Tensor) and loss_scale == 1.0
