@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
-from torchrun_child import ROOT, SUPPORT
+from torchrun_child import ROOT, SUPPORT, TORCHRUN
 
 import zeroshard
 from zeroshard.convert import convert
@@ -468,7 +467,7 @@ def timeout_child_output(tmp_path_factory) -> str:
     """The stdout of one real 2-rank run in a child (a timed-out gloo group cannot serve the shared rank pool again)."""
     child = SUPPORT / "collective_timeout_child.py"
     out = tmp_path_factory.mktemp("timeouts")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(child), str(out)]
+    command = [*TORCHRUN, "--nproc_per_node", "2", str(child), str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     return result.stdout

@@ -10,14 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from torchrun_child import TORCHRUN
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_train_gpt_learns_on_two_ranks_checkpoints_and_resumes_offloaded_on_three(tmp_path):
-    base = [sys.executable, "-m", "torch.distributed.run", str(ROOT / "examples" / "train_gpt.py"), "--ckpt-dir", str(tmp_path),
+    script = [str(ROOT / "examples" / "train_gpt.py"), "--ckpt-dir", str(tmp_path),
             "--ckpt-every", "6", "--log-interval", "6", "--eval-batches", "4"]
-    first = subprocess.run(base[:3] + ["--nproc_per_node", "2"] + base[3:] + ["--steps", "12"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    first = subprocess.run(TORCHRUN + ["--nproc_per_node", "2"] + script + ["--steps", "12"], capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "optimizer state per rank:" in first.stdout
     summary = re.search(r"done: 12 steps .* train loss ([\d.]+) -> ([\d.]+), val loss ([\d.]+) -> ([\d.]+)", first.stdout)
@@ -27,7 +28,7 @@ def test_train_gpt_learns_on_two_ranks_checkpoints_and_resumes_offloaded_on_thre
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000006", "step_000012"]
     # The resumed run offloads its state and keeps what the measured margin allows on the "device".
     resumed_offloaded = ["--steps", "14", "--resume", "--offload", "cpu", "--gpu-margin-mem-ratio", "0.5"]
-    second = subprocess.run(base[:3] + ["--nproc_per_node", "3"] + base[3:] + resumed_offloaded,
+    second = subprocess.run(TORCHRUN + ["--nproc_per_node", "3"] + script + resumed_offloaded,
                             capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert re.search(r"gpu_margin_mem_ratio=0.5 of a [\d,]+ MiB margin .*: (\d+) of \1 chunks", second.stderr), second.stderr[-3000:]
@@ -45,9 +46,9 @@ def test_kernels_installs_under_zeroshard_only(tmp_path):
 def test_train_gpt_with_muon_shards_both_optimizers_learns_and_resumes_on_one_rank_outside_torchrun(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
-    base = [sys.executable, "-m", "torch.distributed.run", str(ROOT / "examples" / "train_gpt.py"), "--optimizer", "muon",
+    script = [str(ROOT / "examples" / "train_gpt.py"), "--optimizer", "muon",
             "--ckpt-dir", str(tmp_path), "--ckpt-every", "5", "--log-interval", "5", "--eval-batches", "2"]
-    first = subprocess.run(base[:3] + ["--nproc_per_node", "2"] + base[3:] + ["--steps", "10"],
+    first = subprocess.run(TORCHRUN + ["--nproc_per_node", "2"] + script + ["--steps", "10"],
                            capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     # Muon on the blocks' 16 weight matrices, each owned whole by one rank; AdamW on the other 36 params, in flat slices.
@@ -64,7 +65,7 @@ def test_train_gpt_with_muon_shards_both_optimizers_learns_and_resumes_on_one_ra
     assert {key.split(".")[0] for key in saved} >= {"model", "optim", "optim_muon", "schedule", "schedule_muon", "step"}, sorted(saved)[:20]
     # Resumed by a plain `python train_gpt.py`: one rank, no torchrun environment.
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    second = subprocess.run([sys.executable] + base[3:] + ["--steps", "12", "--resume"], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    second = subprocess.run([sys.executable] + script + ["--steps", "12", "--resume"], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "not launched by torchrun: training on 1 rank" in second.stderr
     assert f"resumed from {tmp_path / 'step_000010'} (step 10) on 1 ranks" in second.stdout

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchrun_child import TORCHRUN
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # What ``import zeroshard`` leaves for first use: DCP (checkpoint/dirs.py and checkpoint/sharded.py import it, and
@@ -66,7 +68,7 @@ def test_construct_step_save_and_load_without_numpy(tmp_path):
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ModuleNotFoundError('numpy is blocked for this test', name='numpy')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker.parent), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests" / "support" / "no_numpy_child.py"), str(tmp_path)]
+    command = [*TORCHRUN, "--nproc_per_node", "2", str(ROOT / "tests" / "support" / "no_numpy_child.py"), str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "no-numpy ok" in result.stdout

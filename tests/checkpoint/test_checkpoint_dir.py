@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from models import TinyNet, param_groups
-from torchrun_child import SUPPORT
+from torchrun_child import SUPPORT, TORCHRUN
 
 import zeroshard
 
@@ -30,7 +29,7 @@ def load_worker(directory: str) -> tuple[int, list[int]]:
 
 def test_save_killed_midway_leaves_previous_checkpoint_loadable(pools, tmp_path):
     marker = tmp_path / "stalled"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SUPPORT / "crash_save_child.py"), str(tmp_path), str(marker)]
+    command = [*TORCHRUN, "--nproc_per_node", "2", str(SUPPORT / "crash_save_child.py"), str(tmp_path), str(marker)]
     child = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 180

@@ -9,6 +9,8 @@ from pathlib import Path
 
 SUPPORT = Path(__file__).parent  # tests/support: the helpers and the child scripts
 ROOT = SUPPORT.parents[1]  # the repository
+# torchrun on a free port (--standalone: its own rendezvous on localhost), so that test workers may launch it side by side.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 def run_child(script: str, *args: str, result_prefix: str, nproc: int = 2, timeout_s: int = 240) -> dict:
@@ -17,7 +19,7 @@ def run_child(script: str, *args: str, result_prefix: str, nproc: int = 2, timeo
     Raises:
         AssertionError: the run failed (its output's tail is in the message) or printed no result line.
     """
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), str(SUPPORT / script), *args]
+    command = [*TORCHRUN, "--nproc_per_node", str(nproc), str(SUPPORT / script), *args]
     run = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if line.startswith(result_prefix + " ")]
