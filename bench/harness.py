@@ -7,9 +7,10 @@ import datetime
 import os
 import platform
 import queue
-import socket
+import shutil
 import statistics
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -151,22 +152,18 @@ def progress(suite: str, phase: str) -> None:
     print(f"{suite}: {phase} ...", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _rank_entry(rank: int, world_size: int, store_path: str, fn: Callable[..., Any], args: tuple, results: Any) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # A FileStore: no port to pick, none that another process (a second bench, a test worker) can take first.
+    init = {"init_method": f"file://{store_path}", "rank": rank, "world_size": world_size}
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("nccl", device_id=torch.device("cuda", rank % torch.cuda.device_count()))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", rank % torch.cuda.device_count()), **init)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **init)
     code = 0
     try:
         results.put((rank, fn(*args)))
@@ -202,8 +199,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ctx = mp.get_context("forkserver")  # ranks forked from one server that imported torch once, not each importing it
     ctx.set_forkserver_preload(["torch", "torch.distributed"])  # (no CUDA call: a fork of it may use any GPU)
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
+    store_dir = tempfile.mkdtemp(prefix="zeroshard-bench-")
+    store_path = os.path.join(store_dir, "store")
+    procs = [ctx.Process(target=_rank_entry, args=(r, world_size, store_path, fn, args, results)) for r in range(world_size)]
     for p in procs:
         p.start()
     answers: dict[int, Any] = {}
@@ -222,4 +220,5 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
     return [answers[r] for r in range(world_size)]

@@ -87,7 +87,7 @@ class UpdateMixin:
         unscaled = unscale(norm, scale)
         self.grad_norm = unscaled.to(stats.dtype)
         # The norm is never negative: not below inf is inf or NaN. Two kernels where ~isfinite(norm).float() takes six.
-        found_inf = torch.where(norm < math.inf, 0.0, 1.0).reshape(1)
+        found_inf = torch.where(norm < math.inf, 0.0, 1.0).float().reshape(1)  # fp32 whatever the default dtype
         used = stats.local_used  # every param got a gradient on this rank (_on_device)
         steps = self._update(used, device_multiplier(unscaled, scale, self._max_norm()), found_inf)
         if self._scaler is not None:

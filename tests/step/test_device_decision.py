@@ -92,14 +92,17 @@ def test_device_decision_matches_ddp_and_reads_back_only_when_the_host_decides(p
         assert run["steps"] == run["ref_steps"] and max(run["steps"]) == STEPS - 1, (run["steps"], run["ref_steps"])
 
 
-def torch_clip_worker(on_device: bool) -> tuple[int, list[torch.Tensor]]:
+def torch_clip_worker(on_device: bool, default_fp64: bool = False) -> tuple[int, list[torch.Tensor]]:
     """5 steps clipped by ``torch.nn.utils.clip_grad_norm_`` on the model's params (what HF Trainer and accelerate run),
-    the step deciding on the device or (``on_device=False``) on the host; statistics reads, and the params."""
+    the step deciding on the device or (``on_device=False``) on the host; statistics reads, and the params.
+    ``default_fp64``: the fp32 model trains with float64 as torch's default dtype."""
     fused_adam.KERNEL_ON_CPU = True
     try:
         torch.manual_seed(0)
         model = TinyNet()
         opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), stage=2, collective_timeout_s=60)
+        if default_fp64:
+            torch.set_default_dtype(torch.float64)
         reads: list[int] = []
         read = ReducedStats.read
 
@@ -117,14 +120,18 @@ def torch_clip_worker(on_device: bool) -> tuple[int, list[torch.Tensor]]:
         return len(reads), [p.detach().clone() for p in model.parameters()]
     finally:
         fused_adam.KERNEL_ON_CPU = False
+        torch.set_default_dtype(torch.float32)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernel on CPU chunks (TRITON_INTERPRET=1, set without a GPU)")
 def test_a_step_after_torch_clip_grad_norm_decides_on_the_device_bitwise_as_on_the_host(pools):
     device, host = pools[2].run(torch_clip_worker, True), pools[2].run(torch_clip_worker, False)
-    for (reads, params), (host_reads, host_params) in zip(device, host):
+    # float64 as the default dtype changes none of the device's scalars (the kernel takes fp32 ones only)
+    default_fp64 = pools[2].run(torch_clip_worker, True, True)
+    for (reads, params), (host_reads, host_params), (_, fp64_params) in zip(device, host, default_fp64):
         assert (reads, host_reads) == (1, 5)  # the first step reads back (state is created), then none
         assert all(torch.equal(a, b) for a, b in zip(params, host_params))
+        assert all(torch.equal(a, b) for a, b in zip(fp64_params, host_params))
 
 
 def gradscaler_after_clip_worker() -> list[float]:

@@ -86,7 +86,7 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
     return ReducedStats(both, local, local_used, norm_type, dtype)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.cache  # never evicted: a step on another stream may still read one
 def _all_set(count: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     """``count`` used-flags, all set, on ``device``: made once (and waited for, so any stream may read it later)."""
     flags = torch.ones(count, device=device, dtype=dtype)
