@@ -8,6 +8,7 @@ import os
 import platform
 import queue
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -152,11 +153,18 @@ def progress(suite: str, phase: str) -> None:
     print(f"{suite}: {phase} ...", flush=True)
 
 
-def _rank_entry(rank: int, world_size: int, store_path: str, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank: int, world_size: int, store_path: str, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    # A FileStore: no port to pick, none that another process (a second bench, a test worker) can take first.
+    # The launcher's variables, as torchrun sets them (DeepSpeed's init_distributed looks for all five), but the group meets
+    # through a FileStore: the port is never bound, so another process (a second bench, a test worker) taking it first is harmless.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     init = {"init_method": f"file://{store_path}", "rank": rank, "world_size": world_size}
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -199,9 +207,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ctx = mp.get_context("forkserver")  # ranks forked from one server that imported torch once, not each importing it
     ctx.set_forkserver_preload(["torch", "torch.distributed"])  # (no CUDA call: a fork of it may use any GPU)
     results = ctx.Queue()
+    port = _free_port()
     store_dir = tempfile.mkdtemp(prefix="zeroshard-bench-")
     store_path = os.path.join(store_dir, "store")
-    procs = [ctx.Process(target=_rank_entry, args=(r, world_size, store_path, fn, args, results)) for r in range(world_size)]
+    procs = [ctx.Process(target=_rank_entry, args=(r, world_size, store_path, port, fn, args, results)) for r in range(world_size)]
     for p in procs:
         p.start()
     answers: dict[int, Any] = {}
