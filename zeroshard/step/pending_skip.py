@@ -55,13 +55,9 @@ def device_multiplier(unscaled_norm: Tensor, loss_scale: float | Tensor, max_nor
             return (1.0 / loss_scale).float().reshape(1)
         return torch.full((1,), 1.0 / loss_scale, device=unscaled_norm.device, dtype=torch.float32)
     coefficient = (max_norm / (unscaled_norm + 1e-6)).clamp(max=1.0)
-    return (coefficient if _is_one(loss_scale) else coefficient / loss_scale).float().reshape(1)
+    return unscale(coefficient, loss_scale).float().reshape(1)
 
 
-def unscale(norm: Tensor, loss_scale: float | Tensor) -> Tensor:
-    """``norm / loss_scale``, launching nothing for a float scale of 1.0 (``x / 1.0`` is ``x`` for every float, inf and NaN included)."""
-    return norm if _is_one(loss_scale) else norm / loss_scale
-
-
-def _is_one(loss_scale: float | Tensor) -> bool:
-    return not isinstance(loss_scale, Tensor) and loss_scale == 1.0
+def unscale(value: Tensor, loss_scale: float | Tensor) -> Tensor:
+    """``value / loss_scale``, launching nothing for a float scale of 1.0 (``x / 1.0`` is ``x`` for every float, inf and NaN included)."""
+    return value if not isinstance(loss_scale, Tensor) and loss_scale == 1.0 else value / loss_scale
