@@ -15,9 +15,14 @@ from torchrun_child import TORCHRUN
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_train_gpt_learns_on_two_ranks_checkpoints_and_resumes_offloaded_on_three(tmp_path):
+def _outside_torchrun() -> dict[str, str]:
+    """The environment of a plain ``python train_gpt.py``: none of torchrun's variables."""
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def test_train_gpt_learns_on_two_ranks_checkpoints_and_resumes_offloaded_on_one(tmp_path):
     script = [str(ROOT / "examples" / "train_gpt.py"), "--ckpt-dir", str(tmp_path),
-            "--ckpt-every", "6", "--log-interval", "6", "--eval-batches", "4"]
+              "--ckpt-every", "6", "--log-interval", "6", "--eval-batches", "4"]
     first = subprocess.run(TORCHRUN + ["--nproc_per_node", "2"] + script + ["--steps", "12"], capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "optimizer state per rank:" in first.stdout
@@ -26,13 +31,15 @@ def test_train_gpt_learns_on_two_ranks_checkpoints_and_resumes_offloaded_on_thre
     train_before, train_after, val_before, val_after = map(float, summary.groups())
     assert val_after < val_before - 1.0 and train_after < train_before - 1.0, summary.group(0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000006", "step_000012"]
-    # The resumed run offloads its state and keeps what the measured margin allows on the "device".
+    # Resumed by a plain `python train_gpt.py` (one rank, no torchrun environment; tests/checkpoint resumes on more ranks),
+    # its state offloaded, keeping on the "device" what the measured margin allows.
     resumed_offloaded = ["--steps", "14", "--resume", "--offload", "cpu", "--gpu-margin-mem-ratio", "0.5"]
-    second = subprocess.run(TORCHRUN + ["--nproc_per_node", "3"] + script + resumed_offloaded,
-                            capture_output=True, text=True, timeout=240, cwd=ROOT)
+    second = subprocess.run([sys.executable] + script + resumed_offloaded, capture_output=True, text=True, timeout=240, cwd=ROOT,
+                            env=_outside_torchrun())
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "not launched by torchrun: training on 1 rank" in second.stderr
     assert re.search(r"gpu_margin_mem_ratio=0.5 of a [\d,]+ MiB margin .*: (\d+) of \1 chunks", second.stderr), second.stderr[-3000:]
-    assert f"resumed from {tmp_path / 'step_000012'} (step 12) on 3 ranks" in second.stdout
+    assert f"resumed from {tmp_path / 'step_000012'} (step 12) on 1 ranks" in second.stdout
     assert "done: 2 steps" in second.stdout
 
 
@@ -64,8 +71,8 @@ def test_train_gpt_with_muon_shards_both_optimizers_learns_and_resumes_on_one_ra
     saved = FileSystemReader(str(tmp_path / "step_000010")).read_metadata().state_dict_metadata
     assert {key.split(".")[0] for key in saved} >= {"model", "optim", "optim_muon", "schedule", "schedule_muon", "step"}, sorted(saved)[:20]
     # Resumed by a plain `python train_gpt.py`: one rank, no torchrun environment.
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    second = subprocess.run([sys.executable] + script + ["--steps", "12", "--resume"], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    second = subprocess.run([sys.executable] + script + ["--steps", "12", "--resume"], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                            env=_outside_torchrun())
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "not launched by torchrun: training on 1 rank" in second.stderr
     assert f"resumed from {tmp_path / 'step_000010'} (step 10) on 1 ranks" in second.stdout
