@@ -22,7 +22,7 @@ import zeroshard
 from zeroshard.comm import collectives
 from zeroshard.integrations.hf import GatherOptimizerOnSave
 
-STEPS, SAVE_STEPS = 8, 4
+STEPS, SAVE_STEPS = 6, 3
 
 
 class CountReductions(TrainerCallback):
