@@ -277,18 +277,23 @@ def test_full_tensor_and_reads_gather_ddps_gradient(pools, stage):
     pools[2].run(full_tensor_worker, stage)
 
 
-def node_hook_worker() -> str:
-    """Stage 2: a grad accumulator's node hook that scales fc1.weight's gradient after zeroshard's hook took it; what backward raised."""
-    _, _, model, _ = _pair(2)
+def node_hook_worker(stage: int, what: str) -> str:
+    """A grad accumulator's node hook that scales (``what="mul_"``) or reads (``"norm"``) fc1.weight's gradient after
+    zeroshard's hook took it; what backward raised."""
+    _, _, model, opt = _pair(stage)
     weight = model.fc1.weight
     accumulator = weight.view_as(weight).grad_fn.next_functions[0][0]
-    accumulator.register_hook(lambda grad_inputs, grad_outputs: weight.grad.mul_(0.5))
+    accumulator.register_hook(lambda grad_inputs, grad_outputs: weight.grad.mul_(0.5) if what == "mul_" else weight.grad.norm())
     with pytest.raises(RuntimeError) as raised:
         loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    opt.zero_grad()  # as a loop going on after a failed backward: completes the reductions it left in flight
     return str(raised.value)
 
 
-def test_an_edit_after_the_gradient_was_taken_in_backward_is_refused_on_every_rank_saying_so(pools):
-    # DDP's reducer, hooked on the grad accumulator first, reduces the gradient without the edit; zeroshard cannot apply it either.
-    for message in pools[2].run(node_hook_worker):
-        assert "]: torch.mul_ was called on its gradient inside backward, after zeroshard took it" in message, message
+@pytest.mark.parametrize("what", ["mul_", "norm"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_edit_or_read_after_the_gradient_was_taken_in_backward_is_refused_on_every_rank_saying_so(pools, stage, what):
+    # DDP's reducer, hooked on the grad accumulator first, reduces the gradient without the edit; zeroshard cannot apply it
+    # either (stage 1 once reduced the flat grad with the edit in it, unseen).
+    for message in pools[2].run(node_hook_worker, stage, what):
+        assert f"]: torch.{what} was called on its gradient inside backward, after zeroshard took it" in message, message

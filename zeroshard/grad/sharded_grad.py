@@ -96,7 +96,7 @@ class ShardedGrad(Tensor):
         if current_graph_task() != -1 and self.home.arrivals[self.param_index]:  # zeroshard's hook took it in this backward
             raise RuntimeError(f"{self.param_name}: torch.{what} was called on its gradient inside backward, after zeroshard took it for "
                                "its bucket's reduce-scatter (by a hook that runs after zeroshard's: a grad accumulator's node hook, or "
-                               "another param's hook), which DDP would not reduce either; edit it in a post-accumulate-grad hook on the "
+                               "another param's hook), where DDP reduces it without a write; read or edit it in a post-accumulate-grad hook on the "
                                "param itself, or between backward and step()")
         raise RuntimeError(f"{self.param_name}: its gradient was consumed by ShardedOptimizer.step() (torch.{what} was called on it); "
                            "read or edit gradients between backward and step(), as the clip before step() does")

@@ -286,9 +286,10 @@ class GradReducer:
             self._order.completed(key)  # it completes now in the next passes
             return False
         grad = param.grad
-        if grads.flat is None and grad is not None and not isinstance(grad, ShardedGrad):  # stage 2
-            # Held until the bucket launches; a DDP reducing this backward may reduce its bucket (.grad's storage) in place before.
-            self._staging.add(key, i, grad.clone() if self._ddp_reduced else grad, self._reduce_dtypes[k])
+        if grad is not None and not isinstance(grad, ShardedGrad) and not (grads.flat is not None and self._ddp_reduced):
+            if grads.flat is None:  # stage 2: held until the bucket launches; a DDP reducing this backward may reduce its bucket in place before
+                self._staging.add(key, i, grad.clone() if self._ddp_reduced else grad, self._reduce_dtypes[k])
+            # Stage 1 too: a later write (a grad accumulator's node hook) would reach the flat grad's reduction unseen, where DDP drops it.
             param.grad = None if self._ddp_reduced else grads.sharded_grad(i, param)
         if not grads.take(i, last):
             return False
