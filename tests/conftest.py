@@ -43,3 +43,20 @@ def pools():
     pools = Pools()
     yield pools
     pools.close()
+
+
+# The longest files (their summed test time in one run on the 2-core machine, longest first), started first: pytest-xdist
+# hands out whole files in collection order, and these, collected last by name, left one worker running them alone at the end.
+LONGEST_FIRST = (
+    "test_example.py", "test_bench.py", "checkpoint/test_checkpoint.py", "test_contract.py", "checkpoint/test_checkpoint_param.py",
+    "test_parity.py", "reduce/test_ddp_wrap.py", "step/test_lowbit_state.py", "integrations/test_lightning.py", "step/test_shape_aware.py",
+    "offload/test_offload.py", "step/test_loss_scaling.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    tests = os.path.dirname(__file__)
+    rank = {os.path.join(tests, name): i for i, name in enumerate(LONGEST_FIRST)}
+    if missing := [name for name in rank if not os.path.exists(name)]:
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that are gone: {missing}")
+    items.sort(key=lambda item: rank.get(str(item.path), len(LONGEST_FIRST)))  # stable: each file's tests keep their order
