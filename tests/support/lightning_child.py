@@ -21,8 +21,8 @@ from llama_text import TextDataset, tiny_llama, tolerance_ratio
 
 import zeroshard
 
-# 32 sequences, 2 ranks, batch 2, 2 micro-steps: 4 optimizer steps an epoch.
-N_SEQUENCES, BATCH, ACCUMULATION, MAX_NORM = 16, 2, 2, 0.05  # 2 steps an epoch on 2 ranks
+# 16 sequences, 2 ranks, batch 2, 2 micro-steps: 2 optimizer steps an epoch.
+N_SEQUENCES, BATCH, ACCUMULATION, MAX_NORM = 16, 2, 2, 0.05
 
 
 def adamw(params, sharded: bool) -> torch.optim.Optimizer:

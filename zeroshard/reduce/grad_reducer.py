@@ -286,11 +286,12 @@ class GradReducer:
             self._order.completed(key)  # it completes now in the next passes
             return False
         grad = param.grad
-        if grad is not None and not isinstance(grad, ShardedGrad) and not (grads.flat is not None and self._ddp_reduced):
+        if grad is not None and not isinstance(grad, ShardedGrad):
             if grads.flat is None:  # stage 2: held until the bucket launches; a DDP reducing this backward may reduce its bucket in place before
                 self._staging.add(key, i, grad.clone() if self._ddp_reduced else grad, self._reduce_dtypes[k])
-            # Stage 1 too: a later write (a grad accumulator's node hook) would reach the flat grad's reduction unseen, where DDP drops it.
-            param.grad = None if self._ddp_reduced else grads.sharded_grad(i, param)
+                param.grad = None if self._ddp_reduced else grads.sharded_grad(i, param)
+            elif not self._ddp_reduced:  # stage 1: a later write (a node hook) would reach the flat grad's reduction unseen
+                param.grad = grads.sharded_grad(i, param)
         if not grads.take(i, last):
             return False
         self._order.completed(key)
