@@ -55,9 +55,13 @@ def constructor_kwargs(cls: type, hyperparameters: dict[str, Any]) -> dict[str, 
 
 def throwaway_state(cls: type, hyperparameters: dict[str, Any], shape: Any, dtype: torch.dtype, device: Any) -> dict[str, Any]:
     """The state ``cls`` built with a param group's ``hyperparameters`` (:func:`constructor_kwargs`) keeps after one step of a
-    zero param of ``shape``, ``dtype`` and ``device`` with a zero gradient. Raises whatever the class raises."""
+    zero param of ``shape``, ``dtype`` and ``device`` with a zero gradient. Raises whatever the class raises.
+
+    The step runs eagerly (``torch.compiler.set_stance("force_eager")``): an update under ``torch.compile`` (torchao's low-bit
+    AdamW) would otherwise be traced and compiled again for each probe, about a second per shape, for a state thrown away."""
     probe = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
     probe.grad = torch.zeros_like(probe)
     throwaway = cls([probe], **constructor_kwargs(cls, hyperparameters))
-    throwaway.step()
+    with torch.compiler.set_stance("force_eager"):
+        throwaway.step()
     return throwaway.state[probe]
