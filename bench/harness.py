@@ -22,6 +22,10 @@ import torch
 import torch.multiprocessing as mp
 
 RESULTS_DIR = Path(__file__).parent / "results"
+# Imported once by the fork server every rank is forked from, so that no rank imports them again: what a rank would
+# import lazily costs seconds per rank on 2 cores (DDP's construction imports torch._dynamo; the example imports DCP).
+# None of them makes a CUDA call on import, so a fork may still use any GPU.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "zeroshard"]
 
 
 @dataclass(frozen=True)
@@ -205,7 +209,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         raise NotEnoughGPUs(f"{fn.__module__}.{fn.__name__} needs {world_size} ranks, one per GPU, and this machine has "
                             f"{torch.cuda.device_count()} GPU(s); CUDA_VISIBLE_DEVICES= runs it on CPU ranks with gloo")
     ctx = mp.get_context("forkserver")  # ranks forked from one server that imported torch once, not each importing it
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # (no CUDA call: a fork of it may use any GPU)
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     results = ctx.Queue()
     port = _free_port()
     store_dir = tempfile.mkdtemp(prefix="zeroshard-bench-")

@@ -130,7 +130,7 @@ def rank_main(config: gpt.GPTConfig, rounds: int, steps: int, warmup: int) -> di
 def run(quick: bool) -> list[dict]:
     """Rows: one per method's time, the two ratios, then the state bytes (torch Muon's, and each rank's sharded)."""
     config = gpt.QUICK if quick else (gpt.FULL_GPU if torch.cuda.is_available() else gpt.FULL_CPU)
-    rounds, steps, warmup = (3, 3, 1) if quick else (10, 5, 2)
+    rounds, steps, warmup = (2, 2, 1) if quick else (10, 5, 2)
     progress("muon", f"timing {len(METHODS)} methods at {WORLD_SIZE} ranks, {rounds} rounds x {steps} steps each ({config})")
     per_rank = run_ranks(rank_main, WORLD_SIZE, config, rounds, steps, warmup)
     if per_rank[0]["partition"] != "param":

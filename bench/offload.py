@@ -217,7 +217,7 @@ def training_rows(quick: bool) -> list[dict]:
     """Rows of the training-step comparison (GPU part and CPU part: see the module docstring)."""
     config = gpt.QUICK if quick else (gpt.FULL_GPU if torch.cuda.is_available() else gpt.FULL_CPU)
     progress("offload", f"training steps without, with full and with half offload, bf16, 1 rank ({config})")
-    timings = run_ranks(training_rank_main, 1, config, 3 if quick else 20)[0]
+    timings = run_ranks(training_rank_main, 1, config, 2 if quick else 20)[0]
     rows = [{"kind": "train_time", "elements": "", "method": name, "baseline": "", "median_ms": t.median * 1e3, "elements_per_s": "", "ratio": ""}
             for name, t in timings.items()]
     gpu_part, cpu_part = timings["on_device"], timings["offload_half_cpu_adam"]
@@ -234,7 +234,7 @@ def run(quick: bool) -> list[dict]:
     rows = []
     for numel in [2**20] if quick else [2**20, 2**22, 2**24]:
         progress("offload", f"optimizer step on {numel:,} fp32 elements, 1 rank: timed, then the CPU update under the profiler")
-        timings = run_ranks(rank_main, 1, numel, 5 if quick else 10)[0]
+        timings = run_ranks(rank_main, 1, numel, 3 if quick else 10)[0]
         for name, t in timings.items():
             rows.append({"kind": "time", "elements": numel, "method": name, "baseline": "", "median_ms": t.median * 1e3,
                          "elements_per_s": numel / t.median, "ratio": ""})

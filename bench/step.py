@@ -189,7 +189,7 @@ def rank_main(config: gpt.GPTConfig, dtype: torch.dtype, rounds: int, steps: int
 def settings(quick: bool) -> list[tuple[gpt.GPTConfig, torch.dtype, int, int, int]]:
     """(model, dtype, rounds, steps per round, warm-up steps) for each timed setting."""
     if quick:
-        return [(gpt.QUICK, torch.float32, 2, 2, 1)]
+        return [(gpt.QUICK, torch.float32, 2, 1, 1)]
     small, large = (gpt.FULL_GPU, gpt.LARGE_GPU) if torch.cuda.is_available() else (gpt.FULL_CPU, gpt.LARGE_CPU)
     return [(small, torch.float32, 16, 3, 3), (small, torch.bfloat16, 10, 3, 2), (large, torch.float32, 6, 2, 1),
             (large, torch.bfloat16, 5, 2, 1)]
@@ -217,7 +217,7 @@ def run(quick: bool) -> list[dict]:
         ]
     config = gpt.QUICK if quick else (gpt.FULL_GPU if torch.cuda.is_available() else gpt.FULL_CPU)
     progress("step", f"counting bytes sent per rank per step at world size 4 ({', '.join(name for name, _ in COMM_LAYOUTS)})")
-    return rows + comm_rows(config, steps=2 if quick else 5)
+    return rows + comm_rows(config, steps=1 if quick else 5)
 
 
 COMM_LAYOUTS = (("ddp", None), ("zeroshard_flat", 4), ("zeroshard_hybrid", 2))  # (name, shard size)

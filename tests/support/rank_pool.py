@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 PROCESS_GROUP_TIMEOUT_S = 60
 # Imported once by the fork server that forks every rank: a rank then starts in a fraction of a second, not the
 # seconds importing torch costs (a pool restarts after each test whose ranks raised).
-PRELOAD = ["torch", "torch.distributed", "zeroshard"]
+# torch._dynamo: DDP's constructor imports it; DCP: the checkpoint tests use it.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "zeroshard"]
 
 
 def _worker(rank: int, world_size: int, store_path: str, tasks: Any, results: Any) -> None:
