@@ -224,12 +224,14 @@ def give_back_reducer(wrapped: WrappedDDP, holder: int) -> None:
 def find_wrappers(params: Iterable[nn.Parameter]) -> list[nn.Module]:
     """Every ``DistributedDataParallel`` alive now whose module has one of ``params``; call :func:`watch_new_wrappers` first."""
     ours = {id(p) for p in params}
-    return [ddp for ddp in list(_WRAPPERS) if hasattr(ddp, "module") and any(id(p) in ours for p in ddp.module.parameters())]
+    return [ddp for ddp in list(_WRAPPERS) if isinstance(module := getattr(ddp, "module", None), nn.Module)
+            and any(id(p) in ours for p in module.parameters())]
 
 
 def _subclasses(cls: type) -> set[type]:
     """``cls`` and its subclasses defined so far, at any depth."""
     found = {cls}
+    sub: type
     for sub in cls.__subclasses__():
         found |= _subclasses(sub)
     return found
@@ -344,7 +346,7 @@ class DDPWrappers:
 
 
 _WATCHING: list[torch.utils.hooks.RemovableHandle] = []  # the process's one module registration hook
-_WRAPPERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every DDP wrapper alive: built before the watch began, or since
+_WRAPPERS: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()  # every DDP wrapper alive: built before the watch began, or since
 
 
 def watch_new_wrappers(wrappers_of_owners: Callable[[Iterable[nn.Parameter]], list[DDPWrappers]]) -> None:
