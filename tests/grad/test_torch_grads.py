@@ -277,6 +277,40 @@ def test_full_tensor_and_reads_gather_ddps_gradient(pools, stage):
     pools[2].run(full_tensor_worker, stage)
 
 
+def view_edit_worker(stage: int) -> None:
+    """Reads through views of a gradient give DDP's values; a write through one, or a manual all-reduce, raises naming the param."""
+    ref, ref_opt, model, opt = _pair(stage)
+    for net in (ref, model):
+        loss_fn(net, *batch(dist.get_rank(), 0)).backward()
+    grad, expected = model.fc1.weight.grad, ref.module.fc1.weight.grad
+    assert torch.allclose(grad.view(-1)[3:7], expected.view(-1)[3:7], rtol=1e-6, atol=1e-8)
+    assert torch.allclose(grad.t().contiguous().sum(0), expected.t().sum(0), rtol=1e-6, atol=1e-8)
+    assert torch.allclose(torch.stack(grad.unbind())[1], expected[1], rtol=1e-6, atol=1e-8)
+    edits = {  # on DDP's gradient each changes the gradient; here each would change a gathered copy only
+        "view(-1).mul_": lambda g: g.view(-1).mul_(0.5), "reshape.zero_": lambda g: g.reshape(-1).zero_(),
+        "[0].zero_": lambda g: g[0].zero_(), "t().add_": lambda g: g.t().add_(1.0), "contiguous() +=": lambda g: g.contiguous().__iadd__(1.0),
+        "[:, :2] = 0": lambda g: g[:, :2].__setitem__(slice(None), 0.0), "unbind()[0].clamp_": lambda g: g.unbind()[0].clamp_(0, 1),
+        "_foreach_mul_": lambda g: torch._foreach_mul_([g.view(-1)], 2.0),
+        "torch.mul(out=view)": lambda g: torch.mul(g[0], 2.0, out=g[0]),
+    }
+    for what, edit in edits.items():
+        with pytest.raises(RuntimeError, match=r"\['params'\]\[\d+\]: torch\.\w+ would write into a view of its gradient"):
+            edit(grad)
+            pytest.fail(what)
+    with pytest.raises(RuntimeError, match=r"\['params'\]\[\d+\]: torch.distributed.all_reduce on its gradient, which zeroshard has already reduced"):
+        dist.all_reduce(grad)
+    with pytest.raises(RuntimeError, match=r"torch._foreach_exp_ cannot edit a gradient held as pieces"):
+        torch._foreach_exp_([model.fc1.bias.grad, model.fc2.bias.grad])
+    opt.step()  # nothing above reached the gradients: the step is DDP's
+    ref_opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.module.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_write_through_a_view_of_a_gradient_or_a_manual_all_reduce_raises(pools, stage):
+    pools[2].run(view_edit_worker, stage)
+
+
 def node_hook_worker(stage: int, what: str) -> str:
     """A grad accumulator's node hook that scales (``what="mul_"``) or reads (``"norm"``) fc1.weight's gradient after
     zeroshard's hook took it; what backward raised."""
