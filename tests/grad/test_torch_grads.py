@@ -311,6 +311,27 @@ def test_a_write_through_a_view_of_a_gradient_or_a_manual_all_reduce_raises(pool
     pools[2].run(view_edit_worker, stage)
 
 
+def read_order_worker(stage: int) -> str:
+    """Per-param norms read in another order on rank 1 (as ``set(model.parameters())``, whose order differs between processes): what raised."""
+    _, _, model, opt = _pair(stage)
+    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        for p in params[::-1] if dist.get_rank() == 1 else params:
+            p.grad.norm().item()
+    except RuntimeError as error:
+        return str(error)
+    return "nothing raised"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_norms_read_in_another_order_on_each_rank_raise_on_every_rank(pools, stage):
+    # Each rank's all-reduce would pair with another param's: norms that DDP would not give.
+    messages = pools[2].run(read_order_worker, stage)
+    assert "the ranks reduced the norms of different params' gradients together" in messages[0], messages
+    assert messages[0] == messages[1], messages
+
+
 def node_hook_worker(stage: int, what: str) -> str:
     """A grad accumulator's node hook that scales (``what="mul_"``) or reads (``"norm"``) fc1.weight's gradient after
     zeroshard's hook took it; what backward raised."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import functools
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,11 @@ class GradComm:
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         collectives.wait(dist.all_gather(parts, tensor, group=self.group, async_op=True), self.timeout, what, _HINT)
         return torch.stack(parts).amax(dim=0)
+
+
+def param_tag(name: str) -> int:
+    """A number in [1, 2**16] naming param ``name`` alike on every rank (``hash`` of a str differs per process)."""
+    return zlib.crc32(name.encode()) % (1 << 16) + 1
 
 
 def norm_order(ord: Any) -> float:
@@ -115,23 +121,26 @@ class PartialNorm(Tensor):
     # per element, its norm's dtype before torch.stack promoted them (each is rounded to its own first, as torch's stack of DDP's norms)
     dtypes: tuple[torch.dtype, ...]
     exact: tuple[bool, ...]  # per element: its ``local`` is the norm itself, taken by the one rank that holds the whole gradient (0 on the others)
+    tags: tuple[int, ...]  # per element, its param's :func:`param_tag` (sharded elements), else 0
     _value: Tensor | None  # the resolved value, once read
 
     @staticmethod
     def make(local: Tensor, plain: Tensor, kinds: Sequence[str], ord: float, comm: GradComm, dtype: torch.dtype, device: torch.device,
              *, shape: Sequence[int] = (), aggregate: bool = False, slots: Sequence[int] = (-1,),
-             spaces: Sequence[ParamSpace | None] = (None,), dtypes: Sequence[torch.dtype] = (), exact: Sequence[bool] = ()) -> PartialNorm:
+             spaces: Sequence[ParamSpace | None] = (None,), dtypes: Sequence[torch.dtype] = (), exact: Sequence[bool] = (),
+             tags: Sequence[int] = ()) -> PartialNorm:
         """A pending norm of ``dtype`` on ``device``, of ``shape`` (the attributes, ``dtypes`` by default all ``dtype``)."""
         out = make_subclass(PartialNorm, torch.full(tuple(shape), math.nan, dtype=dtype, device=device))
         out.local, out.plain, out.kinds, out.aggregate, out.ord, out.comm, out._value = local, plain, tuple(kinds), aggregate, ord, comm, None
         out.slots, out.spaces, out.dtypes = tuple(slots), tuple(spaces), tuple(dtypes) or (dtype,) * len(out.kinds)
         out.exact = tuple(exact) or (False,) * len(out.kinds)
+        out.tags = tuple(tags) or (0,) * len(out.kinds)
         return out
 
     def _like(self, **changes: Any) -> PartialNorm:
         """This pending norm with some of :meth:`make`'s arguments changed."""
         args: dict[str, Any] = dict(shape=self.shape, aggregate=self.aggregate, slots=self.slots, spaces=self.spaces, dtype=self.dtype,
-                                    device=self.device, dtypes=self.dtypes, exact=self.exact)
+                                    device=self.device, dtypes=self.dtypes, exact=self.exact, tags=self.tags)
         args.update(changes)
         return PartialNorm.make(self.local, self.plain, self.kinds, self.ord, self.comm, **args)
 
@@ -151,9 +160,22 @@ class PartialNorm(Tensor):
     def _root(self, power_sums: Tensor) -> Tensor:
         return power_sums if math.isinf(self.ord) else power_sums.pow(1.0 / self.ord)
 
-    def _reduce(self, vector: Tensor) -> Tensor:
-        what = "reading a gradient norm (its reduction over the ranks)"
-        return self.comm.max(vector, what) if math.isinf(self.ord) else self.comm.sum_(vector, what)
+    def _reduce(self, vector: Tensor, sharded: list[int]) -> Tensor:
+        """``vector`` (fp64) reduced over the ranks. On the CPU, or with ``collective_timeout_s`` (the host waits anyway), it carries
+        the sum ``t`` of the ``sharded`` elements' tags and ``t**2`` (``-t`` for inf): all ranks reduced the same params' norms
+        exactly when the results are ``n*t`` and ``n*t**2``; else every rank raises ``RuntimeError``, where the values would be wrong."""
+        what, inf = "reading a gradient norm (its reduction over the ranks)", math.isinf(self.ord)
+        if self.comm.size == 1 or (vector.device.type != "cpu" and self.comm.timeout is None):
+            return self.comm.max(vector, what) if inf else self.comm.sum_(vector, what)
+        tag = float(sum(self.tags[i] for i in sharded) % (1 << 20))  # exact in fp64 with its square, summed over 4096 ranks
+        vector = torch.cat([vector, torch.tensor([tag, -tag if inf else tag * tag], dtype=vector.dtype).to(vector.device)])
+        vector = self.comm.max(vector, what) if inf else self.comm.sum_(vector, what)
+        n = 1 if inf else self.comm.size
+        if vector[-2:].tolist() != [n * tag, -tag if inf else n * tag * tag]:
+            raise RuntimeError(f"{what}: the ranks reduced the norms of different params' gradients together, so the values would be "
+                               "wrong; read per-param norms in the same order on every rank (model.parameters(), not a set), and on "
+                               "every rank (not on rank 0 only)")
+        return vector[:-2]
 
     def _norms(self, sharded: list[int], reduced: Tensor) -> Tensor:
         """Per element its norm (fp64) rounded to its own dtype: ``sharded`` ones from their ``reduced`` power sums, plain as given, virtual local."""
@@ -174,7 +196,7 @@ class PartialNorm(Tensor):
         """Per element its norm: sharded ones reduced over the ranks (one collective), virtual ones local (a virtual param's own)."""
         sharded = [i for i, kind in enumerate(self.kinds) if kind == SHARDED]
         local = self.local.index_select(0, copy_to_device(sharded, self.local.device))
-        return self._norms(sharded, self._reduce(local) if sharded else local)
+        return self._norms(sharded, self._reduce(local, sharded) if sharded else local)
 
     def _aggregate_value(self) -> Tensor:
         """The norm of the elements, as ``torch.linalg.vector_norm`` of DDP's per-param norms computes it (one collective).
@@ -196,7 +218,7 @@ class PartialNorm(Tensor):
         pieces = zeros.index_add(0, slots, torch.ones(len(virtual), dtype=torch.float64, device=device))
         vector = torch.cat([self.local.index_select(0, copy_to_device(sharded, device)), per_param, pieces])
         if sharded or virtual:
-            vector = self._reduce(vector)
+            vector = self._reduce(vector, sharded)
         per_param, pieces = vector[len(sharded) : len(sharded) + size], vector[len(sharded) + size :]
         kept = self._norms(sharded, vector[: len(sharded)]).index_select(0, copy_to_device([i for i in range(len(self.kinds)) if i not in virtual], device))
         # A param no rank has a piece of here (a norm of some of the optimizer's params) counts as 0: no host sync to drop it.
@@ -266,7 +288,8 @@ def _stack(tensors: Sequence[Tensor]) -> PartialNorm:
     slots = [t.slots[0] if isinstance(t, PartialNorm) else -1 for t in tensors]
     spaces = [t.spaces[0] if isinstance(t, PartialNorm) else None for t in tensors]
     return PartialNorm.make(local, plain, kinds, first.ord, first.comm, dtype, first.device, shape=(len(tensors),), slots=slots, spaces=spaces,
-                            dtypes=[t.dtype for t in tensors], exact=[t.exact[0] if isinstance(t, PartialNorm) else False for t in tensors])
+                            dtypes=[t.dtype for t in tensors], exact=[t.exact[0] if isinstance(t, PartialNorm) else False for t in tensors],
+                            tags=[t.tags[0] if isinstance(t, PartialNorm) else 0 for t in tensors])
 
 
 def _moved(norm: PartialNorm, func: Any, args: Any, kwargs: dict[str, Any]) -> PartialNorm | None:

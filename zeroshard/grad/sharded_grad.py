@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.compat import DisableTorchFunctionSubclass, current_graph_task, foreach_norm, make_subclass
-from zeroshard.grad.partial_norm import NORMS, SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_arguments, norm_order
+from zeroshard.grad.partial_norm import NORMS, SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_arguments, norm_order, param_tag
 
 if TYPE_CHECKING:
     from zeroshard.grad.amp import GradScalerLink
@@ -135,7 +135,8 @@ class ShardedGrad(Tensor):
                 with DisableTorchFunctionSubclass():
                     value = foreach_norm([whole], ord, dtype=dtype)[0] if foreach else torch.linalg.vector_norm(whole, ord, dtype=dtype)
                 local[0] = value.to(torch.float64)
-        return PartialNorm.make(local, torch.zeros_like(local), [SHARDED], ord, self.home.comm, dtype or self.dtype, self.device, exact=[exact])
+        return PartialNorm.make(local, torch.zeros_like(local), [SHARDED], ord, self.home.comm, dtype or self.dtype, self.device, exact=[exact],
+                                tags=[param_tag(self.param_name)])
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -177,8 +178,8 @@ class ShardedGrad(Tensor):
         if self is not None and _writes_first_argument(func, name):
             if getattr(func, "__module__", "").startswith("torch.distributed"):
                 raise RuntimeError(f"{self.param_name}: torch.distributed.{name} on its gradient, which zeroshard has already reduced over "
-                                   "the ranks (DDP's averaged gradient, held as pieces): drop a manual all-reduce and its division, as with "
-                                   "DDP, or pass p.grad.full_tensor() (a plain tensor)")
+                                   "the ranks (DDP's averaged gradient): drop a manual all-reduce and its division, as with DDP, or pass "
+                                   "p.grad.full_tensor()")
             raise RuntimeError(f"{self.param_name}: torch.{name} cannot edit a gradient held as pieces on several ranks (ZeRO); "
                                "elementwise edits (mul_, div_, clamp_, add_, copy_, zero_, nan_to_num_, their _foreach forms) work, "
                                "or gather it with p.grad.full_tensor()")
@@ -309,8 +310,8 @@ class GatheredView(Tensor):
         targets = [kwargs.get("out")] + (_first_argument(args) if _writes_first_argument(func, name) else [])
         if (written := next((t for t in targets if isinstance(t, GatheredView)), None)) is not None:
             raise RuntimeError(f"{written.param_name}: torch.{name} would write into a view of its gradient, which zeroshard holds as "
-                               "pieces on several ranks (ZeRO): the write would not reach it. Edit p.grad itself (mul_, div_, clamp_, "
-                               "add_, copy_, zero_), or assign a new one (p.grad = t)")
+                               "pieces on several ranks (ZeRO), not into it. Edit p.grad itself (mul_, div_, clamp_, add_, zero_), or "
+                               "assign p.grad = t")
         return _views_refuse_edits(_disabled(func, *args, **kwargs), args, args)
 
 
