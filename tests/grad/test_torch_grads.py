@@ -286,6 +286,8 @@ def view_edit_worker(stage: int) -> None:
     assert torch.allclose(grad.view(-1)[3:7], expected.view(-1)[3:7], rtol=1e-6, atol=1e-8)
     assert torch.allclose(grad.t().contiguous().sum(0), expected.t().sum(0), rtol=1e-6, atol=1e-8)
     assert torch.allclose(torch.stack(grad.unbind())[1], expected[1], rtol=1e-6, atol=1e-8)
+    other, other_expected = model.fc2.weight.grad, ref.module.fc2.weight.grad  # a view with another gradient: both gathered
+    assert torch.allclose(grad.t() + other, expected.t() + other_expected, rtol=1e-6, atol=1e-8)
     edits = {  # on DDP's gradient each changes the gradient; here each would change a gathered copy only
         "view(-1).mul_": lambda g: g.view(-1).mul_(0.5), "reshape.zero_": lambda g: g.reshape(-1).zero_(),
         "[0].zero_": lambda g: g[0].zero_(), "t().add_": lambda g: g.t().add_(1.0), "contiguous() +=": lambda g: g.contiguous().__iadd__(1.0),

@@ -7,7 +7,6 @@ reads". See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` for
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -15,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.compat import DisableTorchFunctionSubclass, current_graph_task, foreach_norm, make_subclass
+from zeroshard.grad.gathered_view import first_argument, views_refuse_edits, writes_first_argument
 from zeroshard.grad.partial_norm import NORMS, SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_arguments, norm_order, param_tag
 
 if TYPE_CHECKING:
@@ -173,9 +173,9 @@ class ShardedGrad(Tensor):
         if name in _FOREACH_INPLACE and args:
             _foreach_edit(func, args[0], args[1:], kwargs)
             return None
-        if self is None and _writes_first_argument(func, name):  # torch._foreach_*_, or dist.all_gather into a list
-            self = next((t for t in _first_argument(args) if isinstance(t, ShardedGrad)), None)
-        if self is not None and _writes_first_argument(func, name):
+        if self is None and writes_first_argument(func, name):  # torch._foreach_*_, or dist.all_gather into a list
+            self = next((t for t in first_argument(args) if isinstance(t, ShardedGrad)), None)
+        if self is not None and writes_first_argument(func, name):
             if getattr(func, "__module__", "").startswith("torch.distributed"):
                 raise RuntimeError(f"{self.param_name}: torch.distributed.{name} on its gradient, which zeroshard has already reduced over "
                                    "the ranks (DDP's averaged gradient): drop a manual all-reduce and its division, as with DDP, or pass "
@@ -184,7 +184,7 @@ class ShardedGrad(Tensor):
                                "elementwise edits (mul_, div_, clamp_, add_, copy_, zero_, nan_to_num_, their _foreach forms) work, "
                                "or gather it with p.grad.full_tensor()")
         gathered = _gathered(args)
-        return _views_refuse_edits(_disabled(func, *gathered, **{k: _gathered(v) for k, v in kwargs.items()}), args, gathered)
+        return views_refuse_edits(_disabled(func, *gathered, **{k: _gathered(v) for k, v in kwargs.items()}), args, gathered)
 
     def _edit(self, func: Any, name: str, args: Any, kwargs: dict[str, Any]) -> ShardedGrad:
         """An elementwise in-place function on this rank's pieces (``zero_`` also moves the version: the reducer follows it)."""
@@ -295,57 +295,6 @@ def _foreach_edit(func: Any, tensors: Sequence[Tensor], args: Any, kwargs: dict[
     lists_left = iter(per_tensor)
     call_args = [next(lists_left) if isinstance(a, (list, tuple)) else a for a in args]
     _disabled(func, targets, *call_args, **kwargs)
-
-
-class GatheredView(Tensor):
-    """A view of a ``ShardedGrad``'s gathered values (``p.grad.view(-1)``, ``p.grad[0]``): reads run as on a plain tensor;
-    an in-place write, which would change DDP's gradient but here a copy, raises."""
-
-    param_name: str
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        targets = [kwargs.get("out")] + (_first_argument(args) if _writes_first_argument(func, name) else [])
-        if (written := next((t for t in targets if isinstance(t, GatheredView)), None)) is not None:
-            raise RuntimeError(f"{written.param_name}: torch.{name} would write into a view of its gradient, which zeroshard holds as "
-                               "pieces on several ranks (ZeRO), not into it. Edit p.grad itself (mul_, div_, clamp_, add_, zero_), or "
-                               "assign p.grad = t")
-        return _views_refuse_edits(_disabled(func, *args, **kwargs), args, args)
-
-
-_INPLACE_OPERATORS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__", "__iand__",
-                                "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__", "__set__"})
-
-
-def _first_argument(args: Any) -> list[Any]:
-    """``args[0]``, or the tensors of a list there."""
-    return [] if not args else list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
-
-
-def _writes_first_argument(func: Any, name: str) -> bool:
-    """Whether ``func`` writes into its first argument: an in-place method or operator, or a ``torch.distributed`` call."""
-    return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS or getattr(func, "__module__", "").startswith("torch.distributed")
-
-
-def _views_refuse_edits(result: Any, args: Any, gathered: Any) -> Any:
-    """``result`` of a function run on ``gathered`` (``args``, each ``ShardedGrad`` gathered), with each tensor that shares
-    storage with a gathered ``ShardedGrad`` or ``GatheredView`` of ``args`` made a :class:`GatheredView`, a NumPy array read-only."""
-    sources = {_disabled(g.untyped_storage).data_ptr(): a.param_name for a, g in zip(args, gathered)
-               if isinstance(a, (ShardedGrad, GatheredView)) and isinstance(g, Tensor)}
-    if not sources:
-        return result
-    if isinstance(result, (list, tuple)):  # split, chunk, unbind
-        marked = [_views_refuse_edits(r, args, gathered) for r in result]
-        return result if all(map(operator.is_, marked, result)) else type(result)(marked)
-    if isinstance(result, Tensor) and (name := sources.get(_disabled(result.untyped_storage).data_ptr())) is not None:
-        view = make_subclass(GatheredView, result)
-        view.param_name = name
-        return view
-    if type(result).__name__ == "ndarray" and hasattr(result, "flags"):  # p.grad.numpy(): its writes would miss the gradient too
-        result.flags.writeable = False
-    return result
 
 
 def _sliced(value: Any, grad: ShardedGrad, offset: int, numel: int) -> Any:
