@@ -299,6 +299,8 @@ def view_edit_worker(stage: int) -> None:
         with pytest.raises(RuntimeError, match=r"\['params'\]\[\d+\]: torch\.\w+ would write into a view of its gradient"):
             edit(grad)
             pytest.fail(what)
+    with pytest.raises(ValueError, match="read-only"):  # .numpy() of the gathered values: a write would miss the gradient too
+        grad.numpy()[0, 0] = 1.0
     with pytest.raises(RuntimeError, match=r"\['params'\]\[\d+\]: torch.distributed.all_reduce on its gradient, which zeroshard has already reduced"):
         dist.all_reduce(grad)
     with pytest.raises(RuntimeError, match=r"torch._foreach_exp_ cannot edit a gradient held as pieces"):

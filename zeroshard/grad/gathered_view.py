@@ -38,7 +38,7 @@ class GatheredView(Tensor):
 
 
 def first_argument(args: Any) -> list[Any]:
-    """``args[0]``, or the tensors of a list there (``torch._foreach_*``, ``dist.all_gather``'s outputs)."""
+    """``args[0]``, or the tensors of a list there (``torch._foreach_*``)."""
     return [] if not args else list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
 
 

@@ -173,14 +173,13 @@ class ShardedGrad(Tensor):
         if name in _FOREACH_INPLACE and args:
             _foreach_edit(func, args[0], args[1:], kwargs)
             return None
-        if self is None and writes_first_argument(func, name):  # torch._foreach_*_, or dist.all_gather into a list
-            self = next((t for t in first_argument(args) if isinstance(t, ShardedGrad)), None)
-        if self is not None and writes_first_argument(func, name):
+        written = next((t for t in first_argument(args) if isinstance(t, ShardedGrad)), None)  # the gradient, or one in a list
+        if written is not None and writes_first_argument(func, name):
             if getattr(func, "__module__", "").startswith("torch.distributed"):
-                raise RuntimeError(f"{self.param_name}: torch.distributed.{name} on its gradient, which zeroshard has already reduced over "
+                raise RuntimeError(f"{written.param_name}: torch.distributed.{name} on its gradient, which zeroshard has already reduced over "
                                    "the ranks (DDP's averaged gradient): drop a manual all-reduce and its division, as with DDP, or pass "
                                    "p.grad.full_tensor()")
-            raise RuntimeError(f"{self.param_name}: torch.{name} cannot edit a gradient held as pieces on several ranks (ZeRO); "
+            raise RuntimeError(f"{written.param_name}: torch.{name} cannot edit a gradient held as pieces on several ranks (ZeRO); "
                                "elementwise edits (mul_, div_, clamp_, add_, copy_, zero_, nan_to_num_, their _foreach forms) work, "
                                "or gather it with p.grad.full_tensor()")
         gathered = _gathered(args)
