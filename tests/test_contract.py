@@ -493,7 +493,7 @@ def test_rank_missing_a_call_raises_naming_the_collective_within_the_bound(timeo
 # -- the model also wrapped in DDP (HF Trainer, Lightning) ---------------------------------------
 
 
-def ddp_wrapped_worker(stage: int, wrapped_first: bool) -> list[int]:
+def ddp_wrapped_worker(stage: int, wrapped_first: bool | str) -> list[int]:
     """Bucket reductions DDP itself ran: after the first step, at the end, and after one more backward once closed."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
