@@ -277,6 +277,38 @@ def test_full_tensor_and_reads_gather_ddps_gradient(pools, stage):
     pools[2].run(full_tensor_worker, stage)
 
 
+def zeroed_after_step_worker(stage: int, how: str) -> None:
+    """After ``step()``, gradients zeroed by ``how`` (``zero_grad(set_to_none=False)`` of the model or the optimizer,
+    ``torch._foreach_zero_``, ``Tensor.zero_``) read as DDP's zeros, clip as DDP's, and training goes on as DDP's."""
+    ref, ref_opt, model, opt = _pair(stage)
+    zero = {"model": lambda net, o: net.zero_grad(set_to_none=False), "optimizer": lambda net, o: o.zero_grad(set_to_none=False),
+            "_foreach_zero_": lambda net, o: torch._foreach_zero_([p.grad for p in net.parameters() if p.grad is not None]),
+            "Tensor.zero_": lambda net, o: [p.grad.zero_() for p in net.parameters() if p.grad is not None]}[how]
+    for step in range(3):
+        for net, raw, o in ((ref, ref.module, ref_opt), (model, model, opt)):
+            loss_fn(net, *batch(dist.get_rank(), step)).backward()
+            o.step()
+            zero(raw, o)
+        pairs = [(p, q) for p, q in zip(model.parameters(), ref.module.parameters()) if q.grad is not None]
+        assert pairs and all(torch.equal(p.grad.clone(), q.grad) and not q.grad.any() for p, q in pairs), how
+        assert [p.grad is None for p in model.parameters()] == [q.grad is None for q in ref.module.parameters()], how
+        for foreach in (False, True):  # a zero norm, and a multiply by 1.0, which leaves zeros
+            norms = [torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0, foreach=foreach) for net in (model, ref.module)]
+            assert torch.equal(norms[0], norms[1]), (how, norms)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.module.parameters())), (how, step)
+    with pytest.raises(RuntimeError, match=r"\]: torch.add_ would give its gradient, zeroed after ShardedOptimizer.step\(\) consumed it, values"):
+        model.fc1.weight.grad.add_(1.0)
+    with pytest.raises(RuntimeError, match=r"torch._foreach_add_ would give its gradient, zeroed after"):  # checked before any write
+        torch._foreach_add_([model.fc1.bias.grad, model.fc1.weight.grad], [torch.zeros_like(model.fc1.bias), torch.ones_like(model.fc1.weight)])
+    assert not model.fc1.bias.grad.clone().any()
+
+
+@pytest.mark.parametrize("how", ["model", "optimizer", "_foreach_zero_", "Tensor.zero_"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradients_zeroed_after_step_read_and_train_as_ddps(pools, stage, how):
+    pools[2].run(zeroed_after_step_worker, stage, how)
+
+
 def view_edit_worker(stage: int) -> None:
     """Reads through views of a gradient give DDP's values; a write through one, or a manual all-reduce, raises naming the param."""
     ref, ref_opt, model, opt = _pair(stage)

@@ -33,6 +33,7 @@ class ShardGrads:
     whole: list[bool] = field(default_factory=list)  # per param: it lies whole in one rank's slice, whose norm of it is torch's of DDP's
     live: bool = False  # a reduction left gradients in the grad shard that no step() has consumed yet (reset)
     edited: bool = False  # a ShardedGrad of this shard was edited in place (not zeroed) since the last reset
+    reductions: int = 0  # how many times a reduction left gradients here (ShardedGrad.zeroed)
     reduced: dict[int, ShardedGrad] = field(default_factory=dict)  # per param, the ShardedGrad left in its .grad once reduced (made once)
     flat_views: list[Tensor] = field(default_factory=list)  # stage 1, per param: its view of ``flat`` (flat_view)
     flat_addresses: list[int] = field(default_factory=list)  # their data pointers: where each view must point
@@ -156,6 +157,7 @@ class ShardGrads:
         gradient on this rank (another rank's may be in the grad shard, and every rank must present the same gradients to a clip).
         """
         self.live = True
+        self.reductions += 1
         for i, param in enumerate(self.shard.buffer.params):
             grad = param.grad
             if grad is None or (self.flat is not None and not isinstance(grad, ShardedGrad)):

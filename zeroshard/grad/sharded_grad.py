@@ -31,6 +31,7 @@ class GradHome(Protocol):
     whole: list[bool]  # per param, whether this rank holds it whole
     comm: GradComm  # where the other ranks' pieces are
     edited: bool  # set when user code writes a ShardedGrad in place
+    reductions: int  # how many reductions left gradients here (a ShardedGrad zeroed after the last one reads as zeros)
     arrivals: list[int]  # per param, the gradients taken in the running backward pass
 
 
@@ -71,6 +72,7 @@ class ShardedGrad(Tensor):
     home: GradHome  # the reducer's record of the shard (its grad shard, this param's pieces, whether they are live)
     param_index: int  # the param's index in its flat buffer (layout order)
     placeholder: int  # the data pointer of its one element: ``Tensor.set_`` (which no torch function sees) changes it
+    zeroed_at: int = -1  # ``home.reductions`` when it was zeroed after ``step()`` consumed it (``zero_grad(set_to_none=False)``)
 
     @property
     def param_name(self) -> str:
@@ -78,13 +80,18 @@ class ShardedGrad(Tensor):
         return self.home.shard.buffer.names[self.param_index]
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # no values: printing is not a collective
-        state = "consumed by step()" if self.consumed else "reduced"
+        state = "zeroed after step()" if self.zeroed else "consumed by step()" if self.consumed else "reduced"
         return f"ShardedGrad({self.param_name}, shape={tuple(self.shape)}, dtype={self.dtype}, {state}; .full_tensor() gathers it)"
 
     @property
     def consumed(self) -> bool:
         """Whether ``step()`` used this gradient since it was reduced (its values are gone)."""
         return not self.home.live
+
+    @property
+    def zeroed(self) -> bool:
+        """Whether it was zeroed after ``step()`` consumed it: it then reads as zeros, with no collective, as DDP's zeroed ``.grad``."""
+        return self.zeroed_at == self.home.reductions and not self.home.live
 
     def local_pieces(self) -> list[tuple[int, Tensor]]:
         """This rank's pieces: ``(offset in the flattened param, 1-D view of the grad shard)`` each (master dtype)."""
@@ -111,6 +118,8 @@ class ShardedGrad(Tensor):
         Raises:
             RuntimeError: the gradient was consumed by ``step()``; with ``collective_timeout_s``, a rank did not join in time.
         """
+        if self.zeroed:
+            return torch.zeros(tuple(self.shape), dtype=self.dtype, device=self.device)
         self._check_live("full_tensor")
         grad_shard = self.home.shard.grad_shard
         full = torch.zeros(self.numel(), dtype=grad_shard.dtype, device=grad_shard.device)
@@ -119,10 +128,13 @@ class ShardedGrad(Tensor):
         self.home.comm.sum_(full, f"{self.param_name}: gathering its gradient (full_tensor(), or a torch function reading its values)")
         return _disabled(full.view, tuple(self.shape)).to(self.dtype)
 
-    def _norm(self, ord: float, dtype: torch.dtype | None, foreach: bool = False) -> PartialNorm:
+    def _norm(self, ord: float, dtype: torch.dtype | None, foreach: bool = False) -> Tensor:
         """This gradient's norm, pending. A param whole in one rank's slice gets the norm torch computes of DDP's gradient
         there (``vector_norm`` or, for ``foreach``, ``_foreach_norm`` of it in the param dtype; 0 on the other ranks), so a
-        clip sees DDP's numbers bit for bit; a param spread over slices, this rank's power sum of its pieces."""
+        clip sees DDP's numbers bit for bit; a param spread over slices, this rank's power sum of its pieces. Zeroed after
+        ``step()``: a plain 0 (no collective)."""
+        if self.zeroed:
+            return torch.zeros((), dtype=dtype or self.dtype, device=self.device)
         self._check_live("norm")
         pieces = [piece for _, piece in self.local_pieces()]
         exact = self.home.whole[self.param_index]
@@ -170,6 +182,10 @@ class ShardedGrad(Tensor):
                 return self._edit(func, name, args[1:], kwargs)
         if name == "_foreach_norm" and args:
             return _foreach_norm(args[0], *args[1:], **kwargs)
+        if name == "_foreach_zero_" and args:  # as Tensor.zero_ on each (also zeroes a gradient step() consumed)
+            for t in args[0]:
+                t._edit(Tensor.zero_, "zero_", (), {}) if isinstance(t, ShardedGrad) else _disabled(Tensor.zero_, t)
+            return None
         if name in _FOREACH_INPLACE and args:
             _foreach_edit(func, args[0], args[1:], kwargs)
             return None
@@ -191,10 +207,17 @@ class ShardedGrad(Tensor):
             if not self.consumed:
                 for _, piece in self.local_pieces():
                     piece.zero_()
+            else:
+                self.zeroed_at = self.home.reductions
             _disabled(Tensor.fill_, self, math.nan)  # moves the version, which the reducer reads (settle)
             return self
-        self._check_live(name)
         args, kwargs = _gathered(args, self), {k: _gathered(v, self) for k, v in kwargs.items()}  # once, on every rank, whatever its pieces
+        if self.zeroed:  # an edit that leaves zeros (a clip's multiply by 1.0) keeps them; any other raises
+            probe = torch.zeros(tuple(self.shape), dtype=self.dtype, device=self.device)
+            _disabled(func, probe, *args, **kwargs)
+            _check_still_zero(self, probe, name)
+            return self
+        self._check_live(name)
         for offset, piece in self.local_pieces():
             n = piece.numel()
             _disabled(func, piece, *[_sliced(a, self, offset, n) for a in args], **{k: _sliced(v, self, offset, n) for k, v in kwargs.items()})
@@ -277,7 +300,15 @@ def _foreach_edit(func: Any, tensors: Sequence[Tensor], args: Any, kwargs: dict[
     args = _gathered(args)  # another gradient as an argument: gathered once, on every rank
     lists = [a for a in args if isinstance(a, (list, tuple))]
     per_tensor: list[list[Any]] = [[] for _ in lists]
+    zeroed = [j for j, t in enumerate(tensors) if isinstance(t, ShardedGrad) and t.zeroed]
+    if zeroed:  # zeroed after step(): checked before anything is written, as in ShardedGrad._edit
+        probes = [torch.zeros(tuple(tensors[j].shape), dtype=tensors[j].dtype, device=tensors[j].device) for j in zeroed]
+        _disabled(func, probes, *[[a[j] for j in zeroed] if isinstance(a, (list, tuple)) else a for a in args], **kwargs)
+        for j, probe in zip(zeroed, probes):
+            _check_still_zero(cast(ShardedGrad, tensors[j]), probe, getattr(func, "__name__", "_foreach edit"))
     for j, t in enumerate(tensors):
+        if j in zeroed:
+            continue
         if isinstance(t, ShardedGrad):
             t._check_live(getattr(func, "__name__", "_foreach edit"))
             t.home.edited = True
@@ -294,6 +325,13 @@ def _foreach_edit(func: Any, tensors: Sequence[Tensor], args: Any, kwargs: dict[
     lists_left = iter(per_tensor)
     call_args = [next(lists_left) if isinstance(a, (list, tuple)) else a for a in args]
     _disabled(func, targets, *call_args, **kwargs)
+
+
+def _check_still_zero(grad: ShardedGrad, probe: Tensor, name: str) -> None:
+    """Raise ``RuntimeError`` unless ``probe`` (what an edit made of zeros) is all zeros: ``grad``, zeroed after ``step()``, holds no values."""
+    if _disabled(probe.any):
+        raise RuntimeError(f"{grad.param_name}: torch.{name} would give its gradient, zeroed after ShardedOptimizer.step() consumed it, "
+                           "values other than zeros, which a gradient held as pieces on several ranks takes only from a backward")
 
 
 def _sliced(value: Any, grad: ShardedGrad, offset: int, numel: int) -> Any:
