@@ -149,6 +149,40 @@ def test_shape_mismatch_across_ranks_names_rank_and_param(pools):
         assert "param_groups[0]['params'][2] on rank 1 is ((5, 4)," in message, message
 
 
+def rank_mistake_worker(mistake: str) -> str:
+    """A mistake in how rank 1 builds its optimizer (or, for ``"non-leaf"``, both): the construction error, or "no error"."""
+    model, rank = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), dist.get_rank()
+    process_group = None
+    if mistake == "lr":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 * (rank + 1))
+    elif mistake == "group split":  # the same params, in one group on rank 0 and in two on rank 1
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW([{"params": params}] if rank == 0 else [{"params": params[:1]}, {"params": params[1:]}])
+    elif mistake == "not a member":
+        process_group = dist.new_group([0])  # every rank calls new_group; rank 1 gets GroupMember.NON_GROUP_MEMBER
+        optimizer = torch.optim.AdamW(model.parameters())
+    else:  # "non-leaf": the result of an op put into param_groups (torch.optim refuses it only at its construction)
+        optimizer = torch.optim.AdamW(model.parameters())
+        optimizer.param_groups[0]["params"][1] = model[0].bias * 1.0
+    try:
+        zeroshard.ShardedOptimizer(optimizer, process_group=process_group).close()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(("mistake", "expected"), [
+    ("lr", ["param_groups item param_groups[0]['lr'] on rank 1 is (0.002,), on rank 0 (0.001,)"] * 2),
+    ("group split", ["differs: rank 1 has param_groups[1]['amsgrad'] (False,) there, rank 0 param_groups[0]['params'][1] ((4,),"] * 2),
+    ("not a member", ["no error", "this process (global rank 1) is not a member of process_group"]),
+    ("non-leaf", ["param_groups[0]['params'][1] (shape (4,)) is not a leaf tensor"] * 2),
+])
+def test_a_rank_built_differently_or_a_bad_param_raises_naming_it(pools, mistake, expected):
+    # Settings differing by rank would update each rank's shard with its own (no error before: a silent mix of the two).
+    for message, text in zip(pools[2].run(rank_mistake_worker, mistake), expected):
+        assert text in message, message
+
+
 def broadcast_worker() -> bool:
     torch.manual_seed(dist.get_rank())  # ranks start different
     model = TinyNet()

@@ -72,8 +72,8 @@ class ShardSet:
         self._sharded_ids: frozenset[int] = frozenset()
         self._outside: list[list[nn.Parameter]] = []
 
-    def add_groups(self, indices: range) -> list[LocalShard]:
-        """Shard the optimizer's param groups ``indices`` (a collective); returns the new shards.
+    def add_groups(self, indices: range, caller: str = "the ShardedOptimizer constructor") -> list[LocalShard]:
+        """Shard the optimizer's param groups ``indices`` (a collective, in ``caller``); returns the new shards.
 
         Raises:
             ValueError: see :func:`~zeroshard.shard_set.shard_param_groups`.
@@ -81,7 +81,7 @@ class ShardSet:
         new = shard_param_groups(
             self.optimizer, indices, self.groups, bucket_size_mb=self.bucket_size_mb, device=self.device,
             first_shard=len(self.shards), first_param_index=len(self.param_steps), host_master=self.host_master,
-            partition=self.partition, master_weights=self.master_weights,
+            partition=self.partition, master_weights=self.master_weights, caller=caller,
         )
         self.group_params.extend(new.group_params)
         self.param_steps.extend([0] * sum(len(params) for params in new.group_params))
@@ -125,7 +125,7 @@ class ShardSet:
         self.optimizer.add_param_group(param_group)
         index = len(self.optimizer.param_groups) - 1
         try:
-            return self.add_groups(range(index, index + 1))
+            return self.add_groups(range(index, index + 1), caller="add_param_group()")
         except BaseException:
             self.optimizer.param_groups.pop()
             raise
@@ -169,6 +169,7 @@ class ShardSet:
                     self.optimizer, range(g, g + 1), self.groups, bucket_size_mb=self.bucket_size_mb, device=self.device,
                     first_shard=len(self.shards), first_param_index=first_param_index, host_master=self.host_master,
                     params_of=[params], already_sharded=sharded, partition=self.partition, master_weights=self.master_weights,
+                    caller="step() or clip_grad_norm_() after params were unfrozen",
                 )
                 self._extend(new.shards)
                 added.extend(new.shards)
@@ -218,6 +219,19 @@ def bucket_numel(bucket_size_mb: float, dtype: torch.dtype) -> int:
     return max(1, int(bucket_size_mb * 2**20) // dtype.itemsize)
 
 
+def group_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings but its params (``lr``, ``betas``, ``weight_decay``, ...), comparable across ranks: each rank
+    updates its shard with its own, so ranks built with different ones would update one model with several."""
+    def comparable(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.numel() == 1:  # a tensor lr
+            return float(value)
+        if isinstance(value, (list, tuple)):
+            return tuple(comparable(v) for v in value)
+        return value if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
+
+    return {key: comparable(value) for key, value in sorted(group.items()) if key != "params"}
+
+
 def shard_param_groups(
     optimizer: torch.optim.Optimizer,
     indices: range,
@@ -232,6 +246,7 @@ def shard_param_groups(
     already_sharded: frozenset[int] = frozenset(),
     partition: str = "flat",
     master_weights: bool = True,
+    caller: str = "the ShardedOptimizer constructor",
 ) -> NewShards:
     """Flatten, broadcast and shard param groups ``indices`` of ``optimizer``.
 
@@ -271,12 +286,13 @@ def shard_param_groups(
              if is_sharded(p) and id(p) not in already_sharded]
     take_over([p for p, _ in taken], [name for _, name in taken])
     fingerprint = [
-        (param_name(g, j), tuple(p.shape), str(p.dtype), p.requires_grad)
+        entry
         for g, params in zip(indices, params_of)
-        for j, p in enumerate(params)
+        for entry in [(f"param_groups[{g}][{key!r}]", value) for key, value in group_settings(optimizer.param_groups[g]).items()]
+        + [(param_name(g, j), tuple(p.shape), str(p.dtype), p.requires_grad) for j, p in enumerate(params)]
     ]
-    for group in groups.all():
-        collectives.check_same_on_all_ranks("param", fingerprint, group)
+    for group in groups.all():  # within collective_timeout_s: a rank that skipped ``caller`` is named, not waited for
+        collectives.check_same_on_all_ranks("param_groups item", fingerprint, group, timeout=groups.timeout, caller=caller)
 
     buffers: list[tuple[FlatParamBuffer, int, list[int]]] = []  # (buffer, its param group, its params' torch.optim indices)
     index = first_param_index
@@ -295,7 +311,7 @@ def shard_param_groups(
     # Replicas take replica 0's values, then each shard group its first rank's: all equal rank (0, 0).
     for group in reversed(groups.all()):
         if dist.get_world_size(group) > 1:
-            collectives.broadcast_from_first_([b.data for b, _, _ in buffers] + frozen, group)
+            collectives.broadcast_from_first_([b.data for b, _, _ in buffers] + frozen, group, groups.timeout, caller)
 
     rank = dist.get_rank(groups.shard)
     shards = [LocalShard(buffer, rank, host_master, group=g, param_indices=indices_of, master_weights=master_weights) for buffer, g, indices_of in buffers]

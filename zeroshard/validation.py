@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import datetime
 import math
 from typing import Any
 
@@ -203,10 +204,10 @@ def check_construction(optimizer: Any, process_group: Any, *, stage: Any, bucket
     check_arguments(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype)
     chosen = choose_partition(optimizer, partition, assume_elementwise)
     check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio, collective_timeout_s, overlap_param_gather, master_weights)
-    groups = resolve_groups(process_group)
+    groups = resolve_groups(process_group, None if collective_timeout_s is None else datetime.timedelta(seconds=collective_timeout_s))
     options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload, chosen, master_weights)
     for group in groups.all():
-        collectives.check_same_on_all_ranks("option", options, group)
+        collectives.check_same_on_all_ranks("option", options, group, timeout=groups.timeout)
     return chosen, groups
 
 
@@ -241,8 +242,8 @@ def check_params(params_of: list[list[nn.Parameter]], groups: range, device: tor
     first groups), some param must be trainable.
 
     Raises:
-        ValueError: no trainable param with elements (first groups only), sparse params, non-floating trainable params,
-            params on several devices, or on the meta device (named as ``param_groups[g]['params'][j]``).
+        ValueError: no trainable param with elements (first groups only), non-leaf params, sparse params, non-floating trainable
+            params, params on several devices, or on the meta device (named as ``param_groups[g]['params'][j]``).
     """
     named = [(param_name(g, j), p) for g, params in zip(groups, params_of) for j, p in enumerate(params)]
     params = [p for _, p in named]
@@ -251,6 +252,9 @@ def check_params(params_of: list[list[nn.Parameter]], groups: range, device: tor
     bad = [(tuple(p.shape), str(p.layout)) for p in params if p.layout != torch.strided]
     if bad:
         raise ValueError(f"sparse params are not supported (shape, layout): {bad[:5]}")
+    if non_leaf := [(name, tuple(p.shape)) for name, p in named if not p.is_leaf]:
+        raise ValueError(f"{non_leaf[0][0]} (shape {non_leaf[0][1]}) is not a leaf tensor (it has a grad_fn; {len(non_leaf)} params are not): "
+                         "autograd accumulates no .grad into it. Pass the model's nn.Parameters (model.parameters()), not results of ops on them")
     bad = [(tuple(p.shape), str(p.dtype)) for p in params if p.requires_grad and not p.dtype.is_floating_point]
     if bad:
         raise ValueError(f"only real floating-point params can be sharded; got (shape, dtype) {bad[:5]}")

@@ -189,12 +189,13 @@ def recv(tensor: Tensor, src: int, group: ProcessGroup, timeout: datetime.timede
     wait(cast(dist.Work, dist.irecv(tensor, src=dist.get_global_rank(group, src), group=group)), timeout, CONSOLIDATION, _CONSOLIDATE)
 
 
-def broadcast_from_first_(tensors: Sequence[Tensor], group: ProcessGroup) -> None:
-    """Overwrite ``tensors`` on every rank with those of the group's rank 0 (blocking)."""
+def broadcast_from_first_(tensors: Sequence[Tensor], group: ProcessGroup, timeout: datetime.timedelta | None = None,
+                          caller: str = "the ShardedOptimizer constructor") -> None:
+    """Overwrite ``tensors`` on every rank with those of the group's rank 0 (blocking; each within ``timeout``: :func:`wait`)."""
     src = dist.get_global_rank(group, 0)
     works = [dist.broadcast(t, src=src, group=group, async_op=True) for t in tensors]
     for work in works:
-        work.wait()
+        wait(work, timeout, f"{caller}: the broadcast of rank {src}'s param values", f"call {caller}")
 
 
 def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], group: ProcessGroup, remedy: str = _SAME_BUILD,
@@ -237,9 +238,11 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
         if len(differs):
             index = int(differs[0])
             label, values = (str(fingerprint[index][0]), repr(fingerprint[index][1:])) if index < len(fingerprint) else (None, None)
-            name = _broadcast_text(label, rank, group, device)
+            name, first_name = _broadcast_text(label, rank, group, device), _broadcast_text(label, 0, group, device)
             other = _broadcast_text(values, rank, group, device)
             first_value = _broadcast_text(values, 0, group, device)
+            if name != first_name:  # entries out of step (a param in another group, a group more or less): name both
+                raise ValueError(f"{what} {index} differs: rank {their_rank} has {name} {other} there, rank {first} {first_name} {first_value}; {remedy}")
             raise ValueError(f"{what} {name} on rank {their_rank} is {other}, on rank {first} {first_value}; {remedy}")
         if n_theirs != n_reference:
             raise ValueError(f"rank {their_rank} has {n_theirs} {what}s, rank {first} has {n_reference}; {remedy}")
