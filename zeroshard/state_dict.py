@@ -23,7 +23,7 @@ from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.shard_set import ShardSet
-from zeroshard.step.fused_adam import FusedAdam
+from zeroshard.step.fused_adam import FusedAdam, fused_refusal
 from zeroshard.step.loss_scaler import DynamicLossScaler
 
 
@@ -148,7 +148,8 @@ class StateDictMixin:
         Raises:
             ValueError: anything else, or a state dict for another model (group count, param count, shape or dtype: the
                 param is named as ``param_groups[g]['params'][j]`` with both shapes), state that the checkpoint's
-                hyperparameters do not keep (another optimizer's), another ``bucket_size_mb``, a sharded dict from
+                hyperparameters do not keep (another optimizer's), settings the fused Adam/AdamW update chosen at
+                construction does not take (``amsgrad``, ``capturable``, ``differentiable``, a tensor ``lr``), another ``bucket_size_mb``, a sharded dict from
                 another world size not loaded through DCP, or one saved by an older zeroshard.
         """
         self.wait_params()
@@ -167,6 +168,10 @@ class StateDictMixin:
             inner, steps, masters = FORMATS[self.partition].load_full(view, state_dict)
         else:
             raise ValueError(f"state_dict is neither a zeroshard state dict nor a torch.optim one (zeroshard entry: {meta!r})")
+        if self._fused is not None and (refused := fused_refusal(inner["param_groups"])) is not None:
+            raise ValueError(f"state_dict sets {refused}, which the fused Adam/AdamW update this ShardedOptimizer chose at construction "
+                             f"does not take (torch's {type(self.optimizer).__name__} would switch to its own update); build the torch "
+                             "optimizer with the checkpoint's settings, wrap that, then load")
         self.optimizer.load_state_dict(inner)
         if self._fused is not None:
             self._fused.load(self._shards)

@@ -252,6 +252,14 @@ def mismatch_worker() -> None:
     sgd.step()
     with pytest.raises(ValueError, match=r"has \['momentum_buffer'\], AdamW keeps \['exp_avg', 'exp_avg_sq', 'step'\]"):
         opt.load_state_dict(sgd.state_dict())
+    # Settings the fused AdamW update chosen at construction does not take (torch's AdamW would switch to its own update).
+    amsgrad = copy.deepcopy(full)
+    for group in amsgrad["param_groups"]:
+        group["amsgrad"] = True
+    for entry in amsgrad["state"].values():
+        entry["max_exp_avg_sq"] = entry["exp_avg_sq"].clone()
+    with pytest.raises(ValueError, match=r"state_dict sets param_groups\[0\]\['amsgrad'\]=True, which the fused Adam/AdamW update"):
+        opt.load_state_dict(amsgrad)
     with pytest.raises(ValueError, match="neither a zeroshard state dict nor a torch.optim one"):
         opt.load_state_dict({"zeroshard": {"format": "something else"}})
 
@@ -268,6 +276,32 @@ def mismatch_worker() -> None:
 
 def test_mismatches_raise_and_change_nothing(pools):
     pools[2].run(mismatch_worker)
+
+
+def loaded_settings_worker() -> bool:
+    """Adam(decoupled_weight_decay=True)'s full dict loaded into a ShardedOptimizer built on Adam(): the loaded setting
+    (AdamW's decay) wins, as in torch.optim; whether both then train alike, bitwise."""
+    def build(decoupled: bool):
+        torch.manual_seed(0)
+        model = TinyNet()
+        return model, zeroshard.ShardedOptimizer(torch.optim.Adam(param_groups(model), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=decoupled,
+                                                                  foreach=False), bucket_size_mb=BUCKET_MB)
+    model, opt = build(True)
+    _train(model, opt, range(2))
+    opt.consolidate_state_dict(to=0)
+    full = [opt.state_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(full, src=0)
+    resumed, ropt = build(False)
+    resumed.load_state_dict(model.state_dict())
+    ropt.load_state_dict(full[0])
+    _train(model, opt, range(2, 5))
+    _train(resumed, ropt, range(2, 5))
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+
+
+def test_a_loaded_decoupled_weight_decay_is_the_one_stepped(pools):
+    # The fused update read the weight decay style chosen at construction: L2 decay after this load, no error.
+    assert pools[2].run(loaded_settings_worker) == [True, True]
 
 
 def empty_and_mid_accumulation_worker(stage: int, directory: str) -> bool:

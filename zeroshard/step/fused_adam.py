@@ -12,7 +12,7 @@ import operator
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -67,15 +67,26 @@ def _addresses(states: list[dict | None]) -> list[int]:
 
 def fused_adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
     """``"adamw"`` or ``"adam"`` when ``optimizer`` can take the fused path, else ``None``."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or fused_refusal(optimizer.param_groups) is not None:
         return None
-    for group in optimizer.param_groups:
-        if group.get("amsgrad") or group.get("capturable") or group.get("differentiable"):
-            return None
-        if isinstance(group["lr"], Tensor) or any(isinstance(b, Tensor) for b in group["betas"]):
-            return None
     decoupled = type(optimizer) is torch.optim.AdamW or optimizer.defaults.get("decoupled_weight_decay", False)
     return "adamw" if decoupled else "adam"
+
+
+def fused_refusal(param_groups: list[dict[str, Any]]) -> str | None:
+    """The first setting of ``param_groups`` the fused Adam/AdamW update does not take (``"param_groups[g]['amsgrad']"``), or ``None``."""
+    for g, group in enumerate(param_groups):
+        for key in ("amsgrad", "capturable", "differentiable"):
+            if group.get(key):
+                return f"param_groups[{g}][{key!r}]=True"
+        if isinstance(group["lr"], Tensor) or any(isinstance(b, Tensor) for b in group["betas"]):
+            return f"param_groups[{g}]: a tensor lr or betas"
+    return None
+
+
+def decoupled(group: dict[str, Any], adamw: bool) -> bool:
+    """Whether ``group`` decays weights as AdamW does: its own ``decoupled_weight_decay`` (which a loaded checkpoint sets), else ``adamw``."""
+    return bool(group.get("decoupled_weight_decay", adamw))
 
 
 def functional_adam(runs: list[Run], group: dict, adamw: bool, foreach: bool | None, fused: bool | None) -> None:
@@ -302,7 +313,8 @@ class FusedAdam:
         self._checked = set()
         self._pipeline.start(list(host_runs))
         for k, runs in device_runs.items():
-            device_adam(runs, self.optimizer.param_groups[shards[k].group], multiplier, self.adamw, shards[k].grad_shard.device, found_inf)
+            group = self.optimizer.param_groups[shards[k].group]
+            device_adam(runs, group, multiplier, decoupled(group, self.adamw), shards[k].grad_shard.device, found_inf)
         # torch's fused kernel divides the gradients by grad_scale as it reads them: no extra pass
         # (inf for a multiplier of 0: a clip coefficient of 0, see zeroshard/clip.py).
         grad_scale = None if not host_runs or multiplier == 1.0 else torch.tensor(1.0 / multiplier if multiplier else math.inf)
@@ -317,7 +329,8 @@ class FusedAdam:
                         compat.foreach_mul_([run.grad for run in chunk_runs], multiplier)
                         scale = None
                     with torch.profiler.record_function(CPU_ADAM_RANGE):
-                        host_adam(chunk_runs, self.optimizer.param_groups[shards[k].group], self.adamw, scale)
+                        group = self.optimizer.param_groups[shards[k].group]
+                        host_adam(chunk_runs, group, decoupled(group, self.adamw), scale)
                     self._pipeline.send_params(chunk)
         self._pipeline.finish()
 
