@@ -74,7 +74,7 @@ def fused_adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 def fused_refusal(param_groups: list[dict[str, Any]]) -> str | None:
-    """The first setting of ``param_groups`` the fused Adam/AdamW update does not take (``"param_groups[g]['amsgrad']"``), or ``None``."""
+    """The first setting of ``param_groups`` the fused update does not take, named, or ``None``."""
     for g, group in enumerate(param_groups):
         for key in ("amsgrad", "capturable", "differentiable"):
             if group.get(key):
@@ -82,11 +82,6 @@ def fused_refusal(param_groups: list[dict[str, Any]]) -> str | None:
         if isinstance(group["lr"], Tensor) or any(isinstance(b, Tensor) for b in group["betas"]):
             return f"param_groups[{g}]: a tensor lr or betas"
     return None
-
-
-def decoupled(group: dict[str, Any], adamw: bool) -> bool:
-    """Whether ``group`` decays weights as AdamW does: its own ``decoupled_weight_decay`` (which a loaded checkpoint sets), else ``adamw``."""
-    return bool(group.get("decoupled_weight_decay", adamw))
 
 
 def functional_adam(runs: list[Run], group: dict, adamw: bool, foreach: bool | None, fused: bool | None) -> None:
@@ -313,8 +308,8 @@ class FusedAdam:
         self._checked = set()
         self._pipeline.start(list(host_runs))
         for k, runs in device_runs.items():
-            group = self.optimizer.param_groups[shards[k].group]
-            device_adam(runs, group, multiplier, decoupled(group, self.adamw), shards[k].grad_shard.device, found_inf)
+            group = self.optimizer.param_groups[shards[k].group]  # a loaded decay style wins, as in torch
+            device_adam(runs, group, multiplier, group.get("decoupled_weight_decay", self.adamw), shards[k].grad_shard.device, found_inf)
         # torch's fused kernel divides the gradients by grad_scale as it reads them: no extra pass
         # (inf for a multiplier of 0: a clip coefficient of 0, see zeroshard/clip.py).
         grad_scale = None if not host_runs or multiplier == 1.0 else torch.tensor(1.0 / multiplier if multiplier else math.inf)
@@ -330,7 +325,7 @@ class FusedAdam:
                         scale = None
                     with torch.profiler.record_function(CPU_ADAM_RANGE):
                         group = self.optimizer.param_groups[shards[k].group]
-                        host_adam(chunk_runs, group, decoupled(group, self.adamw), scale)
+                        host_adam(chunk_runs, group, group.get("decoupled_weight_decay", self.adamw), scale)
                     self._pipeline.send_params(chunk)
         self._pipeline.finish()
 
