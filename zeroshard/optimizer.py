@@ -192,6 +192,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
         if gpu_margin_mem_ratio > 0 and self._fused is not None:  # with offload (checked): the fused update
             self._fused.start_margin_trace(self._device, self.gpu_margin_mem_ratio)
+        self._note_scaled_losses()
         self._scaler, self._static_scale = choose_loss_scale(loss_scale, fp16=any(s.buffer.dtype == torch.float16 for s in self._shards))
         if self._scaler is not None:
             coordinator_of(self.process_group).note_dynamic_scale(self, self._scaler, self._reducer)
@@ -238,6 +239,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
 
         A scale kept on the device multiplies as a float would: in fp32 for a 16-bit ``loss``.
         """
+        coordinator_of(self.process_group).scaled_losses += 1  # step() unscales (_unscaled_backward)
         scale = self._loss_scale_value()
         if not isinstance(scale, Tensor):
             return loss if scale is None else loss * scale
@@ -300,10 +302,6 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         joint = total * self._gradient_scale()
         self._stats = replace(self._stats, clip_norm=joint) if self._shard_set.amp.unscaled else replace(self._stats, norm=joint)
 
-    def _gradient_scale(self) -> float:
-        """What the gradients are multiplied by (see :meth:`GradScalerLink.gradient_scale`)."""
-        return self._shard_set.amp.gradient_scale(self, self.loss_scale)
-
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Reduce what is left, update this rank's shard, all-gather the params.
 
@@ -352,6 +350,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
                 self._update_on_host(stats, self._gradient_scale())
             self._reducer.reset()
             self._stats = self._clip_norm = self._consolidated = None
+            self._note_scaled_losses()
             self._since_consolidation = False
         return loss
 
@@ -389,6 +388,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         self._shard_set.zero_grad(set_to_none)
         self._shard_set.amp.clear()
         self._stats = self._clip_norm = None
+        self._note_scaled_losses()
 
     def close(self) -> None:
         """Remove this optimizer's gradient hooks from the params and give the params up (idempotent).

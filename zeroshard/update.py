@@ -7,9 +7,11 @@ import math
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from zeroshard.gather.param_gather import ParamGather
 from zeroshard.layout.local_shard import LocalShard
+from zeroshard.reduce.coordinator import coordinator_of
 from zeroshard.reduce.grad_reducer import GradReducer
 from zeroshard.shard_set import ShardSet
 from zeroshard.step.fused_adam import FusedAdam, takes_device_scalars
@@ -38,6 +40,8 @@ class UpdateMixin:
     _step_was_skipped: bool
     _skipped_steps: int
     _static_scale: float | None
+    _scaled_losses_seen: int  # the coordinator's scaled_losses at the last step() or zero_grad()
+    process_group: ProcessGroup
 
     @property
     def loss_scale(self) -> float | None:
@@ -45,8 +49,26 @@ class UpdateMixin:
         return self._scaler.scale if self._scaler is not None else self._static_scale
 
     def _loss_scale_value(self) -> float | Tensor | None:
-        """:attr:`loss_scale` without a host read: a dynamic scale kept on the device is its 0-dim float64 tensor."""
+        """The loss scale this step's gradients carry, without a host read (a dynamic scale kept on the device is its 0-dim
+        float64 tensor); ``None`` when :meth:`_unscaled_backward`."""
+        if self._unscaled_backward():
+            return None
         return self._scaler.scale_value() if self._scaler is not None else self._static_scale
+
+    def _gradient_scale(self) -> float:
+        """What the gradients are multiplied by (see :meth:`GradScalerLink.gradient_scale`)."""
+        return self._shard_set.amp.gradient_scale(self, None if self._unscaled_backward() else self.loss_scale)
+
+    def _note_scaled_losses(self) -> None:
+        """At a step's end (or ``zero_grad()``): the losses scaled so far are this step's, not the next one's."""
+        self._scaled_losses_seen = coordinator_of(self.process_group).scaled_losses
+
+    def _unscaled_backward(self) -> bool:
+        """Whether this step's gradients carry no loss scale although one is active: no ``scale_loss``/``backward`` since the last
+        step (plain ``loss.backward()``, as under ``torch.optim``) and no GradScaler. The step then neither unscales nor moves the scale."""
+        scaled = coordinator_of(self.process_group).scaled_losses != self._scaled_losses_seen  # a scale_loss() since
+        return (not scaled and (self._scaler is not None or self._static_scale is not None)
+                and getattr(self, "grad_scale", None) is None and not self._shard_set.amp.unscaled)
 
     def _on_device(self, stats: ReducedStats) -> bool:
         """Whether the step can keep the norm, the clip coefficient and the overflow decision on the device.
@@ -90,7 +112,7 @@ class UpdateMixin:
         found_inf = torch.where(norm < math.inf, 0.0, 1.0).float().reshape(1)  # fp32 whatever the default dtype
         used = stats.local_used  # every param got a gradient on this rank (_on_device)
         steps = self._update(used, device_multiplier(unscaled, scale, self._max_norm()), found_inf)
-        if self._scaler is not None:
+        if self._scaler is not None and value is not None:
             self._scaler.update(found_inf)  # after the multiplier was taken from the scale of this step's gradients
         self._step_was_skipped = False
         scale_now = self._scaler.scale_value() if self._scaler is not None else None  # the device tensor, as updated
@@ -102,7 +124,7 @@ class UpdateMixin:
         self.grad_norm = torch.tensor(stats.pre_clip_norm / scale, dtype=stats.dtype)
         self._step_was_skipped = stats.found_inf
         self._shard_set.amp.finish_step(stats.found_inf)
-        if self._scaler is not None:
+        if self._scaler is not None and not self._unscaled_backward():
             self._scaler.update(stats.found_inf)
         if stats.found_inf:
             self._skipped_steps += 1

@@ -214,3 +214,30 @@ def test_device_adam_equals_torch_per_param(adamw, flags):
     for run, (param, state) in zip(runs, references):
         assert torch.equal(run.param, param) and torch.equal(run.exp_avg, state["exp_avg"]) and torch.equal(run.exp_avg_sq, state["exp_avg_sq"])
         assert torch.equal(run.param_out, param.to(torch.bfloat16))
+
+
+def plain_backward_worker(stage: int) -> tuple[bool, float | None, float | None]:
+    """fp16 params, so a dynamic loss scale is on, but a plain ``loss.backward()`` (no ``opt.backward``), as under torch.optim:
+    (params and pre-clip norms equal, bitwise, to the same training with ``loss_scale=1.0``, no scaling; the scale before; after)."""
+    runs, norms = [], []
+    for loss_scale in ("dynamic", 1.0):
+        torch.manual_seed(0)
+        model = TinyNet().half()
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), stage=stage, loss_scale=loss_scale, max_grad_norm=1.0)
+        before = opt.loss_scale
+        for step in range(4):
+            (loss_fn(model, *batch(dist.get_rank(), step)) * 1e-3).backward()  # small gradients: Adam's eps tells the scales apart
+            opt.step()
+            norms.append(float(opt.grad_norm))
+            opt.zero_grad()
+        runs.append((model, before, opt.loss_scale))
+    (scaled_model, before, after), (plain_model, _, _) = runs
+    same = norms[:4] == norms[4:] and all(torch.equal(a, b) for a, b in zip(scaled_model.parameters(), plain_model.parameters()))
+    return same, before, after
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_plain_backward_under_an_active_loss_scale_is_taken_as_unscaled(pools, stage):
+    # The step divided the gradients by a scale the loss never got (65536x too small: a silent wrong update, no error).
+    for same, before, after in pools[2].run(plain_backward_worker, stage):
+        assert same and before == after == 65536.0, (same, before, after)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -155,11 +156,16 @@ def wait(work: AsyncWork, timeout: datetime.timedelta | None, what: str, hint: s
     if timeout is None:
         work.wait()
         return
+    started = time.monotonic()
     try:
         work.wait(timeout=timeout)
     except RuntimeError as error:
+        waited = time.monotonic() - started
+        # A peer that aborted (gloo ends a process whose collective sizes differ) fails the wait early: say so, not a timeout.
+        outcome = f"did not complete within {timeout.total_seconds():g} s" if waited >= 0.9 * timeout.total_seconds() else \
+            f"failed after {waited:.1f} s (a peer closed the connection: it ended, or aborted on a collective of another size)"
         raise RuntimeError(
-            f"{what} did not complete within {timeout.total_seconds():g} s on rank {dist.get_rank()} ({error}): every rank must {hint}. "
+            f"{what} {outcome} on rank {dist.get_rank()} ({error}): every rank must {hint}. "
             "Some rank did not take part (it skipped the call, raised, or is still in an earlier one). The process group cannot be "
             "used after this error: end the run on every rank"
         ) from error
