@@ -385,3 +385,25 @@ def test_stage2_gradient_buffers_stay_bounded_during_backward(pools):
 
     for peak, bucket, everything in pools[2].run(staging_bound_worker):
         assert peak <= (MAX_BUCKETS_IN_FLIGHT + 1) * bucket < everything, (peak, bucket, everything)
+
+
+def inner_step_worker(optimizer_name: str) -> tuple[str, bool]:
+    """The wrapped optimizer's own step() after wrapping: (the error, whether the params stayed as they were)."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    inner = getattr(torch.optim, optimizer_name)(param_groups(model), lr=1e-2)
+    opt = zeroshard.ShardedOptimizer(inner)
+    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError) as error:
+        inner.step()
+    opt.step()  # the ShardedOptimizer's own step still runs the wrapped one (SGD: its step(); AdamW: the fused update)
+    return str(error.value), not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("optimizer_name", ["AdamW", "SGD"])
+def test_the_wrapped_optimizers_own_step_raises(pools, optimizer_name):
+    # It would update this rank's shard alone, with no gather: the ranks' params would drift apart with no error.
+    for message, stepped in pools[2].run(inner_step_worker, optimizer_name):
+        assert f"{optimizer_name}.step() was called on the optimizer a ShardedOptimizer wraps" in message, message
+        assert stepped

@@ -32,6 +32,7 @@ from zeroshard.step.fused_adam import FusedAdam, fused_adam_kind
 from zeroshard.step.grad_norm import NORM_TYPES, GradStats, ReducedStats, reduce_grad_stats
 from zeroshard.step.loss_scaler import DynamicLossScaler, choose_loss_scale
 from zeroshard.step.pending_skip import PendingSkip, unscale
+from zeroshard.step.wrapped import refuse_direct_steps
 from zeroshard.update import UpdateMixin
 from zeroshard.validation import check_construction
 
@@ -101,10 +102,8 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
             those (a subclass, Lion, ...), on the caller's word that its update of each element
             depends on that element's param, gradient and state alone. If not, results are wrong.
         collective_timeout_s: seconds this rank waits for one of zeroshard's collectives (the
-            gradient reduce-scatters, the norm all-reduce, the param all-gathers, a consolidation's
-            gathers) before raising a ``RuntimeError`` that names it: a rank that skipped ``step()``,
-            a backward or ``consolidate_state_dict()`` becomes a
-            clear error on those waiting, after which the process group is unusable. ``None``: the
+            construction's checks too) before raising a ``RuntimeError`` that names it: a rank that
+            skipped a call becomes a clear error on those waiting; the process group is then unusable. ``None``: the
             process group's own timeout (30 minutes by default; gloo then aborts with no Python
             traceback). On NCCL the wait blocks the host. Each rank may set its own.
         overlap_param_gather: :meth:`step` returns with the param all-gathers in flight (forward
@@ -125,9 +124,9 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
             Adafactor or Muon; ``offload`` with another optimizer than Adam/AdamW, or ``gpu_margin_mem_ratio``
             without it; torch.distributed not initialized, this rank not in ``process_group``, a
             2-D mesh with other dims; no trainable params, params on several devices or the meta
-            device (named), sparse or complex params; an optimizer that already holds state.
-            Then on every rank: ranks passing different options or params of different shapes
-            (named, with both values). ``docs/api.md`` lists every check.
+            device (named), non-leaf, sparse or complex params; an optimizer that already holds state.
+            Then on every rank: ranks passing different options, param group settings (``lr``, ...)
+            or params (named, with both values). Afterwards the wrapped optimizer's own ``step()`` raises. ``docs/api.md`` lists every check.
     """
 
     def __init__(
@@ -196,6 +195,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         self._scaler, self._static_scale = choose_loss_scale(loss_scale, fp16=any(s.buffer.dtype == torch.float16 for s in self._shards))
         if self._scaler is not None:
             coordinator_of(self.process_group).note_dynamic_scale(self, self._scaler, self._reducer)
+        refuse_direct_steps(optimizer)  # only step() steps it now
         if self.rank == 0:
             logger.info("%s", self._shard_set.layout_summary(stage))
 

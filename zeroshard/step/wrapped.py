@@ -34,10 +34,28 @@ def wrapped_step(optimizer: torch.optim.Optimizer, shards: list[LocalShard], use
         if multiplier != 1.0:
             shard.grad_shard.mul_(multiplier)
         shard.attach_grads(flags)
-    optimizer.step()
+    _STEPPING.add(id(optimizer))
+    try:
+        optimizer.step()
+    finally:
+        _STEPPING.discard(id(optimizer))
     for shard in shards:
         shard.detach_grads()
         shard.write_back()
+
+
+_STEPPING: set[int] = set()  # ids of wrapped optimizers inside wrapped_step
+
+
+def refuse_direct_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.step()`` raise ``RuntimeError`` outside :func:`wrapped_step`: called directly on the optimizer a
+    ``ShardedOptimizer`` wraps, it would update this rank's shard alone and gather nothing, so the ranks' params would drift apart."""
+    def refuse(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(stepped) not in _STEPPING:
+            raise RuntimeError(f"{type(stepped).__name__}.step() was called on the optimizer a ShardedOptimizer wraps: it updates this rank's "
+                               "shard only, and no rank gathers the result. Call the ShardedOptimizer's step() (opt.step(), not opt.optimizer.step())")
+
+    optimizer.register_step_pre_hook(refuse)
 
 
 def is_subclass_state(value: Any) -> bool:
