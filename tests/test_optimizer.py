@@ -151,9 +151,13 @@ def test_shape_mismatch_across_ranks_names_rank_and_param(pools):
 
 def rank_mistake_worker(mistake: str) -> str:
     """A mistake in how rank 1 builds its optimizer (or, for ``"non-leaf"``, both): the construction error, or "no error"."""
+    torch.manual_seed(0)  # the same model on every rank
     model, rank = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), dist.get_rank()
     process_group = None
-    if mistake == "lr":
+    if mistake == "set order":  # as list(set(model.parameters())) may give: the two weights swapped on rank 1
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW(params if rank == 0 else [params[2], params[1], params[0], params[3]])
+    elif mistake == "lr":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 * (rank + 1))
     elif mistake == "group split":  # the same params, in one group on rank 0 and in two on rank 1
         params = list(model.parameters())
@@ -176,6 +180,7 @@ def rank_mistake_worker(mistake: str) -> str:
     ("group split", ["differs: rank 1 has param_groups[1]['amsgrad'] (False,) there, rank 0 param_groups[0]['params'][1] ((4,),"] * 2),
     ("not a member", ["no error", "this process (global rank 1) is not a member of process_group"]),
     ("non-leaf", ["param_groups[0]['params'][1] (shape (4,)) is not a leaf tensor"] * 2),
+    ("set order", ["param_groups[0]['params'][0] on rank 1 holds the values param_groups[0]['params'][2] holds on rank 0 (shape (4, 4))"] * 2),
 ])
 def test_a_rank_built_differently_or_a_bad_param_raises_naming_it(pools, mistake, expected):
     # Settings differing by rank would update each rank's shard with its own (no error before: a silent mix of the two).

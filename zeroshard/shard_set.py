@@ -27,7 +27,7 @@ from zeroshard.layout.flat_buffer import FlatParamBuffer, is_sharded, param_name
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.layout.ownership import assign_owners, param_costs
 from zeroshard.reduce.coordinator import take_over
-from zeroshard.validation import check_params, check_whole_param_steps
+from zeroshard.validation import check_params, check_same_order, check_whole_param_steps
 
 logger = logging.getLogger("zeroshard")
 
@@ -293,6 +293,7 @@ def shard_param_groups(
     ]
     for group in groups.all():  # within collective_timeout_s: a rank that skipped ``caller`` is named, not waited for
         collectives.check_same_on_all_ranks("param_groups item", fingerprint, group, timeout=groups.timeout, caller=caller)
+    check_same_order([(name, p) for p, name in taken], groups, caller)
 
     buffers: list[tuple[FlatParamBuffer, int, list[int]]] = []  # (buffer, its param group, its params' torch.optim indices)
     index = first_param_index

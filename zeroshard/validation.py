@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zeroshard.comm import collectives
@@ -267,3 +268,33 @@ def check_params(params_of: list[list[nn.Parameter]], groups: range, device: tor
         raise ValueError(f"{name} (shape {shape}) is on the meta device ({len(meta)} params are): it has no values to train. "
                          "Materialize the model first (model.to_empty(device=...) and initialize it), then build the optimizer")
     return devices.pop()
+
+
+def check_same_order(named: list[tuple[str, nn.Parameter]], groups: ShardingGroups, caller: str) -> None:
+    """Raise ``ValueError`` on every rank when some rank lists same-shaped params in another order than the group's rank 0, as a
+    ``set`` of params does: a param on it holds the values another param has on rank 0 (norms compared, exactly). Its gradients
+    would be reduced with the other param's, its update would land in it (params never seen in the same order as DDP's).
+
+    ``named``: the trainable params with their names, in this rank's order, whose shapes every rank already shares. Params
+    with the same values everywhere (LayerNorm weights of ones) cannot tell orders apart; a ``set`` also swaps random ones.
+    """
+    if not named:
+        return
+    with torch.no_grad():  # fp64 norms, sent as their int64 bit patterns
+        norms = torch.stack([torch.linalg.vector_norm(p.detach(), dtype=torch.float64) for _, p in named]).view(torch.int64)
+    for group in groups.all():
+        if dist.get_world_size(group) == 1:
+            continue
+        what = f"{caller}: the check that every rank lists the params in the same order"
+        sent = norms.to(collectives.collective_device(group))
+        gathered = [v.cpu().view(torch.float64).tolist() for v in collectives.all_gather_int64(sent, group, groups.timeout, what, f"call {caller}")]
+        first = gathered[0]
+        where = {(value, tuple(named[k][1].shape)): k for k, value in enumerate(first)}
+        for rank, values in enumerate(gathered[1:], start=1):
+            for j, value in enumerate(values):
+                k = where.get((value, tuple(named[j][1].shape)), j)
+                if k != j and value != first[j]:
+                    raise ValueError(f"{named[j][0]} on rank {dist.get_global_rank(group, rank)} holds the values {named[k][0]} holds on rank "
+                                     f"{dist.get_global_rank(group, 0)} (shape {tuple(named[j][1].shape)}): the ranks list the params in "
+                                     "different orders (a set() of params?), so each would be reduced and updated as another. Build the "
+                                     "optimizer from model.parameters(), or a list in the same order on every rank")

@@ -230,11 +230,11 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
         return
     device = collective_device(group)
     bound = (timeout, f"{caller}: the check that every rank has the same {what}s", f"call {caller}")
-    counts = _all_gather_int64(torch.tensor([len(fingerprint)], device=device), group, *bound)
+    counts = all_gather_int64(torch.tensor([len(fingerprint)], device=device), group, *bound)
     longest = max(int(c) for c in counts)
     hashes = torch.full((longest,), 0, dtype=torch.int64)
     hashes[: len(fingerprint)] = torch.tensor([_digest(entry) for entry in fingerprint], dtype=torch.int64)
-    gathered = _all_gather_int64(hashes.to(device), group, *bound)
+    gathered = all_gather_int64(hashes.to(device), group, *bound)
     reference, n_reference = gathered[0].cpu(), int(counts[0])
     first = dist.get_global_rank(group, 0)
     for rank in range(1, world):
@@ -269,7 +269,7 @@ def collective_device(group: ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_gather_int64(tensor: Tensor, group: ProcessGroup, timeout: datetime.timedelta | None, what: str, hint: str) -> list[Tensor]:
+def all_gather_int64(tensor: Tensor, group: ProcessGroup, timeout: datetime.timedelta | None, what: str, hint: str) -> list[Tensor]:
     """Every rank's ``tensor`` (1-D int64, the same length on every rank), in group rank order (blocking; :func:`wait`)."""
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     wait(dist.all_gather(gathered, tensor, group=group, async_op=True), timeout, what, hint)
