@@ -412,3 +412,27 @@ def test_the_wrapped_optimizers_own_step_raises(pools, optimizer_name):
     for message, stepped in pools[2].run(inner_step_worker, optimizer_name):
         assert f"{optimizer_name}.step() was called on the optimizer a ShardedOptimizer wraps" in message, message
         assert stepped
+
+
+def clip_on_one_rank_worker() -> str:
+    """Rank 1 clips (``opt.clip_grad_norm_``), rank 0 does not: what the step (rank 0) or the clip (rank 1) raised."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(_adamw(model))
+    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        if dist.get_rank() == 1:
+            opt.clip_grad_norm_(0.05)
+        opt.step()
+    except RuntimeError as error:
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return str(error)
+    return "no error"
+
+
+def test_a_clip_on_some_ranks_only_raises_on_every_rank(pools):
+    # Its all-reduce pairs with the others' step: each rank would update its shard with its own clip (no error before).
+    step, clip = pools[2].run(clip_on_one_rank_worker)
+    assert step.startswith("step(): the ranks clip this step differently (max_norm here 0, 0 for none; the 2 ranks' sum 0.05)"), step
+    assert clip.startswith("clip_grad_norm_(): the ranks clip this step differently (max_norm here 0.05"), clip

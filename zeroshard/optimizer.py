@@ -29,7 +29,7 @@ from zeroshard.reduce.grad_reducer import GradReducer
 from zeroshard.shard_set import ShardSet
 from zeroshard.state_dict import StateDictMixin
 from zeroshard.step.fused_adam import FusedAdam, fused_adam_kind
-from zeroshard.step.grad_norm import NORM_TYPES, GradStats, ReducedStats, reduce_grad_stats
+from zeroshard.step.grad_norm import NORM_TYPES, GradStats, ReducedStats
 from zeroshard.step.loss_scaler import DynamicLossScaler, choose_loss_scale
 from zeroshard.step.pending_skip import PendingSkip, unscale
 from zeroshard.step.wrapped import refuse_direct_steps
@@ -251,15 +251,6 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         """``scale_loss(loss).backward()``: use it instead of ``loss.backward()`` whenever a loss scale is active."""
         self.scale_loss(loss).backward()
 
-    def _gather_stats(self, norm_type: float, caller: str) -> ReducedStats:
-        """The statistics, all-reduced and still on the device (the step decides whether to read them: :meth:`_on_device`)."""
-        unfrozen = self._shard_set.add_unfrozen()
-        if unfrozen:
-            self._hook_up(unfrozen)
-            self._reducer.reduce_again()  # their gradients are still local
-        self._reducer.reduce_for_step()
-        return reduce_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._timeout, caller)
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the coming step's gradients to global norm ``max_norm``; return the pre-clip norm.
 
@@ -278,7 +269,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
             raise ValueError(f"max_norm={max_norm!r} must be positive")
         if float(norm_type) not in NORM_TYPES:
             raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
-        stats = self._gather_stats(float(norm_type), "clip_grad_norm_()")
+        stats = self._gather_stats(float(norm_type), "clip_grad_norm_()", float(max_norm))
         self._clip_norm = float(max_norm)
         if self._on_device(stats):  # step() decides again: a GradScaler may step in since
             self._stats = stats
@@ -338,7 +329,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
                 shard.follow_all()
             if self._fused is not None:  # raises on the ranks holding a piece of a param whose state was removed
                 self._fused.check_state(self._shards, self._shard_set.param_steps)
-            stats = self._stats or self._gather_stats(2.0, "step()")
+            stats = self._stats or self._gather_stats(2.0, "step()", self._max_norm())
             if isinstance(stats, ReducedStats) and not self._on_device(stats):  # the one host read (or a GradScaler since clip_grad_norm_)
                 stats = stats.read()
             if self._fused is not None and (placed := self._fused.place_once(self._shards, lambda: self.memory_usage().device_bytes)):

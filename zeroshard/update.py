@@ -3,19 +3,22 @@ the step's one host sync, or on the device with no host sync (:meth:`UpdateMixin
 
 from __future__ import annotations
 
+import datetime
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from zeroshard.comm.groups import ShardingGroups
 from zeroshard.gather.param_gather import ParamGather
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce.coordinator import coordinator_of
 from zeroshard.reduce.grad_reducer import GradReducer
 from zeroshard.shard_set import ShardSet
 from zeroshard.step.fused_adam import FusedAdam, takes_device_scalars
-from zeroshard.step.grad_norm import GradStats, ReducedStats
+from zeroshard.step.grad_norm import GradStats, ReducedStats, reduce_grad_stats
 from zeroshard.step.loss_scaler import DynamicLossScaler, log_skip
 from zeroshard.step.pending_skip import PendingSkip, device_multiplier, unscale
 from zeroshard.step.wrapped import grad_multiplier, wrapped_step
@@ -41,6 +44,9 @@ class UpdateMixin:
     _skipped_steps: int
     _static_scale: float | None
     _scaled_losses_seen: int  # the coordinator's scaled_losses at the last step() or zero_grad()
+    groups: ShardingGroups
+    _timeout: datetime.timedelta | None
+    _hook_up: Callable[[list[LocalShard]], None]
     process_group: ProcessGroup
 
     @property
@@ -58,6 +64,16 @@ class UpdateMixin:
     def _gradient_scale(self) -> float:
         """What the gradients are multiplied by (see :meth:`GradScalerLink.gradient_scale`)."""
         return self._shard_set.amp.gradient_scale(self, None if self._unscaled_backward() else self.loss_scale)
+
+    def _gather_stats(self, norm_type: float, caller: str, max_norm: float | None) -> ReducedStats:
+        """The statistics, all-reduced and still on the device (the step decides whether to read them: :meth:`_on_device`),
+        with ``max_norm`` (the coming step's clip), which every rank must share (:func:`reduce_grad_stats`)."""
+        unfrozen = self._shard_set.add_unfrozen()
+        if unfrozen:
+            self._hook_up(unfrozen)
+            self._reducer.reduce_again()  # their gradients are still local
+        self._reducer.reduce_for_step()
+        return reduce_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._timeout, caller, max_norm or 0.0)
 
     def _note_scaled_losses(self) -> None:
         """At a step's end (or ``zero_grad()``): the losses scaled so far are this step's, not the next one's."""

@@ -50,10 +50,14 @@ class GradStats:
 
 
 def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0,
-                      timeout: datetime.timedelta | None = None, caller: str = "step()") -> ReducedStats:
+                      timeout: datetime.timedelta | None = None, caller: str = "step()", max_norm: float = 0.0) -> ReducedStats:
     """Reduce this rank's sum of squares (or max magnitude) and used-flags (``local_used``: per shard, per param) over every
     data-parallel rank. Reads nothing back to the host: :meth:`ReducedStats.read` does (the step's one host sync), or
     :meth:`ReducedStats.norm` keeps the norm on the device. ``caller`` is named in a timeout error.
+
+    ``max_norm``: the coming step's clip (0: none), which every rank must share. On CPU or with ``timeout`` (the host waits
+    anyway) it rides along as ``m`` and ``m**2``, and :meth:`ReducedStats.read` raises where the ranks' differ: a clip on some
+    ranks only pairs its all-reduce with the others' step.
 
     Raises:
         ValueError: another ``norm_type``.
@@ -72,7 +76,9 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
     else:
         local = torch.stack([s.grad_shard.abs().max() if s.grad_shard.numel() else torch.zeros((), device=device) for s in shards]).max()
     summed = local if norm_type == 2.0 else (~torch.isfinite(local)).float()  # sum of squares, or a non-finite count
-    both = torch.cat([summed.reshape(1).to(dtype), flags])
+    checked = device.type == "cpu" or timeout is not None
+    extra = [torch.tensor([max_norm, max_norm * max_norm], dtype=dtype, device=device)] if checked else []
+    both = torch.cat([summed.reshape(1).to(dtype), flags, *extra])
     replica_rank = dist.get_rank(groups.replicate) if groups.replicate is not None else 0
     hint = "run the same backward passes and call clip_grad_norm_() and step() alike"
     for group in groups.reducing:
@@ -83,7 +89,7 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
         for group in groups.reducing:
             work = collectives.all_reduce(local, group, op=dist.ReduceOp.MAX)
             collectives.wait(work, timeout, f"{caller}: the all-reduce of the gradient inf-norm", hint)
-    return ReducedStats(both, local, local_used, norm_type, dtype)
+    return ReducedStats(both, local, local_used, norm_type, dtype, max_norm if checked else None, groups.data_parallel_size, caller)
 
 
 @functools.cache  # never evicted: a step on another stream may still read one
@@ -105,6 +111,9 @@ class ReducedStats:
     local_used: list[list[bool]]
     norm_type: float
     dtype: torch.dtype
+    max_norm: float | None = None  # the clip every rank must share, summed at the end of ``both`` with its square (None: not sent)
+    ranks: int = 1  # the data-parallel ranks that summed it
+    caller: str = "step()"
 
     @property
     def used_everywhere(self) -> bool:
@@ -128,9 +137,18 @@ class ReducedStats:
             norm = math.sqrt(values[0]) if math.isfinite(values[0]) else values[0]
         else:
             norm = float(self.local) if values[0] == 0 else math.nan
+        if self.max_norm is not None:
+            self._check_agreement(values[-2], values[-1])
         used, start = [], 1  # values[0]: the norm's
         for per_shard in self.local_used:
             used.append([v > 0 for v in values[start : start + len(per_shard)]])
             start += len(per_shard)
         return GradStats(norm, used, self.dtype)
 
+    def _check_agreement(self, total: float, squares: float) -> None:
+        """Raise ``RuntimeError`` unless every rank sent this rank's :attr:`max_norm` (``total``: its sum, ``squares``: its square's)."""
+        m = self.max_norm or 0.0
+        if not (math.isclose(total, self.ranks * m, rel_tol=1e-5, abs_tol=1e-6) and math.isclose(squares, self.ranks * m * m, rel_tol=1e-5, abs_tol=1e-6)):
+            raise RuntimeError(f"{self.caller}: the ranks clip this step differently (max_norm here {m:g}, 0 for none; the {self.ranks} ranks' sum "
+                               f"{total:g}): a clip_grad_norm_() on some ranks only pairs its all-reduce with the others' step(). Every rank "
+                               "must run the same backward passes and call clip_grad_norm_() and step() alike")
