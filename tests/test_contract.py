@@ -480,14 +480,12 @@ def timeout_child_output(tmp_path_factory) -> str:
     ("consolidate", ("consolidate_state_dict(): the check that every rank has the same consolidate_state_dict arguments did not "
                      "complete within 2 s on rank 0", "every rank must call consolidate_state_dict()")),
     ("norm", ("reading a gradient norm (its reduction over the ranks) did not complete within 2 s on rank 0",)),
-    ("construct", ("the ShardedOptimizer constructor: the check that every rank has the same options did not complete within 2 s on rank 0",
-                   "call the ShardedOptimizer constructor")),
     ("add_param_group", ("add_param_group(): the check that every rank has the same param_groups items did not complete within 2 s on rank 0",
                          "call add_param_group()")),
 ])
 def test_rank_missing_a_call_raises_naming_the_collective_within_the_bound(timeout_child_output, call, expected):
     """With ``collective_timeout_s``, a rank left alone in ``step()``, ``consolidate_state_dict()``, a gradient norm's
-    reduction, the constructor or ``add_param_group()`` raises within the bound, naming it."""
+    reduction or ``add_param_group()`` raises within the bound, naming it (the constructor waits: ranks may reach it far apart)."""
     line = next((line for line in timeout_child_output.splitlines() if line.startswith(f"{call} ")), "")
     assert line.startswith(f"{call} raised: "), timeout_child_output[-3000:]
     for text in expected:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -157,6 +159,18 @@ def rank_mistake_worker(mistake: str) -> str:
     if mistake == "set order":  # as list(set(model.parameters())) may give: the two weights swapped on rank 1
         params = list(model.parameters())
         optimizer = torch.optim.AdamW(params if rank == 0 else [params[2], params[1], params[0], params[3]])
+    elif mistake == "frozen set order":  # the biases frozen, and swapped on rank 1 (the broadcast goes by position)
+        params = list(model.parameters())
+        for bias in params[1::2]:
+            bias.requires_grad_(False)
+        optimizer = torch.optim.AdamW(params if rank == 0 else [params[0], params[3], params[2], params[1]])
+    elif mistake == "fresh init on rank 1":  # not a mistake: rank 0 loaded weights, the others rely on the broadcast
+        with torch.no_grad():
+            if rank == 0:
+                model[0].bias.normal_()
+            else:
+                model[1].bias.zero_()  # its norm, rank 0's ... of no other param: other values, no reordering
+        optimizer = torch.optim.AdamW(model.parameters())
     elif mistake == "lr":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 * (rank + 1))
     elif mistake == "group split":  # the same params, in one group on rank 0 and in two on rank 1
@@ -181,6 +195,8 @@ def rank_mistake_worker(mistake: str) -> str:
     ("not a member", ["no error", "this process (global rank 1) is not a member of process_group"]),
     ("non-leaf", ["param_groups[0]['params'][1] (shape (4,)) is not a leaf tensor"] * 2),
     ("set order", ["param_groups[0]['params'][0] on rank 1 holds the values param_groups[0]['params'][2] holds on rank 0 (shape (4, 4))"] * 2),
+    ("frozen set order", ["param_groups[0]['params'][1] on rank 1 holds the values param_groups[0]['params'][3] holds on rank 0 (shape (4,))"] * 2),
+    ("fresh init on rank 1", ["no error"] * 2),
 ])
 def test_a_rank_built_differently_or_a_bad_param_raises_naming_it(pools, mistake, expected):
     # Settings differing by rank would update each rank's shard with its own (no error before: a silent mix of the two).
@@ -431,8 +447,23 @@ def clip_on_one_rank_worker() -> str:
     return "no error"
 
 
+def huge_clip_worker() -> bool:
+    """``max_grad_norm=1e20`` and ``clip_grad_norm_(inf)`` on every rank: whether both steps ran (the agreement check has no false alarm)."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(_adamw(model), max_grad_norm=1e20)
+    for step, clip in enumerate((None, math.inf)):
+        loss_fn(model, *batch(dist.get_rank(), step)).backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+    return True
+
+
 def test_a_clip_on_some_ranks_only_raises_on_every_rank(pools):
+    assert pools[2].run(huge_clip_worker) == [True, True]
     # Its all-reduce pairs with the others' step: each rank would update its shard with its own clip (no error before).
     step, clip = pools[2].run(clip_on_one_rank_worker)
-    assert step.startswith("step(): the ranks clip this step differently (max_norm here 0, 0 for none; the 2 ranks' sum 0.05)"), step
+    assert step.startswith("step(): the ranks clip this step differently (max_norm here 0, 0 for none; the 2 ranks' values differ)"), step
     assert clip.startswith("clip_grad_norm_(): the ranks clip this step differently (max_norm here 0.05"), clip

@@ -291,9 +291,14 @@ def shard_param_groups(
         for entry in [(f"param_groups[{g}][{key!r}]", value) for key, value in group_settings(optimizer.param_groups[g]).items()]
         + [(param_name(g, j), tuple(p.shape), str(p.dtype), p.requires_grad) for j, p in enumerate(params)]
     ]
-    for group in groups.all():  # within collective_timeout_s: a rank that skipped ``caller`` is named, not waited for
-        collectives.check_same_on_all_ranks("param_groups item", fingerprint, group, timeout=groups.timeout, caller=caller)
-    check_same_order([(name, p) for p, name in taken], groups, caller)
+    # Bounded by collective_timeout_s after construction (add_param_group, unfreezing): a rank that skipped it is named. The
+    # constructor waits: ranks may reach it far apart (rank 0 loading weights the broadcast hands the others).
+    timeout = None if caller == "the ShardedOptimizer constructor" else groups.timeout
+    for group in groups.all():
+        collectives.check_same_on_all_ranks("param_groups item", fingerprint, group, timeout=timeout, caller=caller)
+    broadcast_frozen = [(param_name(g, j), p) for g, params in zip(indices, params_of) for j, p in enumerate(params) if not is_sharded(p)]
+    # The broadcast below goes by position: frozen params too.
+    check_same_order([(name, p) for p, name in taken] + (broadcast_frozen if not already_sharded else []), groups, caller, timeout)
 
     buffers: list[tuple[FlatParamBuffer, int, list[int]]] = []  # (buffer, its param group, its params' torch.optim indices)
     index = first_param_index
@@ -312,7 +317,7 @@ def shard_param_groups(
     # Replicas take replica 0's values, then each shard group its first rank's: all equal rank (0, 0).
     for group in reversed(groups.all()):
         if dist.get_world_size(group) > 1:
-            collectives.broadcast_from_first_([b.data for b, _, _ in buffers] + frozen, group, groups.timeout, caller)
+            collectives.broadcast_from_first_([b.data for b, _, _ in buffers] + frozen, group, timeout, caller)
 
     rank = dist.get_rank(groups.shard)
     shards = [LocalShard(buffer, rank, host_master, group=g, param_indices=indices_of, master_weights=master_weights) for buffer, g, indices_of in buffers]

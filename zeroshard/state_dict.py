@@ -169,8 +169,8 @@ class StateDictMixin:
         else:
             raise ValueError(f"state_dict is neither a zeroshard state dict nor a torch.optim one (zeroshard entry: {meta!r})")
         if self._fused is not None and (refused := fused_refusal(inner["param_groups"])) is not None:
-            raise ValueError(f"state_dict sets {refused}, which the fused Adam/AdamW update this ShardedOptimizer chose at construction "
-                             f"does not take (torch's {type(self.optimizer).__name__} would switch to its own update); build the torch "
+            raise ValueError(f"state_dict: {refused}, which the fused Adam/AdamW update this ShardedOptimizer chose at construction "
+                             f"cannot run (torch's {type(self.optimizer).__name__} would switch to its own update); build the torch "
                              "optimizer with the checkpoint's settings, wrap that, then load")
         self.optimizer.load_state_dict(inner)
         if self._fused is not None:

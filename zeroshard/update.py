@@ -14,7 +14,6 @@ from torch.distributed import ProcessGroup
 from zeroshard.comm.groups import ShardingGroups
 from zeroshard.gather.param_gather import ParamGather
 from zeroshard.layout.local_shard import LocalShard
-from zeroshard.reduce.coordinator import coordinator_of
 from zeroshard.reduce.grad_reducer import GradReducer
 from zeroshard.shard_set import ShardSet
 from zeroshard.step.fused_adam import FusedAdam, takes_device_scalars
@@ -22,6 +21,11 @@ from zeroshard.step.grad_norm import GradStats, ReducedStats, reduce_grad_stats
 from zeroshard.step.loss_scaler import DynamicLossScaler, log_skip
 from zeroshard.step.pending_skip import PendingSkip, device_multiplier, unscale
 from zeroshard.step.wrapped import grad_multiplier, wrapped_step
+
+# How many losses any ShardedOptimizer of this process scaled (scale_loss): one backward may carry the gradients of several
+# optimizers (Muon + AdamW over one model, on any process groups), each of which counts its gradients as scaled when this
+# moved since its last step.
+SCALED_LOSSES = [0]
 
 
 class UpdateMixin:
@@ -43,7 +47,7 @@ class UpdateMixin:
     _step_was_skipped: bool
     _skipped_steps: int
     _static_scale: float | None
-    _scaled_losses_seen: int  # the coordinator's scaled_losses at the last step() or zero_grad()
+    _scaled_losses_seen: int  # SCALED_LOSSES at the last step() or zero_grad()
     groups: ShardingGroups
     _timeout: datetime.timedelta | None
     _hook_up: Callable[[list[LocalShard]], None]
@@ -77,12 +81,12 @@ class UpdateMixin:
 
     def _note_scaled_losses(self) -> None:
         """At a step's end (or ``zero_grad()``): the losses scaled so far are this step's, not the next one's."""
-        self._scaled_losses_seen = coordinator_of(self.process_group).scaled_losses
+        self._scaled_losses_seen = SCALED_LOSSES[0]
 
     def _unscaled_backward(self) -> bool:
         """Whether this step's gradients carry no loss scale although one is active: no ``scale_loss``/``backward`` since the last
         step (plain ``loss.backward()``, as under ``torch.optim``) and no GradScaler. The step then neither unscales nor moves the scale."""
-        scaled = coordinator_of(self.process_group).scaled_losses != self._scaled_losses_seen  # a scale_loss() since
+        scaled = SCALED_LOSSES[0] != self._scaled_losses_seen  # a scale_loss() since
         return (not scaled and (self._scaler is not None or self._static_scale is not None)
                 and getattr(self, "grad_scale", None) is None and not self._shard_set.amp.unscaled)
 

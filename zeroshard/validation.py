@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups, resolve_groups
@@ -208,7 +209,7 @@ def check_construction(optimizer: Any, process_group: Any, *, stage: Any, bucket
     groups = resolve_groups(process_group, None if collective_timeout_s is None else datetime.timedelta(seconds=collective_timeout_s))
     options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload, chosen, master_weights)
     for group in groups.all():
-        collectives.check_same_on_all_ranks("option", options, group, timeout=groups.timeout)
+        collectives.check_same_on_all_ranks("option", options, group)  # unbounded: ranks may reach construction far apart (loading weights)
     return chosen, groups
 
 
@@ -270,31 +271,33 @@ def check_params(params_of: list[list[nn.Parameter]], groups: range, device: tor
     return devices.pop()
 
 
-def check_same_order(named: list[tuple[str, nn.Parameter]], groups: ShardingGroups, caller: str) -> None:
-    """Raise ``ValueError`` on every rank when some rank lists same-shaped params in another order than the group's rank 0, as a
-    ``set`` of params does: a param on it holds the values another param has on rank 0 (norms compared, exactly). Its gradients
-    would be reduced with the other param's, its update would land in it (params never seen in the same order as DDP's).
+def check_same_order(named: Sequence[tuple[str, Tensor]], groups: ShardingGroups, caller: str, timeout: datetime.timedelta | None) -> None:
+    """Raise ``ValueError`` on every rank of a group when a rank lists the same params as the group's rank 0 in another order, as
+    a ``set`` of params does: each rank would reduce, update and receive one param as another. The params' fp64 norms are
+    compared: a rank whose norms are rank 0's in another order (with the same shapes) raises. Ranks whose values differ (fresh
+    init where rank 0 loaded weights: the broadcast makes them equal) are not checked, nor params alike everywhere (LayerNorm
+    weights of ones).
 
-    ``named``: the trainable params with their names, in this rank's order, whose shapes every rank already shares. Params
-    with the same values everywhere (LayerNorm weights of ones) cannot tell orders apart; a ``set`` also swaps random ones.
+    ``named``: the params with their names, in this rank's order, whose shapes every rank already shares.
     """
     if not named:
         return
     with torch.no_grad():  # fp64 norms, sent as their int64 bit patterns
         norms = torch.stack([torch.linalg.vector_norm(p.detach(), dtype=torch.float64) for _, p in named]).view(torch.int64)
+    keys = [tuple(p.shape) for _, p in named]
     for group in groups.all():
         if dist.get_world_size(group) == 1:
             continue
         what = f"{caller}: the check that every rank lists the params in the same order"
         sent = norms.to(collectives.collective_device(group))
-        gathered = [v.cpu().view(torch.float64).tolist() for v in collectives.all_gather_int64(sent, group, groups.timeout, what, f"call {caller}")]
+        gathered = [v.cpu().view(torch.float64).tolist() for v in collectives.all_gather_int64(sent, group, timeout, what, f"call {caller}")]
         first = gathered[0]
-        where = {(value, tuple(named[k][1].shape)): k for k, value in enumerate(first)}
         for rank, values in enumerate(gathered[1:], start=1):
-            for j, value in enumerate(values):
-                k = where.get((value, tuple(named[j][1].shape)), j)
-                if k != j and value != first[j]:
-                    raise ValueError(f"{named[j][0]} on rank {dist.get_global_rank(group, rank)} holds the values {named[k][0]} holds on rank "
-                                     f"{dist.get_global_rank(group, 0)} (shape {tuple(named[j][1].shape)}): the ranks list the params in "
-                                     "different orders (a set() of params?), so each would be reduced and updated as another. Build the "
-                                     "optimizer from model.parameters(), or a list in the same order on every rank")
+            if values == first or sorted(zip(keys, values)) != sorted(zip(keys, first)):
+                continue  # the same order, or other values (not a reordering)
+            j = next(j for j in range(len(values)) if values[j] != first[j])
+            k = next(k for k in range(len(first)) if first[k] == values[j] and keys[k] == keys[j])
+            raise ValueError(f"{named[j][0]} on rank {dist.get_global_rank(group, rank)} holds the values {named[k][0]} holds on rank "
+                             f"{dist.get_global_rank(group, 0)} (shape {keys[j]}): the ranks list the params in different orders (a "
+                             "set() of params?), so each would be reduced and updated as another. Build the optimizer from "
+                             "model.parameters(), or a list in the same order on every rank")

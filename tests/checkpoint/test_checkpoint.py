@@ -258,7 +258,7 @@ def mismatch_worker() -> None:
         group["amsgrad"] = True
     for entry in amsgrad["state"].values():
         entry["max_exp_avg_sq"] = entry["exp_avg_sq"].clone()
-    with pytest.raises(ValueError, match=r"state_dict sets param_groups\[0\]\['amsgrad'\]=True, which the fused Adam/AdamW update"):
+    with pytest.raises(ValueError, match=r"state_dict: param_groups\[0\]\['amsgrad'\]=True, which the fused Adam/AdamW update"):
         opt.load_state_dict(amsgrad)
     with pytest.raises(ValueError, match="neither a zeroshard state dict nor a torch.optim one"):
         opt.load_state_dict({"zeroshard": {"format": "something else"}})

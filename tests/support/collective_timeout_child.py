@@ -3,8 +3,8 @@ timeout): a rank left alone in a collective raises within ``collective_timeout_s
 own 2-rank subgroup, made up front (a timed-out gloo group is unusable afterwards; the others are not),
 and its own model and optimizer with ``collective_timeout_s=2``; both ranks run a backward on every
 model. Then, case by case, rank 0 calls ``step()`` (``step``), ``consolidate_state_dict()``
-(``consolidate``), reads a param's gradient norm (``norm``), builds the optimizer (``construct``: not built
-up front) or adds a param group (``add_param_group``) and rank 1 does not: rank 0 prints
+(``consolidate``), reads a param's gradient norm (``norm``) or adds a param group (``add_param_group``)
+and rank 1 does not: rank 0 prints
 ``<case> raised: <message>`` and writes ``argv[1]/<case>`` so that rank 1, which waits for that file,
 goes on to the next case. Neither rank destroys a process group."""
 
@@ -23,7 +23,7 @@ from models import TinyNet, batch, loss_fn, param_groups
 
 import zeroshard
 
-CASES = ("step", "consolidate", "norm", "construct", "add_param_group")
+CASES = ("step", "consolidate", "norm", "add_param_group")
 
 
 def main(out: Path) -> None:
@@ -35,10 +35,10 @@ def main(out: Path) -> None:
     def build(model, group):
         return zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), process_group=group, collective_timeout_s=2.0)
 
-    opts = [build(model, group) if case != "construct" else None for case, model, group in zip(CASES, models, groups)]
+    opts = [build(model, group) for model, group in zip(models, groups)]
     for model in models:
         loss_fn(model, *batch(rank, 0)).backward()
-    for case, model, opt in zip(CASES, models, opts):  # noqa: B007 (opt is None for construct)
+    for case, model, opt in zip(CASES, models, opts):
         if rank == 0:
             try:
                 if case == "step":
@@ -47,8 +47,6 @@ def main(out: Path) -> None:
                     opt.consolidate_state_dict()
                 elif case == "norm":
                     model.fc1.weight.grad.norm().item()
-                elif case == "construct":
-                    build(model, groups[CASES.index(case)])
                 else:
                     opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
             except RuntimeError as error:

@@ -80,9 +80,6 @@ class ReduceCoordinator:
         self._owned: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, reducer), both weak
         self._scaled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer with a dynamic loss scale -> (scaler, reducer)
         self._joint: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> ids of the optimizers of its last joint clip
-        # How many losses a ShardedOptimizer on this group scaled (scale_loss): one backward may carry the gradients of several
-        # optimizers (Muon + AdamW over one model), each of which counts the gradients as scaled when this moved since its last step.
-        self.scaled_losses = 0
 
     def register(self, reducer: Reducer) -> None:
         """Add ``reducer`` after those built before.

@@ -76,9 +76,10 @@ def fused_adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
 def fused_refusal(param_groups: list[dict[str, Any]]) -> str | None:
     """The first setting of ``param_groups`` the fused update does not take, named, or ``None``."""
     for g, group in enumerate(param_groups):
-        for key in ("amsgrad", "capturable", "differentiable"):
-            if group.get(key):
-                return f"param_groups[{g}][{key!r}]=True"
+        if missing := [key for key in ("lr", "betas", "eps", "weight_decay") if key not in group]:
+            return f"param_groups[{g}] has no {missing}"
+        if flags := [key for key in ("amsgrad", "capturable", "differentiable") if group.get(key)]:
+            return f"param_groups[{g}][{flags[0]!r}]=True"
         if isinstance(group["lr"], Tensor) or any(isinstance(b, Tensor) for b in group["betas"]):
             return f"param_groups[{g}]: a tensor lr or betas"
     return None
@@ -102,11 +103,9 @@ def functional_adam(runs: list[Run], group: dict, adamw: bool, foreach: bool | N
 def host_adam(runs: list[Run], group: dict, adamw: bool, grad_scale: Tensor | None = None) -> None:
     """torch's fused CPU Adam/AdamW kernel over ``runs`` (host memory) in place, in one call.
 
-    ``torch._fused_adamw_``/``torch._fused_adam_`` is the kernel ``AdamW(fused=True).step()`` ends in, called with the same
-    arguments, so the results are bitwise equal; called directly, it skips the functional wrapper's work per call (about
-    15 µs per chunk, measured on 2 AMD EPYC cores). Runs of different step counts share the call. ``group``: as for
-    :func:`functional_adam` (``lr`` and ``betas`` floats); ``grad_scale``: a 1-element fp32 tensor the gradients are divided
-    by as they are read, or ``None``.
+    The kernel ``AdamW(fused=True).step()`` ends in, with the same arguments (bitwise equal), minus the functional wrapper's
+    work (about 15 µs per chunk on 2 EPYC cores). Runs of different step counts share the call. ``group``: as for
+    :func:`functional_adam`; ``grad_scale``: a 1-element fp32 tensor the gradients are divided by as read, or ``None``.
     """
     # 0-D fp32 step tensors, one per step count, holding the step after this update (as torch's state["step"] at the call).
     steps = {step: torch.scalar_tensor(float(step), dtype=torch.float32) for step in {run.step for run in runs}}
