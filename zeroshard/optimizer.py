@@ -101,9 +101,9 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         assume_elementwise: ``True`` picks ``partition="flat"`` for an optimizer class outside
             those (a subclass, Lion, ...), on the caller's word that its update of each element
             depends on that element's param, gradient and state alone. If not, results are wrong.
-        collective_timeout_s: seconds this rank waits for one of zeroshard's collectives (the
-            construction's checks too) before raising a ``RuntimeError`` that names it: a rank that
-            skipped a call becomes a clear error on those waiting; the process group is then unusable. ``None``: the
+        collective_timeout_s: seconds this rank waits for one of zeroshard's collectives (not the
+            constructor's, which ranks may reach far apart) before raising a ``RuntimeError`` that names it: a rank
+            that skipped a call becomes a clear error on those waiting; the process group is then unusable. ``None``: the
             process group's own timeout (30 minutes by default; gloo then aborts with no Python
             traceback). On NCCL the wait blocks the host. Each rank may set its own.
         overlap_param_gather: :meth:`step` returns with the param all-gathers in flight (forward

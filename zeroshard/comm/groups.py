@@ -25,7 +25,7 @@ class ShardingGroups:
     shard: ProcessGroup  # the ranks that split the optimizer state among them (size N, the sharding degree)
     replicate: ProcessGroup | None  # the ranks holding the same shard in other replicas; None: flat sharding
     mesh: DeviceMesh  # over the same ranks, 1-D (shard) or 2-D (replicate, shard): where checkpoint DTensors live
-    timeout: datetime.timedelta | None = None  # collective_timeout_s: the bound on the construction's collectives too
+    timeout: datetime.timedelta | None = None  # collective_timeout_s: the bound on add_param_group's and an unfreeze's checks
 
     # A group's size never changes: read once (``dist.get_world_size`` measured 0.3 ms a call under NCCL, torch 2.11, H100).
     @functools.cached_property

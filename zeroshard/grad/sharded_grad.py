@@ -184,7 +184,10 @@ class ShardedGrad(Tensor):
             return _foreach_norm(args[0], *args[1:], **kwargs)
         if name == "_foreach_zero_" and args:  # as Tensor.zero_ on each (also zeroes a gradient step() consumed)
             for t in args[0]:
-                t._edit(Tensor.zero_, "zero_", (), {}) if isinstance(t, ShardedGrad) else _disabled(Tensor.zero_, t)
+                if isinstance(t, ShardedGrad):
+                    t._edit(Tensor.zero_, "zero_", (), {})
+                else:
+                    _disabled(Tensor.zero_, t)
             return None
         if name in _FOREACH_INPLACE and args:
             _foreach_edit(func, args[0], args[1:], kwargs)
