@@ -2,7 +2,7 @@
 
 A ``ShardedOptimizer`` shards its param groups at construction, a group added later with
 ``add_param_group``, and params frozen at construction once they become trainable (gradual
-unfreezing): :func:`shard_param_groups` checks, compares across ranks, flattens and broadcasts
+unfreezing): :meth:`ShardSet._shard` checks, compares across ranks, flattens and broadcasts
 them. ``ShardSet`` keeps that bookkeeping, and the per-param step counts, out of the
 optimizer's orchestration. Each :class:`~zeroshard.layout.local_shard.LocalShard` records its param
 group and its params' ``torch.optim`` indices itself, so there are no parallel lists.
@@ -11,7 +11,6 @@ group and its params' ``torch.optim`` indices itself, so there are no parallel l
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +39,8 @@ class ShardSet:
         groups: the shard (and replicate) groups.
         bucket_size_mb: bucket size in MiB of the param dtype.
         host_master: keep master weights in host memory (CPU offload).
-        partition: ``"flat"`` or ``"param"`` (see :func:`~zeroshard.shard_set.shard_param_groups`).
+        partition: ``"flat"`` (each rank owns ``1/N`` of every bucket) or ``"param"`` (each param owned whole by one rank,
+            chosen by :func:`~zeroshard.layout.ownership.assign_owners`).
         master_weights: keep fp32 master weights for 16-bit params (``ShardedOptimizer``'s option).
 
     Attributes:
@@ -76,19 +76,14 @@ class ShardSet:
         """Shard the optimizer's param groups ``indices`` (a collective, in ``caller``); returns the new shards.
 
         Raises:
-            ValueError: see :func:`~zeroshard.shard_set.shard_param_groups`.
+            ValueError: see :meth:`_shard`.
         """
-        new = shard_param_groups(
-            self.optimizer, indices, self.groups, bucket_size_mb=self.bucket_size_mb, device=self.device,
-            first_shard=len(self.shards), first_param_index=len(self.param_steps), host_master=self.host_master,
-            partition=self.partition, master_weights=self.master_weights, caller=caller,
-        )
-        self.group_params.extend(new.group_params)
-        self.param_steps.extend([0] * sum(len(params) for params in new.group_params))
-        self.device = new.device
-        self._extend(new.shards)
+        params_of = [list(dict.fromkeys(self.optimizer.param_groups[g]["params"])) for g in indices]
+        new = self._shard(indices, params_of, len(self.param_steps), caller)
+        self.group_params.extend(params_of)
+        self.param_steps.extend([0] * sum(map(len, params_of)))
         self._warn_if_some_rank_owns_nothing()
-        return new.shards
+        return new
 
     def _warn_if_some_rank_owns_nothing(self) -> None:
         """Log (rank 0 of the shard group) a warning when some rank holds no piece of any param (``partition="param"``
@@ -102,11 +97,6 @@ class ShardSet:
                            "torch.nn.utils.clip_grad_norm_ over its param_groups (Lightning's gradient_clip_val, Fabric's "
                            "clip_gradients) would leave the other ranks waiting; clip model.parameters() or use zeroshard.clip_grad_norm_",
                            idle, size, sum(len(s.buffer.params) for s in self.shards), self.partition)
-
-    def _extend(self, shards: list[LocalShard]) -> None:
-        for shard in shards:
-            link_amp(shard, self.amp)
-        self.shards.extend(shards)
 
     def add_param_group(self, param_group: dict[str, Any]) -> list[LocalShard]:
         """Add ``param_group`` to the optimizer and shard it (``ShardedOptimizer.add_param_group``); the new shards.
@@ -160,24 +150,93 @@ class ShardSet:
             self._sharded_ids = frozenset(id(p) for shard in self.shards for p in shard.buffer.params)
             self._outside = [[p for p in params if id(p) not in self._sharded_ids] for params in self.group_params]
             self._outside_for = (len(self.shards), len(self.group_params))
-        sharded = self._sharded_ids
         added: list[LocalShard] = []
         first_param_index = 0
         for g, params in enumerate(self.group_params):
             if any(is_sharded(p) for p in self._outside[g]):
-                new = shard_param_groups(
-                    self.optimizer, range(g, g + 1), self.groups, bucket_size_mb=self.bucket_size_mb, device=self.device,
-                    first_shard=len(self.shards), first_param_index=first_param_index, host_master=self.host_master,
-                    params_of=[params], already_sharded=sharded, partition=self.partition, master_weights=self.master_weights,
-                    caller="step() or clip_grad_norm_() after params were unfrozen",
-                )
-                self._extend(new.shards)
-                added.extend(new.shards)
+                new = self._shard(range(g, g + 1), [params], first_param_index, "step() or clip_grad_norm_() after params were unfrozen",
+                                  already_sharded=self._sharded_ids)
+                added.extend(new)
                 if dist.get_rank(self.groups.shard) == 0:
                     logger.info("zeroshard: param group %d: %d params trainable since the optimizer was built are now sharded",
-                                g, sum(len(s.buffer.params) for s in new.shards))
+                                g, sum(len(s.buffer.params) for s in new))
             first_param_index += len(params)
         return added
+
+    def _shard(self, indices: range, params_of: list[list[nn.Parameter]], first_param_index: int, caller: str,
+               already_sharded: frozenset[int] = frozenset()) -> list[LocalShard]:
+        """Flatten, broadcast and shard param groups ``indices``; append the new shards to :attr:`shards` and return them.
+
+        Local checks first; then one fingerprint all-gather per group of ranks (a mismatch raises on
+        every rank, naming it, before any size-dependent collective); then the broadcast from rank 0;
+        finally each group's ``"params"`` is replaced by this rank's virtual parameters (or, when
+        ``already_sharded`` is given, the new virtual parameters are appended to them).
+
+        Args:
+            indices: the param groups to shard.
+            params_of: per group, its original params in the user's order (frozen ones included).
+            first_param_index: how many params the groups before ``indices`` hold (``torch.optim``
+                numbers params across groups in order).
+            caller: what the user called, for errors.
+            already_sharded: ids of params in flat buffers already: left out (params frozen at
+                construction and trainable now are sharded this way, see :meth:`add_unfrozen`).
+
+        Raises:
+            ValueError: from :func:`~zeroshard.validation.check_params`, or params that differ
+                between ranks.
+        """
+        optimizer, groups, partition = self.optimizer, self.groups, self.partition
+        self.device = check_params(params_of, indices, self.device, first=not self.shards)
+        if partition == "param":
+            check_whole_param_steps(optimizer, indices, params_of)
+        taken = [(p, param_name(g, j)) for g, params in zip(indices, params_of) for j, p in enumerate(params)
+                 if is_sharded(p) and id(p) not in already_sharded]
+        take_over([p for p, _ in taken], [name for _, name in taken])
+        fingerprint = [
+            entry
+            for g, params in zip(indices, params_of)
+            for entry in [(f"param_groups[{g}][{key!r}]", value) for key, value in group_settings(optimizer.param_groups[g]).items()]
+            + [(param_name(g, j), tuple(p.shape), str(p.dtype), p.requires_grad) for j, p in enumerate(params)]
+        ]
+        # Bounded by collective_timeout_s after construction (add_param_group, unfreezing): a rank that skipped it is named. The
+        # constructor waits: ranks may reach it far apart (rank 0 loading weights the broadcast hands the others).
+        timeout = None if caller == "the ShardedOptimizer constructor" else groups.timeout
+        for group in groups.all():
+            collectives.check_same_on_all_ranks("param_groups item", fingerprint, group, timeout=timeout, caller=caller)
+        broadcast_frozen = [(param_name(g, j), p) for g, params in zip(indices, params_of) for j, p in enumerate(params) if not is_sharded(p)]
+        # The broadcast below goes by position: frozen params too.
+        check_same_order([(name, p) for p, name in taken] + (broadcast_frozen if not already_sharded else []), groups, caller, timeout)
+
+        buffers: list[tuple[FlatParamBuffer, int, list[int]]] = []  # (buffer, its param group, its params' torch.optim indices)
+        index = first_param_index
+        for g, params in zip(indices, params_of):
+            trainable = [p for p in params if is_sharded(p) and id(p) not in already_sharded]
+            index_of = {id(p): index + j for j, p in enumerate(params)}
+            name_of = {id(p): param_name(g, j) for j, p in enumerate(params)}
+            index += len(params)
+            for dtype in dict.fromkeys(p.dtype for p in trainable):
+                # Reverse registration order approximates the order gradients become ready.
+                same_dtype = [p for p in reversed(trainable) if p.dtype == dtype]
+                owners = assign_owners(param_costs(optimizer, optimizer.param_groups[g], same_dtype), groups.shard_size) if partition == "param" else None
+                buffer = FlatParamBuffer(same_dtype, bucket_numel(self.bucket_size_mb, dtype), groups.shard_size, [name_of[id(p)] for p in same_dtype], owners)
+                buffers.append((buffer, g, [index_of[id(p)] for p in same_dtype]))
+        frozen = [p.data for params in params_of for p in params if not is_sharded(p)] if not already_sharded else []
+        # Replicas take replica 0's values, then each shard group its first rank's: all equal rank (0, 0).
+        for group in reversed(groups.all()):
+            if dist.get_world_size(group) > 1:
+                collectives.broadcast_from_first_([b.data for b, _, _ in buffers] + frozen, group, timeout, caller)
+
+        rank = dist.get_rank(groups.shard)
+        shards = [LocalShard(buffer, rank, self.host_master, group=g, param_indices=indices_of, master_weights=self.master_weights)
+                  for buffer, g, indices_of in buffers]
+        for g in indices:
+            virtual = [v for shard in shards if shard.group == g for v in shard.virtual_params]
+            optimizer.param_groups[g]["params"] = (optimizer.param_groups[g]["params"] if already_sharded else []) + virtual
+        shard_initial_state(optimizer, shards)
+        for shard in shards:
+            link_amp(shard, self.amp)
+        self.shards.extend(shards)
+        return shards
 
     def count_steps(self, used: list[list[bool]], by: int = 1) -> list[list[int]]:
         """Count a step for every param used on some rank; per shard, per param, its new step (0: not stepped).
@@ -205,15 +264,6 @@ class ShardSet:
         )
 
 
-@dataclass
-class NewShards:
-    """The result of :func:`shard_param_groups`."""
-
-    group_params: list[list[nn.Parameter]]  # per sharded param group, its original params in the user's order (frozen ones included)
-    shards: list[LocalShard]  # each group's (one per dtype of its trainable params), in group order
-    device: torch.device  # the device all params are on
-
-
 def bucket_numel(bucket_size_mb: float, dtype: torch.dtype) -> int:
     """Elements of ``dtype`` in ``bucket_size_mb`` MiB (at least 1)."""
     return max(1, int(bucket_size_mb * 2**20) // dtype.itemsize)
@@ -230,102 +280,6 @@ def group_settings(group: dict[str, Any]) -> dict[str, Any]:
         return value if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
 
     return {key: comparable(value) for key, value in sorted(group.items()) if key != "params"}
-
-
-def shard_param_groups(
-    optimizer: torch.optim.Optimizer,
-    indices: range,
-    groups: ShardingGroups,
-    *,
-    bucket_size_mb: float,
-    device: torch.device | None,
-    first_shard: int,
-    first_param_index: int,
-    host_master: bool = False,
-    params_of: list[list[nn.Parameter]] | None = None,
-    already_sharded: frozenset[int] = frozenset(),
-    partition: str = "flat",
-    master_weights: bool = True,
-    caller: str = "the ShardedOptimizer constructor",
-) -> NewShards:
-    """Flatten, broadcast and shard param groups ``indices`` of ``optimizer``.
-
-    Local checks first; then one fingerprint all-gather per group of ranks (a mismatch raises on
-    every rank, naming it, before any size-dependent collective); then the broadcast from rank 0;
-    finally each group's ``"params"`` is replaced by this rank's virtual parameters (or, when
-    ``already_sharded`` is given, the new virtual parameters are appended to them).
-
-    Args:
-        optimizer: the wrapped optimizer.
-        indices: the param groups to shard.
-        groups: the shard (and replicate) groups.
-        bucket_size_mb: bucket size in MiB of the param dtype.
-        device: the device of the params sharded before, or ``None``.
-        first_shard: how many shards the optimizer already has.
-        first_param_index: how many params the groups before ``indices`` hold (``torch.optim``
-            numbers params across groups in order).
-        host_master: keep master weights in host memory (CPU offload).
-        params_of: per group, its original params in the user's order (default: the groups'
-            ``"params"``, which must not be virtual params yet).
-        already_sharded: ids of params in flat buffers already: left out (params frozen at
-            construction and trainable now are sharded this way, see ``ShardedOptimizer``).
-        partition: ``"flat"`` (each rank owns ``1/N`` of every bucket) or ``"param"`` (each param
-            owned whole by one rank, chosen by :func:`~zeroshard.layout.ownership.assign_owners`).
-        master_weights: keep fp32 master weights for 16-bit params (see :class:`~zeroshard.layout.local_shard.LocalShard`).
-
-    Raises:
-        ValueError: from :func:`~zeroshard.validation.check_params`, or params that differ
-            between ranks.
-    """
-    if params_of is None:
-        params_of = [list(dict.fromkeys(optimizer.param_groups[g]["params"])) for g in indices]
-    device = check_params(params_of, indices, device, first=first_shard == 0)
-    if partition == "param":
-        check_whole_param_steps(optimizer, indices, params_of)
-    taken = [(p, param_name(g, j)) for g, params in zip(indices, params_of) for j, p in enumerate(params)
-             if is_sharded(p) and id(p) not in already_sharded]
-    take_over([p for p, _ in taken], [name for _, name in taken])
-    fingerprint = [
-        entry
-        for g, params in zip(indices, params_of)
-        for entry in [(f"param_groups[{g}][{key!r}]", value) for key, value in group_settings(optimizer.param_groups[g]).items()]
-        + [(param_name(g, j), tuple(p.shape), str(p.dtype), p.requires_grad) for j, p in enumerate(params)]
-    ]
-    # Bounded by collective_timeout_s after construction (add_param_group, unfreezing): a rank that skipped it is named. The
-    # constructor waits: ranks may reach it far apart (rank 0 loading weights the broadcast hands the others).
-    timeout = None if caller == "the ShardedOptimizer constructor" else groups.timeout
-    for group in groups.all():
-        collectives.check_same_on_all_ranks("param_groups item", fingerprint, group, timeout=timeout, caller=caller)
-    broadcast_frozen = [(param_name(g, j), p) for g, params in zip(indices, params_of) for j, p in enumerate(params) if not is_sharded(p)]
-    # The broadcast below goes by position: frozen params too.
-    check_same_order([(name, p) for p, name in taken] + (broadcast_frozen if not already_sharded else []), groups, caller, timeout)
-
-    buffers: list[tuple[FlatParamBuffer, int, list[int]]] = []  # (buffer, its param group, its params' torch.optim indices)
-    index = first_param_index
-    for g, params in zip(indices, params_of):
-        trainable = [p for p in params if is_sharded(p) and id(p) not in already_sharded]
-        index_of = {id(p): index + j for j, p in enumerate(params)}
-        name_of = {id(p): param_name(g, j) for j, p in enumerate(params)}
-        index += len(params)
-        for dtype in dict.fromkeys(p.dtype for p in trainable):
-            # Reverse registration order approximates the order gradients become ready.
-            same_dtype = [p for p in reversed(trainable) if p.dtype == dtype]
-            owners = assign_owners(param_costs(optimizer, optimizer.param_groups[g], same_dtype), groups.shard_size) if partition == "param" else None
-            buffer = FlatParamBuffer(same_dtype, bucket_numel(bucket_size_mb, dtype), groups.shard_size, [name_of[id(p)] for p in same_dtype], owners)
-            buffers.append((buffer, g, [index_of[id(p)] for p in same_dtype]))
-    frozen = [p.data for params in params_of for p in params if not is_sharded(p)] if not already_sharded else []
-    # Replicas take replica 0's values, then each shard group its first rank's: all equal rank (0, 0).
-    for group in reversed(groups.all()):
-        if dist.get_world_size(group) > 1:
-            collectives.broadcast_from_first_([b.data for b, _, _ in buffers] + frozen, group, timeout, caller)
-
-    rank = dist.get_rank(groups.shard)
-    shards = [LocalShard(buffer, rank, host_master, group=g, param_indices=indices_of, master_weights=master_weights) for buffer, g, indices_of in buffers]
-    for g in indices:
-        virtual = [v for shard in shards if shard.group == g for v in shard.virtual_params]
-        optimizer.param_groups[g]["params"] = (optimizer.param_groups[g]["params"] if already_sharded else []) + virtual
-    shard_initial_state(optimizer, shards)
-    return NewShards(params_of, shards, device)
 
 
 @torch.no_grad()
