@@ -28,7 +28,7 @@ from zeroshard.reduce.coordinator import coordinator_of
 from zeroshard.reduce.grad_reducer import GradReducer
 from zeroshard.shard_set import ShardSet
 from zeroshard.state_dict import StateDictMixin
-from zeroshard.step.fused_adam import FusedAdam, fused_adam_kind, fused_refusal
+from zeroshard.step.fused_adam import FusedAdam, fused_adam_kind
 from zeroshard.step.grad_norm import NORM_TYPES, GradStats, ReducedStats
 from zeroshard.step.loss_scaler import DynamicLossScaler, choose_loss_scale
 from zeroshard.step.pending_skip import PendingSkip, unscale
@@ -327,9 +327,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         with torch.no_grad():
             for shard in self._shards:  # before any collective: raises alike on every rank
                 shard.follow_all()
-            if self._fused is not None:  # raises on the ranks holding a piece of a param whose state was removed
-                if refused := fused_refusal(self.optimizer.param_groups):  # set since construction (add_param_group, by hand)
-                    raise ValueError(f"{refused}: the fused Adam/AdamW update chosen at construction cannot run it; wrap an optimizer built so")
+            if self._fused is not None:
                 self._fused.check_state(self._shards, self._shard_set.param_steps)
             stats = self._stats or self._gather_stats(2.0, "step()", self._max_norm())
             if isinstance(stats, ReducedStats) and not self._on_device(stats):  # the one host read (or a GradScaler since clip_grad_norm_)

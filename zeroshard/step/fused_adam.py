@@ -42,14 +42,13 @@ class Run(NamedTuple):
 
 
 class _Bound(NamedTuple):
-    """A chunk as :meth:`FusedAdam.bind` left it: its moments and, per piece, the wrapped optimizer's state and where its two
-    moment entries point (0 for a piece without state): a state tensor given new storage in place (``.data =``, ``set_``)
-    keeps its identity but not its address."""
+    """A chunk as :meth:`FusedAdam.bind` left it: its moments, each piece's state, and where its moment entries point (a state
+    tensor given new storage in place, by ``.data =`` or ``set_``, keeps its identity but not its address)."""
 
     exp_avg: Tensor | None
     exp_avg_sq: Tensor | None
     states: list[dict | None]
-    addresses: list[int]  # per piece, the data pointers of exp_avg then exp_avg_sq
+    addresses: list[int]  # per piece, the data pointers of exp_avg then exp_avg_sq (0, 0 without state)
 
     @staticmethod
     def of(chunk: Chunk, states: list[dict | None]) -> _Bound:
@@ -120,11 +119,10 @@ def device_adam(runs: list[Run], group: dict, multiplier: float | Tensor, adamw:
                 found_inf: Tensor | None = None) -> None:
     """One Adam/AdamW step in place over ``runs`` on ``device``, the gradients multiplied by ``multiplier``.
 
-    CUDA: :func:`~zeroshard.kernels.fused_adamw_` per run, ``param_out`` written in the same pass. Elsewhere, and for fp64:
-    the gradients are multiplied in place (they are consumed), then :func:`functional_adam` runs with the group's
-    ``foreach``/``fused`` flags, and ``param_out`` receives the cast of the updated master. Where
-    :func:`takes_device_scalars`, ``multiplier`` may be a 1-element fp32 device tensor and ``found_inf`` a 1-element fp32
-    device flag (non-zero: leave everything untouched): then nothing is read back to the host.
+    CUDA: :func:`~zeroshard.kernels.fused_adamw_` per run, writing ``param_out`` in the same pass. Elsewhere, and for fp64:
+    the gradients are multiplied in place (they are consumed), :func:`functional_adam` runs, and ``param_out`` receives the
+    cast of the master. Where :func:`takes_device_scalars`, ``multiplier`` may be a 1-element fp32 device tensor and
+    ``found_inf`` a 1-element fp32 device flag (non-zero: leave everything untouched): nothing is read back to the host.
     """
     fp64 = bool(runs) and runs[0].grad.dtype == torch.float64  # (one shard's runs share a dtype)
     backend = _kernel_backend(device, fp64)
@@ -173,10 +171,8 @@ def takes_device_scalars(shards: list[LocalShard]) -> bool:
 
 
 class FusedAdam:
-    """The fused update of every chunk, and the binding of the wrapped optimizer's state to the chunks' moments.
-
-    The moments belong to the chunks; this class allocates them on first use, keeps each piece's ``state["exp_avg"]`` and
-    ``state["exp_avg_sq"]`` a view of them, and runs the update of the wrapped ``optimizer`` (``kind``: :func:`fused_adam_kind`).
+    """The fused update of every chunk (``kind``: :func:`fused_adam_kind` of the wrapped ``optimizer``). The moments belong to
+    the chunks: this class allocates them on first use and keeps each piece's ``state["exp_avg"]`` and ``state["exp_avg_sq"]`` views of them.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, kind: str) -> None:
@@ -185,18 +181,15 @@ class FusedAdam:
         self._pipeline = OffloadPipeline()
         self.placement: Placement | None = None  # where place_once put the chunks
         self._margin: tuple[MemoryTracer, float, torch.device] | None = None  # (tracer, ratio, device) until place_once
-        # Per chunk, what bind() left: all of it unchanged (the same objects, at the same addresses) means every piece's state
-        # views its moments.
+        # Per chunk, what bind() left: while all of it is unchanged, every piece's state views its moments.
         self._bound: weakref.WeakKeyDictionary[Chunk, _Bound] = weakref.WeakKeyDictionary()
         self._checked: set[int] = set()  # ids of the shards check_state() bound in this step (step() binds the others)
 
     @torch.no_grad()
     def bind(self, shards: list[LocalShard], param_steps: list[int] | None = None) -> None:
-        """Allocate every chunk's moments where missing; make each piece's state a view of them (copying a state entry that is
-        not yet one, fresh from ``load_state_dict`` or left behind by a chunk that moved, into the moments).
-
-        Per chunk and step, the common case (nothing changed since the last call) is an identity check and an address check
-        over lists (:class:`_Bound`), not Python work per piece (#27).
+        """Allocate every chunk's moments where missing; make each piece's state a view of them (copying in a state entry that
+        is not one yet: fresh from ``load_state_dict``, or left behind by a chunk that moved). Nothing changed since the last
+        call (the common case) costs an identity and an address check over lists (:class:`_Bound`), no work per piece (#27).
 
         Raises:
             RuntimeError: with ``param_steps`` (per ``torch.optim`` param index, its updates so far), a piece of a param
@@ -231,13 +224,17 @@ class FusedAdam:
                 self._bound[chunk] = _Bound.of(chunk, states)
 
     def check_state(self, shards: list[LocalShard], param_steps: list[int]) -> None:
-        """Before a step's collectives: :meth:`bind`, raising where user code removed the state of a param already updated.
+        """Before a step's collectives: raise on a setting the fused update cannot run (set since construction, by
+        ``add_param_group`` or by hand); :meth:`bind`, raising where user code removed the state of a param already updated
+        (each rank checks the pieces it holds; one that holds none goes on into the statistics' all-reduce, where
+        ``collective_timeout_s`` names the wait). No binding while the first step's margin is traced (:meth:`place_once` binds).
 
-        Each rank checks the pieces it holds: after a ``state.clear()`` on every rank, every rank that holds a piece of an
-        updated param raises; one that holds none (``partition="param"``, owning only params never updated) goes on into
-        the statistics' all-reduce, where ``collective_timeout_s`` names the wait. Nothing while the first step's margin is
-        still traced (:meth:`place_once` binds).
+        Raises:
+            ValueError: see :func:`fused_refusal`.
+            RuntimeError: see :meth:`bind`.
         """
+        if refused := fused_refusal(self.optimizer.param_groups):
+            raise ValueError(f"{refused}: the fused Adam/AdamW update chosen at construction cannot run it; wrap an optimizer built so")
         self._checked = set()
         if self._margin is None:
             self.bind(shards, param_steps)
@@ -252,10 +249,8 @@ class FusedAdam:
     @torch.no_grad()
     def place_once(self, shards: list[LocalShard], model_data_bytes: Callable[[], int]) -> Placement | None:
         """At the first step after :meth:`start_margin_trace`: end its tracer and move ``ratio`` of the measured margin's worth of
-        chunks to the device (:func:`~zeroshard.offload.placement.place_chunks`; ``model_data_bytes()``: what the optimizer owns there).
-
-        Masters are refreshed first (params loaded or written since construction reach them) and every chunk gets its moments
-        before it moves. Returns the new :attr:`placement`, or ``None`` when there is nothing to place (no margin measured, or placed already).
+        chunks to the device (:func:`~zeroshard.offload.placement.place_chunks`; ``model_data_bytes()``: what the optimizer owns
+        there), masters refreshed and moments allocated first. The new :attr:`placement`, or ``None`` (placed already).
         """
         if self._margin is None:
             return None
@@ -341,9 +336,8 @@ class FusedAdam:
         """The runs of ``chunk``; records the new step of every used piece in its state.
 
         Steps come from the host counts in ``steps`` (per param of the shard), never from ``state["step"]`` (which torch may
-        keep on the device). A host chunk's runs read its host gradient copy (allocated here). On CPU a piece joins a run only
-        where the run so far is a whole number of 64-byte cache lines, so that each element takes the path (vector body or
-        scalar tail loop) it takes in torch's own per-param fused step: see docs/numerics.md, "What is bitwise".
+        keep on the device). On CPU a piece joins a run only where the run so far is a whole number of 64-byte cache lines, so
+        each element takes the path (vector body or scalar tail) of torch's per-param fused step (docs/numerics.md, "What is bitwise").
         """
         pieces = chunk.pieces
         chunk_steps = [steps[piece.param] for piece in pieces]
