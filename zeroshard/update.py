@@ -22,9 +22,8 @@ from zeroshard.step.loss_scaler import DynamicLossScaler, log_skip
 from zeroshard.step.pending_skip import PendingSkip, device_multiplier, unscale
 from zeroshard.step.wrapped import grad_multiplier, wrapped_step
 
-# How many losses any ShardedOptimizer of this process scaled (scale_loss): one backward may carry the gradients of several
-# optimizers (Muon + AdamW over one model, on any process groups), each of which counts its gradients as scaled when this
-# moved since its last step.
+# How many losses any ShardedOptimizer of this process scaled (scale_loss): one backward may carry several optimizers'
+# gradients (Muon + AdamW over one model), each of which takes its gradients as scaled when this moved since its last step.
 SCALED_LOSSES = [0]
 
 
@@ -59,8 +58,7 @@ class UpdateMixin:
         return self._scaler.scale if self._scaler is not None else self._static_scale
 
     def _loss_scale_value(self) -> float | Tensor | None:
-        """The loss scale this step's gradients carry, without a host read (a dynamic scale kept on the device is its 0-dim
-        float64 tensor); ``None`` when :meth:`_unscaled_backward`."""
+        """The loss scale this step's gradients carry, without a host read (a device-kept dynamic scale: its 0-dim float64 tensor)."""
         if self._unscaled_backward():
             return None
         return self._scaler.scale_value() if self._scaler is not None else self._static_scale
@@ -70,8 +68,7 @@ class UpdateMixin:
         return self._shard_set.amp.gradient_scale(self, None if self._unscaled_backward() else self.loss_scale)
 
     def _gather_stats(self, norm_type: float, caller: str, max_norm: float | None) -> ReducedStats:
-        """The statistics, all-reduced and still on the device (the step decides whether to read them: :meth:`_on_device`),
-        with ``max_norm`` (the coming step's clip), which every rank must share (:func:`reduce_grad_stats`)."""
+        """The statistics, all-reduced and still on the device (:meth:`_on_device`), with the coming step's clip ``max_norm``."""
         unfrozen = self._shard_set.add_unfrozen()
         if unfrozen:
             self._hook_up(unfrozen)
@@ -84,19 +81,16 @@ class UpdateMixin:
         self._scaled_losses_seen = SCALED_LOSSES[0]
 
     def _unscaled_backward(self) -> bool:
-        """Whether this step's gradients carry no loss scale although one is active: no ``scale_loss``/``backward`` since the last
-        step (plain ``loss.backward()``, as under ``torch.optim``) and no GradScaler. The step then neither unscales nor moves the scale."""
+        """Whether this step's gradients carry no loss scale although one is active (a plain ``loss.backward()``, no GradScaler):
+        the step then neither unscales nor moves the scale."""
         scaled = SCALED_LOSSES[0] != self._scaled_losses_seen  # a scale_loss() since
         return (not scaled and (self._scaler is not None or self._static_scale is not None)
                 and getattr(self, "grad_scale", None) is None and not self._shard_set.amp.unscaled)
 
     def _on_device(self, stats: ReducedStats) -> bool:
-        """Whether the step can keep the norm, the clip coefficient and the overflow decision on the device.
-
-        It can where the Triton kernel updates every chunk (:func:`takes_device_scalars`), no GradScaler needs the decision on
-        the host (a dynamic loss scale moves to the device: :meth:`DynamicLossScaler.to_device`), every param got a gradient on
-        this rank (so the used-flags need no reading) and every param has been stepped before (a skipped first step must create no state).
-        """
+        """Whether the step can keep the norm, the clip coefficient and the overflow decision on the device: where the Triton
+        kernel updates every chunk, no GradScaler needs the decision on the host, every param got a gradient on this rank (the
+        used-flags need no reading) and every param was stepped before (a skipped first step must create no state)."""
         return (self._fused is not None and takes_device_scalars(self._shards) and not self._shard_set.amp.unscaled
                 and getattr(self, "grad_scale", None) is None and stats.used_everywhere
                 and all(self._shard_set.param_steps[i] for shard in self._shards for i in shard.param_indices))

@@ -73,8 +73,7 @@ class Chunk:
         self.pieces: list[ShardPiece] = list(pieces)
         self._runs: dict[int, list[tuple[int, int]]] = {}  # see runs()
         self._shapes = {piece.param: buffer.params[piece.param].shape if layout.whole_params else torch.Size([piece.numel]) for piece in self.pieces}
-        # One per piece, a view of weights, what the wrapped optimizer steps (its state is keyed by them); 1-D, or shaped
-        # like the param with whole params (partition="param").
+        # One per piece, a view of weights: what the wrapped optimizer steps (1-D, or shaped like the param with partition="param").
         self.virtual_params: list[nn.Parameter] = [nn.Parameter(self.shaped(piece), requires_grad=True) for piece in self.pieces]
         for vparam in self.virtual_params:
             setattr(vparam, _VIRTUAL, True)
@@ -143,11 +142,9 @@ class Chunk:
     def move_to_device(self) -> None:
         """Move the chunk from host memory to the params' device (``gpu_margin_mem_ratio``): all of it, or (on error) nothing.
 
-        Master and moments are copied to the device first; only once every copy exists does the chunk switch to them, drop
-        its host gradient copy and staging, and re-point its virtual params (the same objects, which the wrapped optimizer's
-        state is keyed by) at the new master. fp32/fp64 params drop their master: the flat-buffer slice, which holds the same
-        values after every step, takes its place. Entries of the wrapped optimizer's state that were views of the old
-        moments must be re-pointed by their owner (:meth:`zeroshard.step.fused_adam.FusedAdam.bind`). No-op on the device.
+        Only once every copy exists does the chunk switch to them, drop its host buffers and re-point its virtual params (the
+        objects the optimizer's state is keyed by) at the new master; fp32/fp64 params drop their master for the flat-buffer
+        slice. State entries that viewed the old moments are re-pointed by :meth:`~zeroshard.step.fused_adam.FusedAdam.bind`.
 
         Raises:
             torch.cuda.OutOfMemoryError: no room on the device; the chunk is left as it was.
@@ -182,6 +179,5 @@ class Chunk:
 
 
 def chunks_of(shards: Sequence) -> list[Chunk]:
-    """Every chunk of ``shards`` (:class:`~zeroshard.layout.local_shard.LocalShard`) in layout order:
-    shard by shard, bucket by bucket; the same on every rank."""
+    """Every chunk of ``shards`` (:class:`~zeroshard.layout.local_shard.LocalShard`) in layout order, the same on every rank."""
     return [chunk for shard in shards for chunk in shard.chunks]

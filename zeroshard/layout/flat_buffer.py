@@ -58,8 +58,7 @@ def param_name(group: int, index: int) -> str:
 
 
 def is_sharded(param: nn.Parameter) -> bool:
-    """Whether ``param`` goes into a flat buffer: it is trainable and has elements. A zero-element param has nothing to
-    update or reduce; like a frozen one it stays in its param group (and the ``torch.optim`` numbering) outside every buffer."""
+    """Whether ``param`` goes into a flat buffer: trainable, with elements (others stay in their group, outside every buffer)."""
     return param.requires_grad and param.numel() > 0
 
 
@@ -116,8 +115,7 @@ class FlatParamBuffer:
         return (self.data if of is None else of)[b.offset : b.offset + b.padded_numel]
 
     def moved(self) -> list[int]:
-        """The indices of the params that are no longer views of their slot (:meth:`follow` re-binds them): its check for
-        every param at once, as lists (a few µs for a hundred params, where a call per param costs a hundred)."""
+        """The indices of the params no longer views of their slot (:meth:`follow` re-binds them), checked at once as lists."""
         base, size, dtype = self.data.data_ptr(), self.data.element_size(), self.data.dtype
         if self._expected is None or self._expected[0] != base:
             self._expected = (base, [base + slot.offset * size for slot in self.layout.slots], [slot.numel for slot in self.layout.slots])

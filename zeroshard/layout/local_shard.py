@@ -15,9 +15,8 @@ from zeroshard.layout.partition import ShardPiece
 
 
 class LocalShard:
-    """Rank ``rank``'s chunks (one :class:`~zeroshard.layout.chunk.Chunk` per bucket), gradient shard and virtual params for
-    one flat buffer: the shard holds what spans its chunks, the grad shard, the pieces and virtual params in flat order, and
-    the versions of the params (to refresh masters after outside writes).
+    """Rank ``rank``'s chunks (one :class:`~zeroshard.layout.chunk.Chunk` per bucket) of one flat buffer, and what spans them:
+    the grad shard, the pieces and virtual params in flat order, the params' versions (to refresh masters after outside writes).
 
     Args:
         buffer: the flat param buffer this shard belongs to.
@@ -48,9 +47,8 @@ class LocalShard:
             pieces_of[layout.slots[piece.param].bucket].append(piece)
         self.chunks: list[Chunk] = [Chunk(buffer, rank, b.index, self.grad_shard, pieces_of[b.index], on_host=host_master) for b in layout.buckets]
         self.virtual_params: list[nn.Parameter] = [vparam for chunk in self.chunks for vparam in chunk.virtual_params]  # the chunks', in flat order
-        # Between steps each virtual param's .grad is a VirtualGrad (zeroshard.grad.sharded_grad.bind_virtual_grads):
-        # a framework clipping the optimizer's param_groups would take None for "nothing to clip". Typed loosely
-        # (Tensor, object) because grad/ sits above layout/ and sets both.
+        # Between steps each virtual param's .grad is a VirtualGrad (grad.sharded_grad.bind_virtual_grads): a framework clipping
+        # the optimizer's param_groups would take None for "nothing to clip". Typed loosely: grad/ sits above layout/.
         self.idle_grads: list[Tensor] = []
         self.amp_link: object | None = None  # the optimizer's GradScalerLink, handed to each idle grad
         self._seen_versions = [p._version for p in buffer.params]
@@ -86,12 +84,9 @@ class LocalShard:
 
     @torch.no_grad()
     def refresh_master(self) -> None:
-        """Re-copy master elements of params written outside the optimizer (e.g. ``load_state_dict``).
-
-        A param's version counter moves on every in-place write to it (``p.copy_``, ``p.mul_``), while the optimizer writes
-        only to the flat buffer, which has its own counter. Only chunks with a separate master (16-bit params, offload) need
-        it, and of those only the elements whose value no longer equals the master rounded to the param dtype are refreshed,
-        so loading a checkpoint's params and its fp32 master (in either order) keeps the master's precision.
+        """Re-copy master elements of params written outside the optimizer (e.g. ``load_state_dict``), seen by their version
+        counters (the optimizer writes only to the flat buffer, which has its own). Only elements that no longer equal the master
+        rounded to the param dtype are refreshed, so loading a checkpoint's params and fp32 master (in either order) keeps its precision.
         """
         if not self.has_master:
             return

@@ -52,12 +52,11 @@ class GradStats:
 def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0,
                       timeout: datetime.timedelta | None = None, caller: str = "step()", max_norm: float = 0.0) -> ReducedStats:
     """Reduce this rank's sum of squares (or max magnitude) and used-flags (``local_used``: per shard, per param) over every
-    data-parallel rank. Reads nothing back to the host: :meth:`ReducedStats.read` does (the step's one host sync), or
+    data-parallel rank, reading nothing back: :meth:`ReducedStats.read` does (the step's one host sync), or
     :meth:`ReducedStats.norm` keeps the norm on the device. ``caller`` is named in a timeout error.
 
-    ``max_norm``: the coming step's clip (0: none), which every rank must share. On CPU or with ``timeout`` (the host waits
-    anyway) it rides along as ``c = log1p(max_norm)`` and ``c**2``, and :meth:`ReducedStats.read` raises where the ranks' differ: a clip on some
-    ranks only pairs its all-reduce with the others' step.
+    ``max_norm``: the coming step's clip (0: none). On CPU or with ``timeout`` (the host waits anyway) it rides along as
+    ``c = log1p(max_norm)`` and ``c**2``, and :meth:`ReducedStats.read` raises where the ranks' differ (a clip on some ranks only).
 
     Raises:
         ValueError: another ``norm_type``.
@@ -122,11 +121,8 @@ class ReducedStats:
         return all(all(flags) for flags in self.local_used)
 
     def norm(self) -> Tensor:
-        """The global norm as a 0-dim float64 device tensor, inf or NaN on overflow (no host sync).
-
-        float64, as :meth:`read` takes it on the host: the clip coefficient computed from it on the
-        device (:func:`~zeroshard.step.pending_skip.device_multiplier`) is the host's to the bit.
-        """
+        """The global norm as a 0-dim float64 device tensor (as :meth:`read` takes it: the device's clip coefficient is the
+        host's to the bit), inf or NaN on overflow; no host sync."""
         if self.norm_type == 2.0:
             return self.both[0].double().sqrt()
         return torch.where(self.both[0] == 0, self.local.double(), torch.full((), math.nan, dtype=torch.float64, device=self.local.device))

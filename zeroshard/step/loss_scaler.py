@@ -146,12 +146,8 @@ class DynamicLossScaler:
 
 
 def choose_loss_scale(loss_scale: str | float | DynamicLossScaler | None, fp16: bool) -> tuple[DynamicLossScaler | None, float | None]:
-    """``(dynamic scaler, static scale)`` for ``ShardedOptimizer(loss_scale=...)`` (at most one is not ``None``).
-
-    A ``DynamicLossScaler`` is used as given; ``"dynamic"``, or ``None`` with ``fp16`` params, gets
-    a fresh one with the defaults (as DeepSpeed enables dynamic scaling for fp16); a number is a
-    static scale. ``loss_scale`` was validated by the constructor's checks.
-    """
+    """``(dynamic scaler, static scale)`` for ``ShardedOptimizer(loss_scale=...)`` (validated), at most one not ``None``: a
+    ``DynamicLossScaler`` as given; a fresh one for ``"dynamic"``, or ``None`` with ``fp16`` params (as DeepSpeed); a number: static."""
     if isinstance(loss_scale, DynamicLossScaler):
         return loss_scale, None
     if loss_scale == "dynamic" or (loss_scale is None and fp16):

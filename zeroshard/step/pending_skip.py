@@ -47,8 +47,7 @@ def device_multiplier(unscaled_norm: Tensor, loss_scale: float | Tensor, max_nor
     """:func:`~zeroshard.step.wrapped.grad_multiplier` on the device: a 1-element fp32 tensor, the host's to the bit.
 
     ``unscaled_norm``: the 0-dim float64 global norm divided by ``loss_scale`` (a float, or a dynamic scale's 0-dim float64
-    device tensor). The clip coefficient is computed in float64, as the host computes it in Python floats; a division by a
-    float 1.0 (no loss scaling), which leaves every value as it is, launches nothing.
+    device tensor). The clip coefficient is computed in float64, as the host computes it in Python floats.
     """
     if max_norm is None:
         if isinstance(loss_scale, Tensor):

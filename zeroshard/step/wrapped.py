@@ -1,7 +1,5 @@
-"""The update for optimizers other than the fused Adam/AdamW (the wrapped optimizer's own ``step()`` on the virtual params),
-the multiplier every path applies to the gradients, and what state the wrapped optimizer keeps for a param (checkpoints and
-memory estimates ask).
-"""
+"""The update of optimizers other than the fused Adam/AdamW (their own ``step()`` on the virtual params), the multiplier every
+path applies to the gradients, and what state the wrapped optimizer keeps for a param (for checkpoints and memory estimates)."""
 
 from __future__ import annotations
 
@@ -48,8 +46,7 @@ _STEPPING: set[int] = set()  # ids of wrapped optimizers inside wrapped_step
 
 
 def refuse_direct_steps(optimizer: torch.optim.Optimizer) -> None:
-    """Make ``optimizer.step()`` raise ``RuntimeError`` outside :func:`wrapped_step`: called directly on the optimizer a
-    ``ShardedOptimizer`` wraps, it would update this rank's shard alone and gather nothing, so the ranks' params would drift apart."""
+    """Make ``optimizer.step()`` raise ``RuntimeError`` outside :func:`wrapped_step`: it would update this rank's shard alone."""
     def refuse(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if id(stepped) not in _STEPPING:
             raise RuntimeError(f"{type(stepped).__name__}.step() was called on the optimizer a ShardedOptimizer wraps: it updates this rank's "
@@ -75,8 +72,7 @@ def throwaway_state(cls: type, hyperparameters: dict[str, Any], shape: Any, dtyp
     """The state ``cls`` built with a param group's ``hyperparameters`` (:func:`constructor_kwargs`) keeps after one step of a
     zero param of ``shape``, ``dtype`` and ``device`` with a zero gradient. Raises whatever the class raises.
 
-    The step runs eagerly (``torch.compiler.set_stance("force_eager")``): an update under ``torch.compile`` (torchao's low-bit
-    AdamW) would otherwise be traced and compiled again for each probe, about a second per shape, for a state thrown away."""
+    The step runs eagerly: an update under ``torch.compile`` (torchao's low-bit AdamW) would be compiled again for each probe."""
     probe = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
     probe.grad = torch.zeros_like(probe)
     throwaway = cls([probe], **constructor_kwargs(cls, hyperparameters))
