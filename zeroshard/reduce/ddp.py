@@ -1,16 +1,13 @@
 """A ``DistributedDataParallel`` wrapped around params that zeroshard reduces: checked, its reducer released and given back.
 
-See ``docs/design.md``, "What user code does to the params and gradients", the item "The model is also wrapped in
-DistributedDataParallel". Switched off (``require_backward_grad_sync = False``), DDP's C++ reducer still holds what its constructor (``_ddp_init_helper``)
-built: an autograd hook per param and bucket buffers as large as the params (``4Ψ`` bytes in fp32), device memory from
-the moment DDP is built on a GPU, and on the CPU once DDP reduced one backward (with ``find_unused_parameters=True``, HF
-Trainer's default, DDP never rebuilds its buckets and they stay). That erases most of stage 2's saving (``4Ψ + 12Ψ/N``
-bytes per rank in fp32 against DDP's ``16Ψ``), so while zeroshard owns the params the reducer is released; on close DDP
-gets a new one, built as its ``__setstate__`` builds one (``_build_params_for_reducer`` + ``_ddp_init_helper``).
-Source: ``torch/nn/parallel/distributed.py`` of torch 2.4 to 2.13.
-
-DDP options zeroshard cannot follow raise :class:`RuntimeError` naming the option when the wrapper is found
-(:func:`check_supported`), never a silent second reduction.
+See ``docs/design.md``, "What user code does to the params and gradients" ("The model is also wrapped in
+DistributedDataParallel"). Switched off (``require_backward_grad_sync = False``), DDP's C++ reducer still holds what its
+constructor (``_ddp_init_helper``) built: an autograd hook per param and bucket buffers as large as the params (``4Ψ``
+bytes in fp32; on a GPU from construction, on the CPU once DDP reduced a backward, and kept for good with
+``find_unused_parameters=True``, HF Trainer's default). That erases most of stage 2's saving (``4Ψ + 12Ψ/N`` bytes per rank
+against DDP's ``16Ψ``), so while zeroshard owns the params the reducer is released; on close DDP gets a new one, built as its
+``__setstate__`` builds one. Source: ``torch/nn/parallel/distributed.py`` of torch 2.4 to 2.13. DDP options zeroshard
+cannot follow raise :class:`RuntimeError` naming the option when the wrapper is found (:func:`check_supported`).
 """
 
 from __future__ import annotations
@@ -56,11 +53,10 @@ class _Refusing:
 class ReleasedReducer(_Refusing):
     """Stands in for ``ddp.reducer`` while zeroshard reduces the gradients of the wrapped params.
 
-    DDP's forward calls ``_rebuild_buckets()`` (nothing to rebuild: ``False``); Lightning's manual optimization and
-    accelerate's ``trigger_sync_in_backward`` call ``prepare_for_backward`` to have the coming backward reduced even
-    after a ``no_sync()`` forward, which is passed on to zeroshard. ``comm_hooks`` (``(hook, state)`` as in DDP's
-    ``_comm_hooks``) and ``builtin_hook`` (a ``dist.BuiltinCommHookType`` or ``None``) are the released reducer's
-    communication hooks, registered again on the reducer given back.
+    DDP's forward calls ``_rebuild_buckets()`` (``False``: nothing to rebuild); Lightning's manual optimization and
+    accelerate's ``trigger_sync_in_backward`` call ``prepare_for_backward`` (reduce the coming backward even after a
+    ``no_sync()`` forward), passed on to zeroshard. ``comm_hooks`` (DDP's ``_comm_hooks``) and ``builtin_hook`` are the
+    released reducer's communication hooks, registered again on the reducer given back.
     """
 
     _name = "reducer"
@@ -68,8 +64,7 @@ class ReleasedReducer(_Refusing):
     def __init__(self, comm_hooks: list[tuple[Callable, Any]], builtin_hook: Any) -> None:
         self.comm_hooks = comm_hooks
         self.builtin_hook = builtin_hook
-        # Per DDPWrappers (by id) holding the release, one per optimizer whose params the wrapper covers: its
-        # sync_next_backward callback. DDP gets a reducer back when the last one lets go.
+        # Per DDPWrappers holding the release (by id; one per optimizer): its sync_next_backward. The last one gives DDP a reducer back.
         self.holders: dict[int, Callable[[], None]] = {}
 
     def _rebuild_buckets(self) -> bool:
@@ -87,8 +82,7 @@ class ReleasedLogger(_Refusing):
     """Stands in for ``ddp.logger`` (which holds the reducer) while the reducer is released.
 
     ``_get_ddp_logging_data()`` answers with what DDP's logger held at release (Lightning reads it at teardown);
-    ``set_error_and_log`` does nothing (DDP raises its error right after it); ``set_runtime_stats_and_log`` raises naming
-    a forward that skipped the hooks.
+    ``set_error_and_log`` does nothing (DDP raises its error right after it).
     """
 
     _name = "logger"
@@ -164,12 +158,10 @@ def check_supported(ddp: nn.Module) -> None:
 
 
 def release_reducer(wrapped: WrappedDDP, holder: int, sync_next_backward: Callable[[], None]) -> None:
-    """Free the wrapper's reducer (its bucket buffers, as many bytes as the params, and its autograd hooks); ``holder`` holds the release.
+    """Free the wrapper's reducer (its bucket buffers and autograd hooks) for ``holder``, or add ``holder`` to those of a released one.
 
-    Call only between backward passes: a reducer mid-backward has queued a callback on itself. ``ddp.reducer`` and
-    ``ddp.logger`` become :class:`ReleasedReducer` / :class:`ReleasedLogger`; with ``static_graph=True`` DDP's
+    Only between backward passes: a reducer mid-backward has queued a callback on itself. With ``static_graph=True`` DDP's
     first-iteration delayed all-reduce is marked done, so its forward does not queue one on the released reducer.
-    Released already (by another optimizer over other params of the wrapper), ``holder`` joins the holders.
     """
     ddp = wrapped.ddp()
     if ddp is None or wrapped.released:
@@ -189,9 +181,8 @@ def release_reducer(wrapped: WrappedDDP, holder: int, sync_next_backward: Callab
 def give_back_reducer(wrapped: WrappedDDP, holder: int) -> None:
     """``holder`` lets go of the wrapper's reducer; the last one builds DDP a new reducer, as ``DistributedDataParallel.__setstate__`` does.
 
-    The new one gets the static graph and communication hook of the released one. No collective runs. It starts as a
-    fresh DDP's reducer does (buckets in registration order, rebuilt after its first iteration; a static graph recorded
-    in its first iteration).
+    It gets the released one's static graph and communication hooks, and starts as a fresh DDP's does (buckets rebuilt
+    after its first iteration). No collective runs.
     """
     ddp = wrapped.ddp()
     if ddp is None or not wrapped.released:
@@ -238,11 +229,7 @@ def find_wrappers(params: Iterable[nn.Parameter]) -> list[nn.Module]:
 
 def _subclasses(cls: type) -> set[type]:
     """``cls`` and its subclasses defined so far, at any depth."""
-    found = {cls}
-    sub: type
-    for sub in cls.__subclasses__():
-        found |= _subclasses(sub)
-    return found
+    return {cls}.union(*map(_subclasses, cls.__subclasses__()))
 
 
 def _restore_sync(ddp: Any, args: object, output: object) -> None:  # Any: DDP, with zeroshard's attributes set on it
@@ -260,12 +247,11 @@ def _restore_sync(ddp: Any, args: object, output: object) -> None:  # Any: DDP, 
 class DDPWrappers:
     """The ``DistributedDataParallel`` wrappers around one ``GradReducer``'s params, switched off while it reduces.
 
-    A forward pre-hook turns DDP's ``no_sync`` switch off before every forward of a wrapper and a forward hook gives it
-    back its value (:func:`_restore_sync`); the reducer is released between backward passes (:func:`release_reducer`)
-    and given back by :meth:`close`. ``on_forward`` is called before each forward with whether it runs under
-    ``ddp.no_sync()`` (the backward that follows then accumulates without communication), ``sync_next_backward`` when a
-    framework asks a released reducer to reduce the coming backward. Both must hold the ``GradReducer`` weakly: the
-    wrappers' hooks hold this object.
+    A forward pre-hook turns DDP's gradient sync off before every forward of a wrapper and a forward hook restores it
+    (:func:`_restore_sync`); the reducer is released between backward passes and given back by :meth:`close`.
+    ``on_forward(no_sync)`` is called before each forward (under ``ddp.no_sync()``, the next backward accumulates locally),
+    ``sync_next_backward`` when a framework asks a released reducer to reduce the coming backward; both must hold the
+    ``GradReducer`` weakly (the wrappers' hooks hold this object).
     """
 
     def __init__(self, on_forward: Callable[[bool], None], sync_next_backward: Callable[[], None]) -> None:
@@ -278,16 +264,13 @@ class DDPWrappers:
     def adopt(self, candidates: Iterable[nn.Module]) -> list[bool]:
         """Switch off the gradient reduction of each wrapper in ``candidates`` not adopted yet (logged once).
 
-        Both reducing would send every gradient twice, and DDP's C++ reducer writes its averaged gradients into
-        ``.grad``, where zeroshard keeps its own (a ShardedGrad once reduced). Wrappers found at construction or adopted
-        before their first forward (:meth:`adopt_at_first_forward`) reduce nothing. A wrapper that ran a forward before
-        any hook saw it is adopted at the next backward; that backward was prepared by DDP's forward already, so what
-        DDP writes into ``.grad`` until the next step is ignored, and DDP's reducer is released only at the next forward
-        of the wrapper or ``step()``.
+        Both reducing would send every gradient twice. A wrapper that ran a forward before any hook saw it is adopted at
+        the next backward, which DDP's forward prepared already: what DDP writes into ``.grad`` until the next step is
+        ignored, and its reducer is released at the wrapper's next forward or ``step()``.
 
-        Returns, for each wrapper adopted now, whether its last forward prepared DDP's reducer to reduce the coming
-        backward (``require_forward_param_sync``, which DDP's forward sets so: off for a forward inside ``ddp.no_sync()``).
-        Raises ``RuntimeError`` from :func:`check_supported`, before any wrapper is changed.
+        Returns, per wrapper adopted now, whether its last forward prepared DDP's reducer to reduce the coming backward
+        (``require_forward_param_sync``: off inside ``ddp.no_sync()``). Raises ``RuntimeError`` from :func:`check_supported`,
+        before any wrapper is changed.
         """
         known = {id(w.ddp()) for w in self.wrapped}
         wrappers: list[Any] = list({id(ddp): ddp for ddp in candidates if id(ddp) not in known}.values())
@@ -359,11 +342,10 @@ _WATCHING: list[torch.utils.hooks.RemovableHandle] = []  # the process's one mod
 def watch_new_wrappers(wrappers_of_owners: Callable[[Iterable[nn.Parameter]], list[DDPWrappers]]) -> None:
     """Note every ``DistributedDataParallel`` built from now on with the :class:`DDPWrappers` of its params' owners.
 
-    One global module registration hook per process (torch >= 2.0): DDP's constructor sets ``self.module`` first, so the
-    wrapper goes into ``new`` of each ``DDPWrappers`` that ``wrappers_of_owners`` returns for the module's params, and a
-    one-shot forward pre-hook adopts it before its first forward (the constructor has finished by then); if it runs no
-    forward first, the next backward does. This costs one string comparison per submodule registered anywhere, where
-    looking for wrappers at every backward would cost a pass over every object the garbage collector tracks.
+    One global module registration hook per process: DDP's constructor sets ``self.module`` first, so the wrapper goes
+    into ``new`` of each ``DDPWrappers`` that ``wrappers_of_owners`` returns, and a one-shot forward pre-hook adopts it
+    before its first forward (else the next backward does). One string comparison per submodule registered anywhere,
+    where looking at every backward would cost a pass over every object the garbage collector tracks.
     """
     if _WATCHING:
         return
