@@ -26,9 +26,7 @@ class ShardGrads:
     ready: list[bool]  # per param: its gradients of the current backward pass were taken (all that are expected)
     ready_count: list[int]  # per bucket: how many of its params are ready
     used: list[bool]  # per param: it got a gradient on this rank since the last reset
-    # per param: an earlier backward of this step reduced the gradient it holds, so a hook in this backward sees this rank's
-    # gradient, where DDP shows the all-reduced sum
-    continued: list[bool]
+    continued: list[bool]  # per param: an earlier backward of this step reduced the gradient it holds (refuse_partial_write)
     comm: GradComm  # the shard group the grad shard's pieces are spread over (for the ShardedGrads' reads)
     whole: list[bool] = field(default_factory=list)  # per param: it lies whole in one rank's slice, whose norm of it is torch's of DDP's
     live: bool = False  # a reduction left gradients in the grad shard that no step() has consumed yet (reset)
@@ -39,13 +37,9 @@ class ShardGrads:
     flat_addresses: list[int] = field(default_factory=list)  # their data pointers: where each view must point
     reduced_versions: dict[int, int] = field(default_factory=dict)  # per param, that ShardedGrad's version when left (absent: none left since)
     hook_ids: dict[int, int] = field(default_factory=dict)  # per param, the handle id of zeroshard's post-accumulate-grad hook on it
-    # per bucket: a reduction was launched into its slice of the grad shard since the last reset (stage 2's next one adds to it)
-    landed: list[bool] = field(default_factory=list)
-    # per param: how many gradients were taken in the current backward pass (more than one: a param used in several reentrant
-    # checkpoints; see zeroshard/reduce/nested_backward.py)
-    arrivals: list[int] = field(default_factory=list)
-    # per param: the most gradients taken in one backward pass so far (at least 1): it is ready once that many arrived, or at the end
-    expected: list[int] = field(default_factory=list)
+    landed: list[bool] = field(default_factory=list)  # per bucket: reduced into its grad shard slice since the reset (stage 2 adds next)
+    arrivals: list[int] = field(default_factory=list)  # per param: gradients taken in this backward pass (reentrant checkpoints: several)
+    expected: list[int] = field(default_factory=list)  # per param: the most gradients taken in one pass so far: ready once that many arrived
     zeroed: list[bool] = field(default_factory=list)  # stage 1, per param: its view of flat holds zeros since the last reset and was not taken since
     bucket_of: list[int] = field(default_factory=list)  # per param, its bucket (the layout's, read per gradient)
     bucket_sizes: list[int] = field(default_factory=list)  # per bucket, how many params it has
@@ -86,10 +80,11 @@ class ShardGrads:
         return self.ready_count[bucket] == self.bucket_sizes[bucket]
 
     def reset(self) -> None:
-        """Between steps: zero the flat grad buffer and forget which params were used and which slices were reduced into."""
+        """Between steps: zero the flat grad buffer (noting its version) and forget which params were used and which slices were reduced into."""
         if self.flat is not None:
             self.flat.zero_()
             self.zeroed = [True] * len(self.zeroed)
+        self.note_flat_version()
         self.used = [False] * len(self.used)
         self.continued = [False] * len(self.continued)
         self.landed = [False] * len(self.landed)
@@ -147,10 +142,6 @@ class ShardGrads:
         """
         if self.zeroed[i] and param.grad is None:
             param.grad = self.flat_view(i)
-
-    def is_flat_view(self, i: int, param: nn.Parameter) -> bool:
-        """Stage 1: whether param ``i``'s ``.grad`` is its view of :attr:`flat`."""
-        return param.grad is not None and param.grad.data_ptr() == self.flat_view(i).data_ptr()
 
     def leave_sharded_grads(self) -> None:
         """After a reduction: every param's ``.grad`` is its ``ShardedGrad`` (DDP's averaged gradient), also of a param with no

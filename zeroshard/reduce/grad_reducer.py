@@ -204,10 +204,7 @@ class GradReducer:
         self._ddp_no_sync = False
 
     def _check_flat_grads(self) -> None:
-        """Stage 1: follow in-place writes to the params' ``.grad`` (:meth:`ShardGrads.follow_flat_writes`).
-
-        Raises ``RuntimeError`` for gradients written in place after they were reduced, not to zero.
-        """
+        """Stage 1: follow in-place writes to the params' ``.grad`` (:meth:`ShardGrads.follow_flat_writes`, which raises)."""
         if not self._ddp_reduced:
             for grads in self._grads:
                 grads.follow_flat_writes(reduced=self.phase is StepPhase.REDUCED)
@@ -254,10 +251,7 @@ class GradReducer:
             self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this pre-hook
 
     def take_deferred(self) -> None:
-        """Take the gradient that arrived last, now that the hooks after zeroshard's have run; launch what is complete.
-
-        Raises ``RuntimeError`` from :meth:`ShardGrads.refuse_partial_write`.
-        """
+        """Take the gradient deferred last, now that the hooks after zeroshard's have run (:meth:`ShardGrads.refuse_partial_write` raises)."""
         if self._deferred is None:
             return
         arrived, self._deferred = self._deferred, None
@@ -273,10 +267,7 @@ class GradReducer:
             self.launch_complete_buckets()
 
     def _take_grad(self, k: int, i: int, param: nn.Parameter, last: bool = False) -> bool:
-        """Count a gradient of param ``i`` of shard ``k`` (``last``: at the end of the pass); stage 2 moves it into the staging bucket.
-
-        Returns whether this completed the param's bucket (which may then be launched).
-        """
+        """Count a gradient of param ``i`` of shard ``k`` (``last``: at the end of the pass), stage 2 staging it; whether its bucket completed."""
         grads = self._grads[k]
         key = (k, grads.bucket_of[i])
         if self._order.position[key] < self._next_launch:
@@ -368,8 +359,8 @@ class GradReducer:
                     continue
                 if not self._ddp_reduced:
                     grads.settle(i, param)  # follow what user code did to the reduced .grad
-                fresh = param.grad is not None and not isinstance(param.grad, ShardedGrad)
-                if fresh and not (self.stage == 1 and grads.is_flat_view(i, param)):
+                grad = param.grad
+                if grad is not None and not isinstance(grad, ShardedGrad) and not (self.stage == 1 and grad.data_ptr() == grads.flat_view(i).data_ptr()):
                     grads.used[i] = True
                 if self.stage == 1 and not isinstance(param.grad, ShardedGrad):  # a ShardedGrad's local sum is in the flat grad already
                     grads.keep_in_flat_grad(i, param)
@@ -383,7 +374,8 @@ class GradReducer:
                 grads.leave_sharded_grads()
         self._clear_backward_state()
         self.phase = StepPhase.REDUCED
-        self._note_flat_grad_versions()
+        for grads in self._grads:
+            grads.note_flat_version()
 
     def rebuild_order(self) -> None:
         """Adopt rank 0's launch order of the first reduced backward (a collective, once: :class:`BucketOrder`)."""
@@ -393,10 +385,6 @@ class GradReducer:
         """At ``step()``: params no rank gave a gradient (``used``) keep ``.grad = None`` (:meth:`ShardGrads.drop_unused`)."""
         for grads, flags in zip(self._grads, used):
             grads.drop_unused(flags)
-
-    def _note_flat_grad_versions(self) -> None:
-        for grads in self._grads:
-            grads.note_flat_version()
 
     def _clear_backward_state(self) -> None:
         """Forget which params were taken in this backward pass."""
@@ -411,7 +399,7 @@ class GradReducer:
 
     def reduce_for_step(self) -> None:
         """Reduce whatever is still local: gradients from ``no_sync``, a late one (``_take_grad``), or a step with no reduced backward
-        (the same on every rank running the same loop, so every rank issues the same collectives here)."""
+        (alike on every rank running the same loop)."""
         self.settle_all()
         if self.phase is not StepPhase.REDUCED or self._late:
             self._late = False
@@ -430,11 +418,8 @@ class GradReducer:
 
     @torch.no_grad()
     def reset(self) -> None:
-        """Zero the grad shards (and stage 1's flat grad buffers) and forget which params were used.
-
-        Also clears what a backward pass that raised midway left behind, and what a DDP wrapper wrote into ``.grad`` in a
-        backward it reduced. Returns at once when nothing happened since the last reset (``zero_grad()`` after ``step()``).
-        """
+        """Zero the grad shards (and stage 1's flat grad buffers), forget which params were used, and what a backward that raised
+        or a DDP wrapper's reduction left; at once when nothing happened since the last reset (``zero_grad()`` after ``step()``)."""
         if self._reset_marks is not None and self._reset_marks == self._marks():
             return
         if self._ddp_reduced:
@@ -454,7 +439,6 @@ class GradReducer:
         self.phase = StepPhase.LOCAL
         self._late = False
         self.end_of_backward = EndOfBackward.NONE
-        self._note_flat_grad_versions()
         self._reset_marks = self._marks()
 
     def _marks(self) -> list[tuple[int, int]]:
