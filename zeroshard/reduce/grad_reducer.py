@@ -25,13 +25,12 @@ from zeroshard.grad.shard_grads import ShardGrads
 from zeroshard.grad.sharded_grad import ShardedGrad, bind_virtual_grads
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce import bucket
-from zeroshard.reduce.bucket import PendingReduce
+from zeroshard.reduce.bucket import PendingReduce, StagingBuckets
 from zeroshard.reduce.bucket_order import BucketOrder
 from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrappers_of_owners
 from zeroshard.reduce.ddp import DDPWrappers, find_wrappers, release, watch_new_wrappers
 from zeroshard.reduce.nested_backward import OutermostBackward
 from zeroshard.reduce.records import ArrivedGrad, StepPhase, param_hooks, weak_method
-from zeroshard.reduce.staging import StagingBuckets
 
 # Stage 2's bucket reductions in flight at most (DeepSpeed ZeRO-2's double buffering): staging memory ~ this + 1 buckets.
 MAX_BUCKETS_IN_FLIGHT = 2
