@@ -286,20 +286,14 @@ def _virtual_norm(grad: VirtualGrad, ord: float, dtype: torch.dtype | None) -> P
 def _foreach_norm(tensors: Sequence[Tensor], ord: Any = 2, dtype: torch.dtype | None = None) -> list[Tensor]:
     """``torch._foreach_norm`` over a mix of sharded, virtual and plain gradients: pending norms for the first two."""
     order = norm_order(ord)
-    out: list[Tensor] = []
-    for t in tensors:
-        if isinstance(t, ShardedGrad):
-            out.append(t._norm(order, dtype, foreach=True))
-        elif isinstance(t, VirtualGrad):
-            out.append(_virtual_norm(t, order, dtype))
-        else:
-            out.append(_disabled(torch.linalg.vector_norm, t, ord, dtype=dtype))
-    return out
+    return [t._norm(order, dtype, foreach=True) if isinstance(t, ShardedGrad) else _virtual_norm(t, order, dtype) if isinstance(t, VirtualGrad)
+            else _disabled(torch.linalg.vector_norm, t, ord, dtype=dtype) for t in tensors]
 
 
 def _foreach_edit(func: Any, tensors: Sequence[Tensor], args: Any, kwargs: dict[str, Any]) -> None:
     """A ``torch._foreach_*_`` edit: each ``ShardedGrad`` replaced by its pieces, per-tensor arguments repeated or sliced alike."""
     targets: list[Tensor] = []
+    name = getattr(func, "__name__", "_foreach edit")
     args = _gathered(args)  # another gradient as an argument: gathered once, on every rank
     lists = [a for a in args if isinstance(a, (list, tuple))]
     per_tensor: list[list[Any]] = [[] for _ in lists]
@@ -308,12 +302,12 @@ def _foreach_edit(func: Any, tensors: Sequence[Tensor], args: Any, kwargs: dict[
         probes = [torch.zeros(tuple(tensors[j].shape), dtype=tensors[j].dtype, device=tensors[j].device) for j in zeroed]
         _disabled(func, probes, *[[a[j] for j in zeroed] if isinstance(a, (list, tuple)) else a for a in args], **kwargs)
         for j, probe in zip(zeroed, probes):
-            _check_still_zero(cast(ShardedGrad, tensors[j]), probe, getattr(func, "__name__", "_foreach edit"))
+            _check_still_zero(cast(ShardedGrad, tensors[j]), probe, name)
     for j, t in enumerate(tensors):
         if j in zeroed:
             continue
         if isinstance(t, ShardedGrad):
-            t._check_live(getattr(func, "__name__", "_foreach edit"))
+            t._check_live(name)
             t.home.edited = True
             for offset, piece in t.local_pieces():
                 targets.append(piece)
