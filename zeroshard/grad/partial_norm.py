@@ -91,11 +91,11 @@ def local_power_sum(pieces: Sequence[Tensor], ord: float) -> Tensor:
 SHARDED, VIRTUAL, PLAIN = "sharded", "virtual", "plain"  # what one element of a PartialNorm is the norm of
 
 
+@dataclass(eq=False)
 class ParamSpace:
     """The params of one ``ShardedOptimizer`` as its ``torch.optim`` indices number them: ``size`` of them (grows with ``add_param_group``)."""
 
-    def __init__(self) -> None:
-        self.size = 0
+    size: int = 0
 
 
 class PartialNorm(Tensor):
@@ -201,10 +201,9 @@ class PartialNorm(Tensor):
     def _aggregate_value(self) -> Tensor:
         """The norm of the elements, as ``torch.linalg.vector_norm`` of DDP's per-param norms computes it (one collective).
 
-        Virtual elements are this rank's pieces of params: their power sums go into one vector indexed by param
-        (``VirtualGrad.slot``), the same length on every rank, reduced with the sharded elements' and a count of pieces per
-        param; each param's norm is then rounded to the norm's dtype as DDP's is. Virtual elements of several optimizers are
-        summed into one entry instead.
+        Virtual elements (this rank's pieces of params) are summed per param (``VirtualGrad.slot``) into a vector of the same
+        length on every rank, reduced with the sharded ones and a count of pieces per param, then rounded to the norm's dtype
+        per param as DDP's are. Virtual elements of several optimizers are summed into one entry instead.
         """
         sharded = [i for i, kind in enumerate(self.kinds) if kind == SHARDED]
         virtual = [i for i, kind in enumerate(self.kinds) if kind == VIRTUAL]

@@ -1,9 +1,7 @@
 """The order in which a ``GradReducer`` launches its gradient buckets, rebuilt once from the first backward.
 
-See "Collective order" in ``docs/design.md``: as DDP rebuilds its buckets after the first iteration
-(``Reducer::rebuild_buckets``), the first reduced backward records the order in which buckets became complete and the
-ranks adopt data-parallel rank 0's record. Buckets the record never completed follow, in the fixed order; buckets added
-later (an unfrozen param, a new param group) are appended. Only the order changes, never the layout.
+See "Collective order" in ``docs/design.md`` (as DDP's ``Reducer::rebuild_buckets``): the ranks adopt data-parallel rank 0's
+record of the order buckets became complete in; buckets it never completed follow, buckets added later are appended.
 """
 
 from __future__ import annotations
@@ -37,11 +35,8 @@ class BucketOrder:
             self.order.append((shard, b))
 
     def completed(self, key: Key) -> None:
-        """Note that every gradient of bucket ``key`` arrived (recorded in the first reduced backward only).
-
-        Noted again when one more arrives after that (reentrant checkpoints, ``nested_backward.py``): the last note
-        counts, as later passes wait for that gradient too.
-        """
+        """Note that every gradient of bucket ``key`` arrived (in the first reduced backward only); noted again when one more
+        arrives after that (reentrant checkpoints, ``nested_backward.py``), the last note counts: later passes wait for it too."""
         if self.recording is not None:
             self.recording.append(key)
 
