@@ -68,11 +68,8 @@ class ParamGather:
         return dist.get_world_size(self.group)
 
     def launch(self, shards: list[LocalShard]) -> None:
-        """Start the all-gather of every bucket of ``shards``, last bucket of the layout first (forward order).
-
-        Each chunk's ``params`` (this rank's updated slice) is gathered into its ``bucket_params``. Waits for the gathers
-        before returning unless ``overlap`` is on and the guard could be pushed (only onto an empty mode stack).
-        """
+        """All-gather each chunk's ``params`` (this rank's updated slice) of ``shards`` into its ``bucket_params``, last bucket first
+        (forward order); waits for them unless ``overlap`` is on and the guard could be pushed (only onto an empty mode stack)."""
         self.wait()  # a param is written only after every earlier gather into it is done
         if self.size == 1:
             return  # a shard group of one: the params are already complete, nothing to guard

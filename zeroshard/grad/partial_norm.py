@@ -283,12 +283,10 @@ def _stack(tensors: Sequence[Tensor]) -> PartialNorm:
         local = torch.cat([t.local if isinstance(t, PartialNorm) else zero for t in tensors])
         plain = torch.cat([t.plain if isinstance(t, PartialNorm) else t.detach().to(device, torch.float64).reshape(1) for t in tensors])
         dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
-    kinds = [t.kinds[0] if isinstance(t, PartialNorm) else PLAIN for t in tensors]
-    slots = [t.slots[0] if isinstance(t, PartialNorm) else -1 for t in tensors]
-    spaces = [t.spaces[0] if isinstance(t, PartialNorm) else None for t in tensors]
+    kinds, slots, spaces, exact, tags = zip(*[(t.kinds[0], t.slots[0], t.spaces[0], t.exact[0], t.tags[0]) if isinstance(t, PartialNorm)
+                                              else (PLAIN, -1, None, False, 0) for t in tensors])
     return PartialNorm.make(local, plain, kinds, first.ord, first.comm, dtype, first.device, shape=(len(tensors),), slots=slots, spaces=spaces,
-                            dtypes=[t.dtype for t in tensors], exact=[t.exact[0] if isinstance(t, PartialNorm) else False for t in tensors],
-                            tags=[t.tags[0] if isinstance(t, PartialNorm) else 0 for t in tensors])
+                            dtypes=[t.dtype for t in tensors], exact=exact, tags=tags)
 
 
 def _moved(norm: PartialNorm, func: Any, args: Any, kwargs: dict[str, Any]) -> PartialNorm | None:

@@ -102,9 +102,8 @@ class ShardGrads:
     def flat_view(self, i: int) -> Tensor:
         """Stage 1: param ``i``'s view of the flat grad buffer, shaped like the param (its running local gradient).
 
-        Made once, and again if its storage was replaced since (``.grad.data = t``: in a hook, or by ``model.to(...)``, whose
-        ``Module._apply`` moves a ``.grad`` that way): that object then holds the gradient elsewhere, and callers that find
-        it in ``.grad`` copy it into the new view (:meth:`keep_in_flat_grad`).
+        Made again if its storage was replaced (``.grad.data = t`` in a hook, or ``model.to(...)``'s ``Module._apply``): the old
+        object holds the gradient elsewhere, and callers finding it in ``.grad`` copy it into the new view (:meth:`keep_in_flat_grad`).
         """
         if self.flat is None:
             raise RuntimeError("internal error: stage 2 keeps no flat grad buffer")
@@ -135,11 +134,8 @@ class ShardGrads:
             param.grad = view
 
     def hand_flat_view(self, i: int, param: nn.Parameter) -> None:
-        """Stage 1, before autograd accumulates into param ``i``: with no ``.grad`` yet, make it the param's zeroed view of :attr:`flat`.
-
-        Autograd then adds the gradient straight into the flat grad buffer, where :meth:`keep_in_flat_grad` finds it: no copy,
-        and the same ``.grad`` object every step (DDP's ``gradient_as_bucket_view``).
-        """
+        """Stage 1, before autograd accumulates into param ``i``: with no ``.grad`` yet, make it the param's zeroed view of :attr:`flat`,
+        so autograd adds straight into the flat grad buffer: no copy, the same ``.grad`` every step (DDP's ``gradient_as_bucket_view``)."""
         if self.zeroed[i] and param.grad is None:
             param.grad = self.flat_view(i)
 
@@ -209,11 +205,8 @@ class ShardGrads:
             del self.reduced_versions[i]
 
     def before_accumulate(self, i: int, param: nn.Parameter, reduced: bool, follow: bool) -> None:
-        """Before autograd accumulates a new gradient into param ``i``: note whether it holds one ``reduced`` in this step, swap its ``ShardedGrad`` out.
-
-        Sets ``continued[i]`` (see :meth:`refuse_partial_write`); with ``follow``, follows what user code did to it (:meth:`settle`).
-        Then autograd stores the new gradient (stage 2: ``.grad`` is ``None``) or adds it to the running local sum (stage 1).
-        """
+        """Before autograd accumulates a new gradient into param ``i``: set ``continued[i]`` (it holds one ``reduced`` in this step),
+        with ``follow`` follow what user code did to it (:meth:`settle`), and swap its ``ShardedGrad`` out (:meth:`_swap_out`)."""
         if not reduced and (i not in self.reduced_versions or (param.grad is None and not self.used[i])):
             # The common cases: nothing reduced in this step, and no ShardedGrad left, or one a zero_grad() dropped after the
             # step's reset (nothing of it left to drop: what settle() would conclude).
@@ -231,10 +224,9 @@ class ShardGrads:
                 self._swap_out(i, param)
 
     def swap_out_sharded_grads(self) -> None:
-        """A DDP wrapper reduces this backward too: its C++ reducer reads and writes ``.grad`` past torch functions, also of
-        params unused on this rank, which a ShardedGrad's one-element placeholder cannot take (``copy_`` into it raises on
-        that rank alone). Swap each out as :meth:`before_accumulate` does, after following it (:meth:`settle`: one zeroed in
-        place is still a zero gradient, stepped): stage 1 its flat view, stage 2 ``None``."""
+        """A DDP wrapper reduces this backward too: its C++ reducer reads and writes ``.grad`` past torch functions, also of params
+        unused on this rank, which a ShardedGrad's one-element placeholder cannot take (``copy_`` into it raises on that rank
+        alone). Follow each (:meth:`settle`) and swap it out, as :meth:`before_accumulate` does."""
         for i, param in enumerate(self.shard.buffer.params):
             if i in self.reduced_versions:
                 self.settle(i, param)
@@ -270,9 +262,7 @@ class ShardGrads:
 
     @torch.no_grad()
     def follow_flat_writes(self, reduced: bool) -> None:
-        """Stage 1: follow in-place writes to the params' ``.grad`` since zeroshard last wrote :attr:`flat`.
-
-        Zeroed: every param with a ``.grad`` has a zero gradient, and what was already reduced is dropped.
+        """Stage 1: follow in-place writes to the params' ``.grad`` since zeroshard last wrote :attr:`flat` (zeroed: what was reduced is dropped).
 
         Raises:
             RuntimeError: gradients written in place, not to zero, after they were ``reduced`` (a clip of this rank's own gradient).

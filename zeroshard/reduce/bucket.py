@@ -104,11 +104,8 @@ def divides_first(reduce_dtype: torch.dtype) -> bool:
 
 
 def stage1_input(flat: Tensor, dtype: torch.dtype, world_size: int) -> tuple[Tensor, bool]:
-    """Stage 1's input for one bucket's reduce-scatter, and whether the collective may not write into it (``input_frozen``).
-
-    ``flat`` is the bucket's view of the flat grad buffer, which keeps this rank's running sum: the input is ``flat``
-    itself, or a cast to ``dtype`` (1-D, ``dtype``), or a copy where the collective or the fp16 pre-division would write into it.
-    """
+    """Stage 1's input (1-D, ``dtype``) for one bucket's reduce-scatter, and whether the collective may not write into it (``input_frozen``):
+    ``flat``, the bucket's view of the flat grad buffer (the running sum), itself, or a cast, or a copy where it would be written."""
     if flat.dtype != dtype:
         return flat.to(dtype), True
     frozen = divides_first(dtype) or world_size == 1
@@ -156,9 +153,8 @@ def launch(grads: Tensor, target: Tensor, groups: ShardingGroups, shard: int, bu
 def complete(pending: PendingReduce, groups: ShardingGroups, wait: Callable[[collectives.AsyncWork | None, str], None], *, overwrite: bool) -> None:
     """Wait for one reduction and leave ``sum over data-parallel ranks / their number`` in its slice of the grad shard.
 
-    ``wait`` waits for a work handle (``None``: nothing to wait for), naming it in a timeout error; it raises
-    ``RuntimeError`` for a collective that some rank did not join in time. ``overwrite``: the sum replaces what the slice
-    holds (stage 1) or is added to it (stage 2); a reduction written into the slice itself replaced it already.
+    ``wait`` waits for a work handle (``None``: nothing to wait for), naming it in its ``RuntimeError`` for a collective some
+    rank did not join in time. ``overwrite``: the sum replaces what the slice holds (stage 1) or is added to it (stage 2).
     """
     wait(pending.work, pending.what)  # the summed slice must have arrived before it is read
     if groups.replicate is not None:
@@ -167,9 +163,5 @@ def complete(pending: PendingReduce, groups: ShardingGroups, wait: Callable[[col
     reduced = pending.output.to(pending.target.dtype)
     if not divides_first(pending.output.dtype) and groups.data_parallel_size > 1:
         reduced.div_(groups.data_parallel_size)
-    if reduced is pending.target:
-        return
-    if overwrite:
-        pending.target.copy_(reduced)
-    else:
-        pending.target.add_(reduced)
+    if reduced is not pending.target:  # else the reduce-scatter wrote the slice itself
+        (pending.target.copy_ if overwrite else pending.target.add_)(reduced)

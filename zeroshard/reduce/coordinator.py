@@ -57,11 +57,7 @@ class Reducer(Protocol):
 
 
 class ReduceCoordinator:
-    """The reducers of one process group, in the order they were built, and the params they own.
-
-    Get it with :func:`coordinator_of`; a reducer joins with :meth:`register` at construction (a collective point, the
-    same on every rank).
-    """
+    """The reducers of one process group, in the order they were built (:meth:`register`), and the params they own (:func:`coordinator_of`)."""
 
     def __init__(self) -> None:
         self._reducers: list[weakref.ref] = []  # in the order they were built
@@ -73,12 +69,10 @@ class ReduceCoordinator:
         self._joint: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> ids of the optimizers of its last joint clip
 
     def register(self, reducer: Reducer) -> None:
-        """Add ``reducer`` after those built before.
+        """Add ``reducer`` after those built before (construction runs at the same point on every rank: the same reducers everywhere).
 
-        Garbage is collected first, if another open reducer is registered: a reducer dropped in a reference cycle (an
-        optimizer kept by an exception's traceback) would otherwise hold the later ones back until the collector runs,
-        at different times on different ranks. Construction runs at the same point of the program on every rank, so
-        every rank sees the same reducers from then on (an optimizer dropped without a cycle is freed at once).
+        Garbage is collected first if another open reducer is registered: one dropped in a reference cycle (an optimizer kept
+        by an exception's traceback) would hold the later ones back until the collector runs, at different times per rank.
         """
         if any((r := ref()) is not None and not r.closed for ref in self._reducers):
             gc.collect()  # only when another open reducer is registered: a full collection takes 50-150 ms

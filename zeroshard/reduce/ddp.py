@@ -213,12 +213,9 @@ def give_back_reducer(wrapped: WrappedDDP, holder: int) -> None:
 
 
 def find_wrappers(params: Iterable[nn.Parameter]) -> list[nn.Module]:
-    """Every ``DistributedDataParallel`` alive now whose module has one of ``params``.
-
-    One pass in C over the objects the garbage collector tracks (``gc.get_referrers``: an instance of a Python class refers
-    to its class), about 5x faster than a Python loop over ``gc.get_objects()``; it finds wrappers built before zeroshard
-    was imported and those that ``copy.deepcopy`` or unpickling made, which no module registration hook sees.
-    """
+    """Every ``DistributedDataParallel`` alive now whose module has one of ``params``, also those built before zeroshard was
+    imported or by ``copy.deepcopy``/unpickling, which no registration hook sees: ``gc.get_referrers`` of the DDP classes is
+    one pass in C over the tracked objects, about 5x faster than a Python loop over ``gc.get_objects()``."""
     ours = {id(p) for p in params}
     ddp_types = _subclasses(DistributedDataParallel)
     # type(), not isinstance(): that raises ReferenceError on a dead weakref.proxy (torch.compile leaves some).
@@ -233,12 +230,8 @@ def _subclasses(cls: type) -> set[type]:
 
 
 def _restore_sync(ddp: Any, args: object, output: object) -> None:  # Any: DDP, with zeroshard's attributes set on it
-    """A forward hook on a DDP wrapper: its switches as DDP alone would have left them after this forward.
-
-    ``require_backward_grad_sync`` gets back the value the forward started with (``ddp.no_sync()`` restores its own on
-    exit); ``require_forward_param_sync`` (whether the next forward broadcasts rank 0's module buffers) is set as DDP's
-    ``_post_forward`` sets it with that value.
-    """
+    """A forward hook on a DDP wrapper: ``require_backward_grad_sync`` gets back the value the forward started with, and
+    ``require_forward_param_sync`` (the next forward broadcasts rank 0's buffers) is set as DDP's ``_post_forward`` sets it."""
     ddp.require_backward_grad_sync = ddp._zeroshard_sync
     ddp.require_forward_param_sync = torch.is_grad_enabled() and ddp._zeroshard_sync
     ddp._zeroshard_in_forward = False
@@ -288,10 +281,7 @@ class DDPWrappers:
         return [ddp.require_forward_param_sync for ddp in wrappers]
 
     def adopt_new(self) -> list[bool]:
-        """At a backward's first gradient: :meth:`adopt` the wrappers built since the last backward began (what it returns).
-
-        Raises ``RuntimeError`` from :func:`check_supported`, before any wrapper is changed.
-        """
+        """At a backward's first gradient: :meth:`adopt` the wrappers built since the last backward began (what it returns; its ``RuntimeError``)."""
         if not self.new:
             return []
         syncs = self.adopt([ddp for ref in self.new if (ddp := ref()) is not None])

@@ -218,8 +218,7 @@ class GradReducer:
     # -- backward --
 
     def on_grad_ready(self, k: int, i: int, param: nn.Parameter) -> None:
-        """Param ``i`` of shard ``k``'s post-accumulate-grad hook: take its gradient, or defer taking it while a hook registered
-        after zeroshard's is still to run (see ``ArrivedGrad``).
+        """Param ``i`` of shard ``k``'s post-accumulate-grad hook: take its gradient, or defer it while a later hook is to run (``ArrivedGrad``).
 
         Raises:
             RuntimeError: a sparse gradient; see :meth:`ShardGrads.refuse_partial_write`.
@@ -242,8 +241,7 @@ class GradReducer:
         if self.end_of_backward is EndOfBackward.NONE:
             self._queue_end_of_backward()
         if self._ddp_reduced or last_post_accumulate_grad_hook_id(param) == grads.hook_ids[i]:
-            # No hook runs after zeroshard's (or DDP's reducer, hooked after, reads .grad as left): take it now. Alone,
-            # only a just completed bucket can launch.
+            # No hook runs after zeroshard's (or DDP's reducer, hooked after, reads .grad as left): take it now. Alone, only a just completed bucket can launch.
             if (self._take_grad(k, i, param) or not self.coordinator.alone) and self.overlap_comm:
                 self.launch_complete_buckets()
         else:
@@ -405,10 +403,8 @@ class GradReducer:
             self.reduce_everything()
 
     def reduce_again(self) -> None:
-        """Have the next :meth:`reduce_for_step` reduce every bucket again (shards were added mid-step).
-
-        Nothing is reduced twice: stage 2's ``ShardedGrad`` s add nothing; stage 1 overwrites each slice with the same sum.
-        """
+        """Have the next :meth:`reduce_for_step` reduce every bucket again (shards were added mid-step): nothing is reduced twice, as
+        stage 2's ``ShardedGrad`` s add nothing and stage 1 overwrites each slice with the same sum."""
         self._accumulate_locally()
 
     def local_used(self) -> list[list[bool]]:
