@@ -1,7 +1,7 @@
 """Bucketed gradient reduce-scatter driven by post-accumulate-grad hooks.
 
 See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` and "One step" and "Collective order" in
-``docs/design.md``: buckets launch in one order on every rank (``bucket_order.py``, ``coordinator.py``), and a callback at
+``docs/design.md``: buckets launch in one order on every rank (``bucket.py``, ``coordinator.py``), and a callback at
 the end of each backward (``nested_backward.py``) completes every bucket (a missing gradient is zero) and waits for all its
 reductions, as DDP's reducer finalizes.
 """
@@ -25,8 +25,7 @@ from zeroshard.grad.shard_grads import ShardGrads
 from zeroshard.grad.sharded_grad import ShardedGrad, bind_virtual_grads
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce import bucket
-from zeroshard.reduce.bucket import PendingReduce, StagingBuckets
-from zeroshard.reduce.bucket_order import BucketOrder
+from zeroshard.reduce.bucket import BucketOrder, PendingReduce, StagingBuckets
 from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrappers_of_owners
 from zeroshard.reduce.ddp import DDPWrappers, find_wrappers, release, watch_new_wrappers
 from zeroshard.reduce.nested_backward import OutermostBackward
