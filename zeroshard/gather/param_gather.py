@@ -54,8 +54,7 @@ class ParamGather:
         self.timeout = timeout
         self.overlap = overlap
         self._pending: list[BucketGather] = []  # in launch order; earlier ones complete first
-        # Waited for on another CUDA stream than their launch stream only: still guarded (see _settle).
-        self._unsettled: list[BucketGather] = []
+        self._unsettled: list[BucketGather] = []  # waited for on another CUDA stream than their launch stream only: still guarded (_settle)
 
     @property
     def pending(self) -> int:
