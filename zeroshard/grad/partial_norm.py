@@ -242,8 +242,7 @@ class PartialNorm(Tensor):
             return _stack(args[0])
         if name in ("to", "cpu", "cuda") and isinstance(args[0], PartialNorm) and (moved := _moved(args[0], func, args[1:], kwargs)) is not None:
             return moved
-        if name in NORMS and isinstance(args[0], PartialNorm) \
-                and (total := _aggregate(args[0], args[1:], kwargs)) is not None:
+        if name in NORMS and isinstance(args[0], PartialNorm) and (total := _aggregate(args[0], args[1:], kwargs)) is not None:
             return total
         with DisableTorchFunctionSubclass():
             return func(*_resolved(args), **{k: _resolved(v) for k, v in kwargs.items()})

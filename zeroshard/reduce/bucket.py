@@ -7,11 +7,9 @@ Launch order: as DDP's ``Reducer::rebuild_buckets``, the ranks adopt data-parall
 complete in during the first reduced backward; buckets it never completed follow, buckets added later are appended.
 
 Staging (stage 2): a bucket's gradients are held as autograd made them until the bucket launches (as FSDP2 holds a
-module's), then written into a 1-D staging buffer in the reduce dtype, taken from a pool (or allocated) without zeroing:
-one ``torch.cat`` per run of adjacent slots, where a copy per param cost two operators per param and backward. A second
-gradient for a slot before the launch is added; only what no gradient wrote is zeroed. A gradient that is a slice of a
-larger tensor (``torch.cat``'s backward) is copied on arrival: held, it would keep all of that tensor alive. Holding costs
-at most one bucket of memory; :meth:`StagingBuckets.clear` drops every buffer between steps.
+module's), then written into a 1-D staging buffer in the reduce dtype, taken from a pool without zeroing: one ``torch.cat``
+per run of adjacent slots (a copy per param cost two operators per param and backward), zeroing only what no gradient
+wrote. Holding costs at most one bucket of memory; :meth:`StagingBuckets.clear` drops every buffer between steps.
 
 Reduction: where the slice holds nothing to keep (stage 1; stage 2's first reduction since the last reset) and has the
 reduce dtype, the reduce-scatter writes into it: no temporary, nothing copied or added at completion, the sum divided in
