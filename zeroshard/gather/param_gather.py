@@ -125,11 +125,8 @@ class ParamGather:
 
 
 class _ParamGuard(TorchFunctionMode):
-    """The mode that waits for a param's pending all-gather before any torch function touches it.
-
-    One per process: every optimizer's pending gathers are registered here (param id → its gather), so several
-    optimizers (Muon + AdamW) share one mode on the stack.
-    """
+    """The mode that waits for a param's pending all-gather before any torch function touches it. One per process: every
+    optimizer's pending gathers are registered here, so several optimizers (Muon + AdamW) share one mode on the stack."""
 
     def __init__(self) -> None:
         super().__init__()

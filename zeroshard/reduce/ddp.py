@@ -78,11 +78,8 @@ class ReleasedReducer(_Refusing):
 
 
 class ReleasedLogger(_Refusing):
-    """Stands in for ``ddp.logger`` (which holds the reducer) while the reducer is released.
-
-    ``_get_ddp_logging_data()`` answers with what DDP's logger held at release (Lightning reads it at teardown);
-    ``set_error_and_log`` does nothing (DDP raises its error right after it).
-    """
+    """Stands in for ``ddp.logger`` (which holds the reducer) while the reducer is released: ``_get_ddp_logging_data()`` answers
+    with what DDP's logger held (Lightning reads it at teardown); ``set_error_and_log`` does nothing (DDP raises right after)."""
 
     _name = "logger"
 
@@ -178,11 +175,8 @@ def release_reducer(wrapped: WrappedDDP, holder: int, sync_next_backward: Callab
 
 
 def give_back_reducer(wrapped: WrappedDDP, holder: int) -> None:
-    """``holder`` lets go of the wrapper's reducer; the last one builds DDP a new reducer, as ``DistributedDataParallel.__setstate__`` does.
-
-    It gets the released one's static graph and communication hooks, and starts as a fresh DDP's does (buckets rebuilt
-    after its first iteration). No collective runs.
-    """
+    """``holder`` lets go of the wrapper's reducer; the last one builds DDP a new reducer, as ``DistributedDataParallel.__setstate__``
+    does, with the released one's static graph and communication hooks (no collective; buckets rebuilt after its first iteration)."""
     ddp = wrapped.ddp()
     if ddp is None or not wrapped.released:
         return

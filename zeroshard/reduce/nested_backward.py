@@ -19,10 +19,8 @@ from zeroshard.compat import current_autograd_node
 
 
 class OutermostBackward:
-    """Defers a reducer's end-of-backward callback from a nested backward pass to the one enclosing it.
-
-    ``queue_end`` queues that callback on the graph task running now (the reducer's, called through a weak reference).
-    """
+    """Defers a reducer's end-of-backward callback from a nested backward pass to the one enclosing it; ``queue_end`` queues
+    that callback on the graph task running now (the reducer's, called through a weak reference)."""
 
     def __init__(self, queue_end: Callable[[], None]) -> None:
         self._queue_end = queue_end
