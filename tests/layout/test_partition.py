@@ -145,7 +145,7 @@ def test_large_param_gets_own_bucket_and_padding_goes_last():
 def test_staging_bucket_equals_zeros_plus_every_gradient(data, numels, bucket_numel, world_size, owned, grad_dtype):
     """Stage 2's staging (held gradients written per run of adjacent slots, only what none wrote zeroed) equals zero-fill + add,
     reused buffers included, gradients of another dtype cast."""
-    from zeroshard.reduce.staging import StagingBuckets
+    from zeroshard.reduce.bucket import StagingBuckets
 
     owners = data.draw(st.lists(st.integers(0, world_size - 1), min_size=len(numels), max_size=len(numels))) if owned else None
     layout = build_layout(numels, bucket_numel, world_size, owners)
@@ -172,7 +172,7 @@ def test_staging_bucket_equals_zeros_plus_every_gradient(data, numels, bucket_nu
 def test_staging_copies_a_gradient_that_is_a_slice_of_a_larger_tensor():
     """Held until its bucket launches, a slice would keep the whole tensor alive (a new embedding row's gradient, cut from
     the gradient of ``torch.cat([frozen_table, new_rows])``): such a gradient is copied when it arrives, an own one held."""
-    from zeroshard.reduce.staging import StagingBuckets
+    from zeroshard.reduce.bucket import StagingBuckets
 
     layout = build_layout([8, 8], bucket_numel=16, world_size=2)
     whole = torch.randn(1000, 8)

@@ -1,16 +1,13 @@
 """The all-gather of updated params after ``step()``, overlapped with whatever runs next (the next forward).
 
 See "One step" in ``docs/design.md`` (buckets gathered in forward order; on CUDA each waited for just before the first
-torch function that touches one of its params, as Megatron-LM's ``overlap_param_gather`` overlaps them; where a wait
-blocks the host, all of them at the first such touch) and "Reading params after ``step()``" in ``docs/api.md`` (what the
-guard covers and what not, when it is pushed and popped, its cost).
+torch function that touches one of its params, as Megatron-LM's ``overlap_param_gather``; where a wait blocks the host,
+all at the first touch) and "Reading params after ``step()``" in ``docs/api.md`` (what the guard covers, its cost).
 
-Why a ``TorchFunctionMode`` rather than forward pre-hooks on the modules (Megatron's way): the optimizer is given params,
-not modules, and a param can be read outside any forward (an EMA copy, ``model.state_dict()``, ``torch.save``,
-``p.clone()``, evaluation code that indexes a weight). Every such read goes through a torch function that takes the
-param (or something made from it after the step): every torch function and ``Tensor`` method, ``torch.ops`` custom
-ops, ``torch.compile`` (Dynamo honours active modes). :class:`_ParamGuard` sees that call first, so nothing reads a
-param half-gathered: a stale read would be a silent wrong number.
+Why a ``TorchFunctionMode`` rather than Megatron's forward pre-hooks on the modules: the optimizer is given params, not
+modules, and a param can be read outside any forward (an EMA copy, ``model.state_dict()``, ``p.clone()``). Every such read
+goes through a torch function (``Tensor`` methods, ``torch.ops`` custom ops, ``torch.compile``, whose Dynamo honours
+active modes), which :class:`_ParamGuard` sees first: nothing reads a param half-gathered, a silent wrong number.
 """
 
 from __future__ import annotations
@@ -57,18 +54,12 @@ class ParamGather:
         self.timeout = timeout
         self.overlap = overlap
         self._pending: list[BucketGather] = []  # in launch order; earlier ones complete first
-        # Waited for on another CUDA stream than their launch stream only: still guarded (see _settle).
-        self._unsettled: list[BucketGather] = []
+        self._unsettled: list[BucketGather] = []  # waited for on another CUDA stream than their launch stream only: still guarded (_settle)
 
     @property
     def pending(self) -> int:
         """How many bucket all-gathers are in flight, or not yet waited for on their launch stream."""
         return len(self._pending) + len(self._unsettled)
-
-    @property
-    def launched(self) -> tuple[BucketGather, ...]:
-        """The bucket all-gathers launched and not yet waited for, in launch order."""
-        return tuple(self._pending)
 
     @functools.cached_property
     def size(self) -> int:
@@ -76,11 +67,8 @@ class ParamGather:
         return dist.get_world_size(self.group)
 
     def launch(self, shards: list[LocalShard]) -> None:
-        """Start the all-gather of every bucket of ``shards``, last bucket of the layout first (forward order).
-
-        Each chunk's ``params`` (this rank's updated slice) is gathered into its ``bucket_params``. Waits for the gathers
-        before returning unless ``overlap`` is on and the guard could be pushed (only onto an empty mode stack).
-        """
+        """All-gather each chunk's ``params`` (this rank's updated slice) of ``shards`` into its ``bucket_params``, last bucket first
+        (forward order); waits for them unless ``overlap`` is on and the guard could be pushed (only onto an empty mode stack)."""
         self.wait()  # a param is written only after every earlier gather into it is done
         if self.size == 1:
             return  # a shard group of one: the params are already complete, nothing to guard
@@ -100,18 +88,16 @@ class ParamGather:
             _GUARD.forget(gather)
 
     def wait_for(self, gather: BucketGather) -> None:
-        """Wait before a read of ``gather``'s params: on CUDA for it and those launched before it (a wait orders the stream,
-        the rest overlap on); where a wait blocks the host, for every gather at once, so the guard can go at the next
-        module call instead of staying pushed until the last param's first read."""
+        """Wait before a read of ``gather``'s params: on CUDA for it and those before it (a wait orders the stream); where a wait
+        blocks the host, for every gather, so the guard can go at the next module call, not at the last param's first read."""
         self.wait(upto=gather if gather.stream is not None else None)
 
     def wait(self, upto: BucketGather | None = None) -> None:
-        """Wait for the pending gathers in launch order, through ``upto`` (``None``: all of them).
+        """Wait for the pending gathers in launch order, through ``upto`` (``None``: all of them, and the unsettled ones again).
 
-        On CUDA a wait orders the *current* stream after the gather (NCCL's ``work.wait()`` does not block the host). A
-        gather waited for on another stream than its launch stream (an EMA under ``torch.cuda.stream(s)``) stays guarded
-        until a wait on its launch stream or its completion, so the next forward waits too. ``upto=None`` also waits for
-        those on the current stream.
+        On CUDA a wait orders the *current* stream after the gather (NCCL's ``work.wait()`` does not block the host). One
+        waited for on another stream than its launch stream (an EMA under ``torch.cuda.stream(s)``) stays guarded until a
+        wait on its launch stream or its completion, so the next forward waits too.
 
         Raises:
             RuntimeError: with a ``timeout``, a gather some rank did not join in time (named).
@@ -139,11 +125,8 @@ class ParamGather:
 
 
 class _ParamGuard(TorchFunctionMode):
-    """The mode that waits for a param's pending all-gather before any torch function touches it.
-
-    One per process: every optimizer's pending gathers are registered here (param id → its gather), so several
-    optimizers (Muon + AdamW) share one mode on the stack.
-    """
+    """The mode that waits for a param's pending all-gather before any torch function touches it. One per process: every
+    optimizer's pending gathers are registered here, so several optimizers (Muon + AdamW) share one mode on the stack."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -154,9 +137,8 @@ class _ParamGuard(TorchFunctionMode):
     def watch(self, gathers: ParamGather) -> bool:
         """Register ``gathers``' pending buckets and push the guard on this thread's mode stack; ``False`` where it cannot be pushed.
 
-        Mode stacks are per thread, so the guard is looked for on the calling thread's own stack (a thread that stepped
-        before may have ended with the guard on its stack, and thread ids are reused): already there, it stays; an empty
-        stack gets it; another mode on the stack means no push (pushing now would break that mode's exit, a stack pop).
+        Mode stacks are per thread (and thread ids are reused): already on this thread's stack, it stays; an empty stack
+        gets it; under another mode, no push (it would break that mode's exit, a stack pop).
         """
         stack = function_mode_stack()
         if self not in stack:
@@ -166,7 +148,7 @@ class _ParamGuard(TorchFunctionMode):
             if self._pop_hook is None:
                 self._pop_hook = nn.modules.module.register_module_forward_pre_hook(self._before_module_call)
         self._gathers[id(gathers)] = gathers
-        for gather in gathers.launched:
+        for gather in gathers._pending:  # launched, not yet waited for
             for param in gather.params:
                 self._waiting[id(param)] = (gathers, gather)
         return True
@@ -179,11 +161,7 @@ class _ParamGuard(TorchFunctionMode):
                 del self._waiting[id(param)]
 
     def pop_if_done(self) -> None:
-        """Leave this thread's mode stack once nothing is pending, if the guard is on top of it.
-
-        Gathers that completed by themselves are retired first, so the guard goes as soon as the wire is done, whether or
-        not their params were touched.
-        """
+        """Leave this thread's mode stack once nothing is pending (gathers completed by themselves retired first), if on top of it."""
         for key, gathers in list(self._gathers.items()):
             gathers.drop_completed()
             if not gathers.pending:
@@ -219,11 +197,10 @@ class _ParamGuard(TorchFunctionMode):
 
 
 def _metadata_functions() -> frozenset:
-    """The torch functions that read or set a tensor's metadata, never its values, nor make an alias of it.
+    """The torch functions that read or set a tensor's metadata, never its values, nor make an alias of it: no wait for them.
 
-    ``model.zero_grad()`` (``p.grad = None``), ``p.shape``, ``p.numel()``, a dict keyed by params: these need no wait,
-    so the gathers keep overlapping whatever comes between ``step()`` and the forward. Views and ``.data`` are not here:
-    an alias made now could be read after the gather without passing through the guard again.
+    ``model.zero_grad()``, ``p.shape``, a dict keyed by params: the gathers keep overlapping them. Views and ``.data`` are
+    not here: an alias made now could be read after the gather without passing through the guard again.
     """
     getters = ("grad", "_grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "_version", "layout", "ndim", "is_cuda",
                "is_sparse", "is_meta", "is_quantized", "grad_fn", "names")
@@ -231,11 +208,9 @@ def _metadata_functions() -> frozenset:
     methods = ("numel", "nelement", "dim", "size", "stride", "storage_offset", "data_ptr", "element_size", "is_contiguous",
                "get_device", "is_floating_point", "is_complex", "requires_grad_", "retain_grad", "register_hook",
                "register_post_accumulate_grad_hook", "__hash__", "__len__")
-    return frozenset(
-        [d.__get__ for name in getters if (d := getattr(Tensor, name, None)) is not None]
-        + [d.__set__ for name in setters if (d := getattr(Tensor, name, None)) is not None]
-        + [f for name in methods if (f := getattr(Tensor, name, None)) is not None]
-    )
+    return frozenset([d.__get__ for name in getters if (d := getattr(Tensor, name, None)) is not None]
+                     + [d.__set__ for name in setters if (d := getattr(Tensor, name, None)) is not None]
+                     + [f for name in methods if (f := getattr(Tensor, name, None)) is not None])
 
 
 _METADATA = _metadata_functions()

@@ -1,9 +1,9 @@
 """``torch.amp.GradScaler`` driving a ``ShardedOptimizer``: the scale it applied, the overflow it is told.
 
-``scaler.unscale_(opt)`` (and the check ``scaler.step`` runs without it) unscales the virtual params' ``VirtualGrad`` s in place
-and hands its ``found_inf`` flags, this rank's, to the link; ``scaler.step(opt)`` sets ``grad_scale`` and ``found_inf`` on the
-optimizer for the duration of ``opt.step()`` (the contract of ``_step_supports_amp_scaling``), which decides the overflow over every
-rank and fills those flags, so every rank skips and backs off alike. See docs/numerics.md, "Loss scaling".
+``scaler.unscale_(opt)`` (or the check in ``scaler.step``) unscales the ``VirtualGrad`` s in place and hands this rank's
+``found_inf`` flags to the link; ``scaler.step(opt)`` sets ``grad_scale`` and ``found_inf`` on the optimizer for the duration
+of ``opt.step()`` (``_step_supports_amp_scaling``), which decides the overflow over every rank and fills those flags, so
+every rank skips and backs off alike. See docs/numerics.md, "Loss scaling".
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ class GradScalerLink:
     def gradient_scale(self, optimizer: Any, loss_scale: float | None) -> float:
         """What ``optimizer``'s gradients are multiplied by: ``loss_scale``, or the GradScaler's scale (1.0 after its ``unscale_``); 1.0 for neither.
 
-        Inside ``GradScaler.step``, ``optimizer.grad_scale`` is its scale unless ``unscale_`` ran. On CUDA reading it waits for
-        the device: ``step()`` reads it after the gradient statistics, whose read waited already.
+        On CUDA reading ``optimizer.grad_scale`` waits for the device: ``step()`` reads it after the gradient statistics, which waited already.
 
         Raises:
             RuntimeError: both scale them (:meth:`check_one_scale`).

@@ -91,11 +91,11 @@ def local_power_sum(pieces: Sequence[Tensor], ord: float) -> Tensor:
 SHARDED, VIRTUAL, PLAIN = "sharded", "virtual", "plain"  # what one element of a PartialNorm is the norm of
 
 
+@dataclass(eq=False)
 class ParamSpace:
     """The params of one ``ShardedOptimizer`` as its ``torch.optim`` indices number them: ``size`` of them (grows with ``add_param_group``)."""
 
-    def __init__(self) -> None:
-        self.size = 0
+    size: int = 0
 
 
 class PartialNorm(Tensor):
@@ -201,10 +201,9 @@ class PartialNorm(Tensor):
     def _aggregate_value(self) -> Tensor:
         """The norm of the elements, as ``torch.linalg.vector_norm`` of DDP's per-param norms computes it (one collective).
 
-        Virtual elements are this rank's pieces of params: their power sums go into one vector indexed by param
-        (``VirtualGrad.slot``), the same length on every rank, reduced with the sharded elements' and a count of pieces per
-        param; each param's norm is then rounded to the norm's dtype as DDP's is. Virtual elements of several optimizers are
-        summed into one entry instead.
+        Virtual elements (this rank's pieces of params) are summed per param (``VirtualGrad.slot``) into a vector of the same
+        length on every rank, reduced with the sharded ones and a count of pieces per param, then rounded to the norm's dtype
+        per param as DDP's are. Virtual elements of several optimizers are summed into one entry instead.
         """
         sharded = [i for i, kind in enumerate(self.kinds) if kind == SHARDED]
         virtual = [i for i, kind in enumerate(self.kinds) if kind == VIRTUAL]
@@ -243,8 +242,7 @@ class PartialNorm(Tensor):
             return _stack(args[0])
         if name in ("to", "cpu", "cuda") and isinstance(args[0], PartialNorm) and (moved := _moved(args[0], func, args[1:], kwargs)) is not None:
             return moved
-        if name in NORMS and isinstance(args[0], PartialNorm) \
-                and (total := _aggregate(args[0], args[1:], kwargs)) is not None:
+        if name in NORMS and isinstance(args[0], PartialNorm) and (total := _aggregate(args[0], args[1:], kwargs)) is not None:
             return total
         with DisableTorchFunctionSubclass():
             return func(*_resolved(args), **{k: _resolved(v) for k, v in kwargs.items()})
@@ -284,12 +282,10 @@ def _stack(tensors: Sequence[Tensor]) -> PartialNorm:
         local = torch.cat([t.local if isinstance(t, PartialNorm) else zero for t in tensors])
         plain = torch.cat([t.plain if isinstance(t, PartialNorm) else t.detach().to(device, torch.float64).reshape(1) for t in tensors])
         dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
-    kinds = [t.kinds[0] if isinstance(t, PartialNorm) else PLAIN for t in tensors]
-    slots = [t.slots[0] if isinstance(t, PartialNorm) else -1 for t in tensors]
-    spaces = [t.spaces[0] if isinstance(t, PartialNorm) else None for t in tensors]
+    kinds, slots, spaces, exact, tags = zip(*[(t.kinds[0], t.slots[0], t.spaces[0], t.exact[0], t.tags[0]) if isinstance(t, PartialNorm)
+                                              else (PLAIN, -1, None, False, 0) for t in tensors])
     return PartialNorm.make(local, plain, kinds, first.ord, first.comm, dtype, first.device, shape=(len(tensors),), slots=slots, spaces=spaces,
-                            dtypes=[t.dtype for t in tensors], exact=[t.exact[0] if isinstance(t, PartialNorm) else False for t in tensors],
-                            tags=[t.tags[0] if isinstance(t, PartialNorm) else 0 for t in tensors])
+                            dtypes=[t.dtype for t in tensors], exact=exact, tags=tags)
 
 
 def _moved(norm: PartialNorm, func: Any, args: Any, kwargs: dict[str, Any]) -> PartialNorm | None:

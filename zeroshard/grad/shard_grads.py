@@ -26,9 +26,7 @@ class ShardGrads:
     ready: list[bool]  # per param: its gradients of the current backward pass were taken (all that are expected)
     ready_count: list[int]  # per bucket: how many of its params are ready
     used: list[bool]  # per param: it got a gradient on this rank since the last reset
-    # per param: an earlier backward of this step reduced the gradient it holds, so a hook in this backward sees this rank's
-    # gradient, where DDP shows the all-reduced sum
-    continued: list[bool]
+    continued: list[bool]  # per param: an earlier backward of this step reduced the gradient it holds (refuse_partial_write)
     comm: GradComm  # the shard group the grad shard's pieces are spread over (for the ShardedGrads' reads)
     whole: list[bool] = field(default_factory=list)  # per param: it lies whole in one rank's slice, whose norm of it is torch's of DDP's
     live: bool = False  # a reduction left gradients in the grad shard that no step() has consumed yet (reset)
@@ -39,13 +37,9 @@ class ShardGrads:
     flat_addresses: list[int] = field(default_factory=list)  # their data pointers: where each view must point
     reduced_versions: dict[int, int] = field(default_factory=dict)  # per param, that ShardedGrad's version when left (absent: none left since)
     hook_ids: dict[int, int] = field(default_factory=dict)  # per param, the handle id of zeroshard's post-accumulate-grad hook on it
-    # per bucket: a reduction was launched into its slice of the grad shard since the last reset (stage 2's next one adds to it)
-    landed: list[bool] = field(default_factory=list)
-    # per param: how many gradients were taken in the current backward pass (more than one: a param used in several reentrant
-    # checkpoints; see zeroshard/reduce/nested_backward.py)
-    arrivals: list[int] = field(default_factory=list)
-    # per param: the most gradients taken in one backward pass so far (at least 1): it is ready once that many arrived, or at the end
-    expected: list[int] = field(default_factory=list)
+    landed: list[bool] = field(default_factory=list)  # per bucket: reduced into its grad shard slice since the reset (stage 2 adds next)
+    arrivals: list[int] = field(default_factory=list)  # per param: gradients taken in this backward pass (reentrant checkpoints: several)
+    expected: list[int] = field(default_factory=list)  # per param: the most gradients taken in one pass so far: ready once that many arrived
     zeroed: list[bool] = field(default_factory=list)  # stage 1, per param: its view of flat holds zeros since the last reset and was not taken since
     bucket_of: list[int] = field(default_factory=list)  # per param, its bucket (the layout's, read per gradient)
     bucket_sizes: list[int] = field(default_factory=list)  # per bucket, how many params it has
@@ -86,10 +80,11 @@ class ShardGrads:
         return self.ready_count[bucket] == self.bucket_sizes[bucket]
 
     def reset(self) -> None:
-        """Between steps: zero the flat grad buffer and forget which params were used and which slices were reduced into."""
+        """Between steps: zero the flat grad buffer (noting its version) and forget which params were used and which slices were reduced into."""
         if self.flat is not None:
             self.flat.zero_()
             self.zeroed = [True] * len(self.zeroed)
+        self.note_flat_version()
         self.used = [False] * len(self.used)
         self.continued = [False] * len(self.continued)
         self.landed = [False] * len(self.landed)
@@ -107,9 +102,8 @@ class ShardGrads:
     def flat_view(self, i: int) -> Tensor:
         """Stage 1: param ``i``'s view of the flat grad buffer, shaped like the param (its running local gradient).
 
-        Made once, and again if its storage was replaced since (``.grad.data = t``: in a hook, or by ``model.to(...)``, whose
-        ``Module._apply`` moves a ``.grad`` that way): that object then holds the gradient elsewhere, and callers that find
-        it in ``.grad`` copy it into the new view (:meth:`keep_in_flat_grad`).
+        Made again if its storage was replaced (``.grad.data = t`` in a hook, or ``model.to(...)``'s ``Module._apply``): the old
+        object holds the gradient elsewhere, and callers finding it in ``.grad`` copy it into the new view (:meth:`keep_in_flat_grad`).
         """
         if self.flat is None:
             raise RuntimeError("internal error: stage 2 keeps no flat grad buffer")
@@ -140,17 +134,10 @@ class ShardGrads:
             param.grad = view
 
     def hand_flat_view(self, i: int, param: nn.Parameter) -> None:
-        """Stage 1, before autograd accumulates into param ``i``: with no ``.grad`` yet, make it the param's zeroed view of :attr:`flat`.
-
-        Autograd then adds the gradient straight into the flat grad buffer, where :meth:`keep_in_flat_grad` finds it: no copy,
-        and the same ``.grad`` object every step (DDP's ``gradient_as_bucket_view``).
-        """
+        """Stage 1, before autograd accumulates into param ``i``: with no ``.grad`` yet, make it the param's zeroed view of :attr:`flat`,
+        so autograd adds straight into the flat grad buffer: no copy, the same ``.grad`` every step (DDP's ``gradient_as_bucket_view``)."""
         if self.zeroed[i] and param.grad is None:
             param.grad = self.flat_view(i)
-
-    def is_flat_view(self, i: int, param: nn.Parameter) -> bool:
-        """Stage 1: whether param ``i``'s ``.grad`` is its view of :attr:`flat`."""
-        return param.grad is not None and param.grad.data_ptr() == self.flat_view(i).data_ptr()
 
     def leave_sharded_grads(self) -> None:
         """After a reduction: every param's ``.grad`` is its ``ShardedGrad`` (DDP's averaged gradient), also of a param with no
@@ -218,11 +205,8 @@ class ShardGrads:
             del self.reduced_versions[i]
 
     def before_accumulate(self, i: int, param: nn.Parameter, reduced: bool, follow: bool) -> None:
-        """Before autograd accumulates a new gradient into param ``i``: note whether it holds one ``reduced`` in this step, swap its ``ShardedGrad`` out.
-
-        Sets ``continued[i]`` (see :meth:`refuse_partial_write`); with ``follow``, follows what user code did to it (:meth:`settle`).
-        Then autograd stores the new gradient (stage 2: ``.grad`` is ``None``) or adds it to the running local sum (stage 1).
-        """
+        """Before autograd accumulates a new gradient into param ``i``: set ``continued[i]`` (it holds one ``reduced`` in this step),
+        with ``follow`` follow what user code did to it (:meth:`settle`), and swap its ``ShardedGrad`` out (:meth:`_swap_out`)."""
         if not reduced and (i not in self.reduced_versions or (param.grad is None and not self.used[i])):
             # The common cases: nothing reduced in this step, and no ShardedGrad left, or one a zero_grad() dropped after the
             # step's reset (nothing of it left to drop: what settle() would conclude).
@@ -240,10 +224,9 @@ class ShardGrads:
                 self._swap_out(i, param)
 
     def swap_out_sharded_grads(self) -> None:
-        """A DDP wrapper reduces this backward too: its C++ reducer reads and writes ``.grad`` past torch functions, also of
-        params unused on this rank, which a ShardedGrad's one-element placeholder cannot take (``copy_`` into it raises on
-        that rank alone). Swap each out as :meth:`before_accumulate` does, after following it (:meth:`settle`: one zeroed in
-        place is still a zero gradient, stepped): stage 1 its flat view, stage 2 ``None``."""
+        """A DDP wrapper reduces this backward too: its C++ reducer reads and writes ``.grad`` past torch functions, also of params
+        unused on this rank, which a ShardedGrad's one-element placeholder cannot take (``copy_`` into it raises on that rank
+        alone). Follow each (:meth:`settle`) and swap it out, as :meth:`before_accumulate` does."""
         for i, param in enumerate(self.shard.buffer.params):
             if i in self.reduced_versions:
                 self.settle(i, param)
@@ -279,9 +262,7 @@ class ShardGrads:
 
     @torch.no_grad()
     def follow_flat_writes(self, reduced: bool) -> None:
-        """Stage 1: follow in-place writes to the params' ``.grad`` since zeroshard last wrote :attr:`flat`.
-
-        Zeroed: every param with a ``.grad`` has a zero gradient, and what was already reduced is dropped.
+        """Stage 1: follow in-place writes to the params' ``.grad`` since zeroshard last wrote :attr:`flat` (zeroed: what was reduced is dropped).
 
         Raises:
             RuntimeError: gradients written in place, not to zero, after they were ``reduced`` (a clip of this rank's own gradient).

@@ -36,25 +36,18 @@ class GradHome(Protocol):
 
 
 # Torch functions that read only metadata, or that nn.Module.zero_grad and printing call.
-_METADATA = frozenset({
-    "__set__", "size", "dim", "numel", "nelement", "stride", "element_size", "is_floating_point", "is_complex",
-    "requires_grad_", "detach_", "_is_view", "_has_compatible_shallow_copy_type", "data_ptr", "storage_offset", "__len__",
-    "get_device", "is_sparse", "is_pinned",
-})
+_METADATA = frozenset({"__set__", "size", "dim", "numel", "nelement", "stride", "element_size", "is_floating_point", "is_complex", "requires_grad_", "detach_",
+                       "_is_view", "_has_compatible_shallow_copy_type", "data_ptr", "storage_offset", "__len__", "get_device", "is_sparse", "is_pinned"})
 _METADATA_OR_GET = _METADATA | {"__get__"}  # VirtualGrad: property reads, too, need no gradient piece
 # Properties that return a tensor: these would read the expanded placeholder's values.
 _VALUE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 _CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type", "type_as"})
 # Elementwise in-place functions done on this rank's pieces (other tensor arguments: scalars or the param's shape).
-_INPLACE = frozenset({
-    "mul_", "div_", "clamp_", "clamp_min_", "clamp_max_", "clip_", "zero_", "nan_to_num_", "fill_", "add_", "sub_", "copy_",
-    "neg_", "abs_", "sign_", "sqrt_", "pow_", "addcmul_", "addcdiv_", "lerp_", "__imul__", "__itruediv__", "__iadd__", "__isub__",
-})
-_FOREACH_INPLACE = frozenset({
-    "_foreach_mul_", "_foreach_div_", "_foreach_clamp_min_", "_foreach_clamp_max_", "_foreach_zero_", "_foreach_add_",
-    "_foreach_sub_", "_foreach_neg_", "_foreach_abs_", "_foreach_sqrt_", "_foreach_pow_", "_foreach_lerp_", "_foreach_copy_",
-    "_foreach_maximum_", "_foreach_minimum_", "_foreach_addcmul_", "_foreach_addcdiv_", "_foreach_sign_",
-})
+_INPLACE = frozenset({"mul_", "div_", "clamp_", "clamp_min_", "clamp_max_", "clip_", "zero_", "nan_to_num_", "fill_", "add_", "sub_", "copy_", "neg_", "abs_",
+                      "sign_", "sqrt_", "pow_", "addcmul_", "addcdiv_", "lerp_", "__imul__", "__itruediv__", "__iadd__", "__isub__"})
+_FOREACH_INPLACE = frozenset({"_foreach_mul_", "_foreach_div_", "_foreach_clamp_min_", "_foreach_clamp_max_", "_foreach_zero_", "_foreach_add_",
+                              "_foreach_sub_", "_foreach_neg_", "_foreach_abs_", "_foreach_sqrt_", "_foreach_pow_", "_foreach_lerp_", "_foreach_copy_",
+                              "_foreach_maximum_", "_foreach_minimum_", "_foreach_addcmul_", "_foreach_addcdiv_", "_foreach_sign_"})
 
 
 def _disabled(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -286,20 +279,14 @@ def _virtual_norm(grad: VirtualGrad, ord: float, dtype: torch.dtype | None) -> P
 def _foreach_norm(tensors: Sequence[Tensor], ord: Any = 2, dtype: torch.dtype | None = None) -> list[Tensor]:
     """``torch._foreach_norm`` over a mix of sharded, virtual and plain gradients: pending norms for the first two."""
     order = norm_order(ord)
-    out: list[Tensor] = []
-    for t in tensors:
-        if isinstance(t, ShardedGrad):
-            out.append(t._norm(order, dtype, foreach=True))
-        elif isinstance(t, VirtualGrad):
-            out.append(_virtual_norm(t, order, dtype))
-        else:
-            out.append(_disabled(torch.linalg.vector_norm, t, ord, dtype=dtype))
-    return out
+    return [t._norm(order, dtype, foreach=True) if isinstance(t, ShardedGrad) else _virtual_norm(t, order, dtype) if isinstance(t, VirtualGrad)
+            else _disabled(torch.linalg.vector_norm, t, ord, dtype=dtype) for t in tensors]
 
 
 def _foreach_edit(func: Any, tensors: Sequence[Tensor], args: Any, kwargs: dict[str, Any]) -> None:
     """A ``torch._foreach_*_`` edit: each ``ShardedGrad`` replaced by its pieces, per-tensor arguments repeated or sliced alike."""
     targets: list[Tensor] = []
+    name = getattr(func, "__name__", "_foreach edit")
     args = _gathered(args)  # another gradient as an argument: gathered once, on every rank
     lists = [a for a in args if isinstance(a, (list, tuple))]
     per_tensor: list[list[Any]] = [[] for _ in lists]
@@ -308,12 +295,12 @@ def _foreach_edit(func: Any, tensors: Sequence[Tensor], args: Any, kwargs: dict[
         probes = [torch.zeros(tuple(tensors[j].shape), dtype=tensors[j].dtype, device=tensors[j].device) for j in zeroed]
         _disabled(func, probes, *[[a[j] for j in zeroed] if isinstance(a, (list, tuple)) else a for a in args], **kwargs)
         for j, probe in zip(zeroed, probes):
-            _check_still_zero(cast(ShardedGrad, tensors[j]), probe, getattr(func, "__name__", "_foreach edit"))
+            _check_still_zero(cast(ShardedGrad, tensors[j]), probe, name)
     for j, t in enumerate(tensors):
         if j in zeroed:
             continue
         if isinstance(t, ShardedGrad):
-            t._check_live(getattr(func, "__name__", "_foreach edit"))
+            t._check_live(name)
             t.home.edited = True
             for offset, piece in t.local_pieces():
                 targets.append(piece)

@@ -1,22 +1,154 @@
-"""One bucket's gradient reduction: launched, in flight, completed into this rank's slice of the grad shard.
+"""A reducer's gradient buckets: their launch order, and each one's reduction: staged (stage 2), launched, completed into
+this rank's slice of the grad shard.
 
-See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` and "One step" in ``docs/design.md``. Where the slice
-holds nothing to keep (stage 1; stage 2's first reduction since the last reset) and has the reduce dtype, the
-reduce-scatter writes into it: no temporary, nothing copied or added at completion, the sum divided in place. Otherwise
-(another reduce dtype, stage 2's later reductions, a shard group of one) a temporary is converted and copied (stage 1)
-or added (stage 2) into the slice at completion.
+See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py``, and "One step" and "Collective order" in ``docs/design.md``.
+
+Launch order: as DDP's ``Reducer::rebuild_buckets``, the ranks adopt data-parallel rank 0's record of the order buckets became
+complete in during the first reduced backward; buckets it never completed follow, buckets added later are appended.
+
+Staging (stage 2): a bucket's gradients are held as autograd made them until the bucket launches (as FSDP2 holds a
+module's), then written into a 1-D staging buffer in the reduce dtype, taken from a pool without zeroing: one ``torch.cat``
+per run of adjacent slots (a copy per param cost two operators per param and backward), zeroing only what no gradient
+wrote. Holding costs at most one bucket of memory; :meth:`StagingBuckets.clear` drops every buffer between steps.
+
+Reduction: where the slice holds nothing to keep (stage 1; stage 2's first reduction since the last reset) and has the
+reduce dtype, the reduce-scatter writes into it: no temporary, nothing copied or added at completion, the sum divided in
+place. Otherwise (another reduce dtype, stage 2's later reductions, a shard group of one) a temporary is converted and
+copied (stage 1) or added (stage 2) into the slice at completion.
 """
 
 from __future__ import annotations
 
+import datetime
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
+from zeroshard.layout.partition import FlatLayout
+
+logger = logging.getLogger("zeroshard")
+
+Key = tuple[int, int]  # (shard, bucket)
+
+
+class BucketOrder:
+    """The launch order of a reducer's buckets, and the record of the first backward that rebuilds it."""
+
+    def __init__(self) -> None:
+        self.order: list[Key] = []  # in launch order
+        self.position: dict[Key, int] = {}  # where each bucket is in ``order`` (0: launched first)
+        self.recording: list[Key] | None = []  # completed so far in the first reduced backward, in order; None once rebuilt
+
+    def append(self, shard: int, buckets: int) -> None:
+        """Launch the ``buckets`` buckets of shard ``shard`` after every bucket known so far, in layout order."""
+        for b in range(buckets):
+            self.position[(shard, b)] = len(self.order)
+            self.order.append((shard, b))
+
+    def completed(self, key: Key) -> None:
+        """Note that every gradient of bucket ``key`` arrived (in the first reduced backward only); noted again when one more
+        arrives after that (reentrant checkpoints, ``nested_backward.py``), the last note counts: later passes wait for it too."""
+        if self.recording is not None:
+            self.recording.append(key)
+
+    def rebuild(self, groups: ShardingGroups, timeout: datetime.timedelta | None) -> None:
+        """Adopt data-parallel rank 0's recorded order (two broadcasts; a collective on every rank); once.
+
+        Raises:
+            RuntimeError: with ``timeout``, a broadcast some rank did not join in time.
+        """
+        if self.recording is None:
+            return
+        fixed = list(self.order)
+        seen = set(self.recording)
+        last_noted = list(dict.fromkeys(reversed(self.recording)))[::-1]
+        recorded = last_noted + [key for key in fixed if key not in seen]
+        agreed = torch.tensor([self.position[key] for key in recorded], dtype=torch.int64)  # indices into ``fixed``
+        for group in groups.all():
+            if dist.get_world_size(group) > 1:
+                moved = agreed.to(collectives.collective_device(group))
+                work = dist.broadcast(moved, src=dist.get_global_rank(group, 0), group=group, async_op=True)
+                collectives.wait(work, timeout, "the end of the first backward: the broadcast of the bucket launch order",
+                                 "run the same backward passes (outside no_sync()) and step() calls")
+                agreed = moved.cpu()
+        self.recording = None
+        self.order = [fixed[i] for i in agreed.tolist()]
+        self.position = {key: i for i, key in enumerate(self.order)}
+        if self.order != fixed and dist.get_rank() == 0:
+            logger.info("zeroshard: %d of %d gradient buckets now launch in the order their gradients became ready in the first backward",
+                        sum(a != b for a, b in zip(self.order, fixed)), len(fixed))
+
+
+class StagingBuckets:
+    """The staging buffers of one gradient reducer's buckets, keyed by (shard, bucket)."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[int, int], dict[int, Tensor]] = {}  # per open bucket: param index -> its gradient
+        self._dtypes: dict[tuple[int, int], torch.dtype] = {}  # per open bucket: the reduce dtype
+        self._pool: dict[tuple[int, torch.dtype], list[Tensor]] = {}  # (numel, dtype) -> free buffers, until clear()
+
+    def add(self, key: tuple[int, int], index: int, grad: Tensor, dtype: torch.dtype) -> None:
+        """Hold param ``index``'s gradient (any shape, its slot's numel elements) for bucket ``key`` (shard, bucket), to be cast to ``dtype``."""
+        if grad.requires_grad:  # backward(create_graph=True): the reduction carries values only, as DDP's does
+            grad = grad.detach()
+        if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():  # a slice of a larger gradient (cat's backward)
+            grad = grad.clone()  # held, it would keep all of that alive until the launch
+        held = self._open.get(key)
+        if held is None:
+            held = self._open[key] = {}
+            self._dtypes[key] = dtype
+        if index in held:  # a second gradient before the launch: summed as the staging buffer would have summed it
+            held[index] = held[index].to(dtype, copy=True).add_(grad)
+        else:
+            held[index] = grad
+
+    def pop(self, key: tuple[int, int], layout: FlatLayout) -> Tensor | None:
+        """The staging buffer of bucket ``key``: every held gradient in its slot, every other element zero; ``None`` if none arrived."""
+        held = self._open.pop(key, None)
+        if held is None:
+            return None
+        dtype = self._dtypes.pop(key)
+        bucket = layout.buckets[key[1]]
+        free = self._pool.get((bucket.padded_numel, dtype))
+        data = free.pop() if free else torch.empty(bucket.padded_numel, dtype=dtype, device=next(iter(held.values())).device)
+        runs: list[tuple[int, list[Tensor]]] = []  # (first element, the gradients written back to back from it)
+        end = 0  # the first element not yet accounted for
+        for index in bucket.params:  # in flat order
+            grad = held.get(index)
+            if grad is None:
+                continue
+            start = layout.slots[index].offset - bucket.offset
+            if start > end:
+                data[end:start].zero_()  # padding, or the slots of params without a gradient, before this one
+            if start > end or not runs:
+                runs.append((start, []))
+            runs[-1][1].append(grad.reshape(-1))
+            end = start + layout.slots[index].numel
+        if end < data.numel():
+            data[end:].zero_()
+        for start, grads in runs:
+            torch.cat(grads, out=data[start : start + sum(g.numel() for g in grads)])
+        return data
+
+    def recycle(self, data: Tensor) -> None:
+        """Return a staging buffer whose reduce-scatter has completed to the pool."""
+        self._pool.setdefault((data.numel(), data.dtype), []).append(data)
+
+    def clear(self) -> None:
+        """Forget every held gradient and pooled buffer (between steps, or after a backward that raised)."""
+        self._open.clear()
+        self._dtypes.clear()
+        self._pool.clear()
+
+    def buffers(self) -> list[Tensor]:
+        """Every tensor held now: the gradients of open buckets and the pooled buffers (not those in flight: the caller holds them)."""
+        return [g for held in self._open.values() for g in held.values()] + [t for free in self._pool.values() for t in free]
 
 
 def divides_first(reduce_dtype: torch.dtype) -> bool:
@@ -29,11 +161,8 @@ def divides_first(reduce_dtype: torch.dtype) -> bool:
 
 
 def stage1_input(flat: Tensor, dtype: torch.dtype, world_size: int) -> tuple[Tensor, bool]:
-    """Stage 1's input for one bucket's reduce-scatter, and whether the collective may not write into it (``input_frozen``).
-
-    ``flat`` is the bucket's view of the flat grad buffer, which keeps this rank's running sum: the input is ``flat``
-    itself, or a cast to ``dtype`` (1-D, ``dtype``), or a copy where the collective or the fp16 pre-division would write into it.
-    """
+    """Stage 1's input (1-D, ``dtype``) for one bucket's reduce-scatter, and whether the collective may not write into it (``input_frozen``):
+    ``flat``, the bucket's view of the flat grad buffer (the running sum), itself, or a cast, or a copy where it would be written."""
     if flat.dtype != dtype:
         return flat.to(dtype), True
     frozen = divides_first(dtype) or world_size == 1
@@ -81,9 +210,8 @@ def launch(grads: Tensor, target: Tensor, groups: ShardingGroups, shard: int, bu
 def complete(pending: PendingReduce, groups: ShardingGroups, wait: Callable[[collectives.AsyncWork | None, str], None], *, overwrite: bool) -> None:
     """Wait for one reduction and leave ``sum over data-parallel ranks / their number`` in its slice of the grad shard.
 
-    ``wait`` waits for a work handle (``None``: nothing to wait for), naming it in a timeout error; it raises
-    ``RuntimeError`` for a collective that some rank did not join in time. ``overwrite``: the sum replaces what the slice
-    holds (stage 1) or is added to it (stage 2); a reduction written into the slice itself replaced it already.
+    ``wait`` waits for a work handle (``None``: nothing to wait for), naming it in its ``RuntimeError`` for a collective some
+    rank did not join in time. ``overwrite``: the sum replaces what the slice holds (stage 1) or is added to it (stage 2).
     """
     wait(pending.work, pending.what)  # the summed slice must have arrived before it is read
     if groups.replicate is not None:
@@ -92,9 +220,5 @@ def complete(pending: PendingReduce, groups: ShardingGroups, wait: Callable[[col
     reduced = pending.output.to(pending.target.dtype)
     if not divides_first(pending.output.dtype) and groups.data_parallel_size > 1:
         reduced.div_(groups.data_parallel_size)
-    if reduced is pending.target:
-        return
-    if overwrite:
-        pending.target.copy_(reduced)
-    else:
-        pending.target.add_(reduced)
+    if reduced is not pending.target:  # else the reduce-scatter wrote the slice itself
+        (pending.target.copy_ if overwrite else pending.target.add_)(reduced)

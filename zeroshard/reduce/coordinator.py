@@ -1,23 +1,14 @@
 """One coordinator per process group: the order of its reducers' gradient collectives, which reducer owns each param, one overflow decision.
 
-See "Collective order" in ``docs/design.md`` and "Limits" in ``docs/shape_aware.md`` (two optimizers on one process
-group: why they take turns, what that costs, their one overflow decision). Reducers take turns in the order they were
-built (the same on every rank, construction being a collective): in a backward pass a reducer launches nothing until
-every earlier one has launched all its buckets, and before its first launch it completes theirs (so hybrid sharding's
-all-reduces across replicas keep one order too). Without turns, ranks where a param is unused would issue other
-collectives: gloo aborts on a size mismatch, and equal sizes would mix gradients in silence.
+See "Collective order" in ``docs/design.md`` and "Limits" in ``docs/shape_aware.md`` (why two optimizers on one process
+group take turns, what that costs, their one overflow decision). Reducers take turns in the order they were built (the
+same on every rank): a reducer launches nothing until every earlier one has launched all its buckets, and completes theirs
+before its first launch (one order for hybrid sharding's all-reduces too).
 
-Ownership. A param carries the hooks of one reducer at most: two optimizers hooked on one param would both take its
-gradient (stage 2: the newer one would never see one; stage 1: every backward reduced twice). The newer one takes them
-over (:func:`take_over`), and the older one raises if it is stepped again.
-
-Two registries stay process-wide, as torch keeps what they mirror: the param all-gather's guard
-(``zeroshard/gather/param_gather.py``) is one torch-function mode on the thread's mode stack, whichever group gathers,
-and the watch for new ``DistributedDataParallel`` wrappers (``ddp.py``) is one module registration hook.
-
-A coordinator drives its reducers only through :class:`Reducer`, and holds them weakly (a scaled optimizer's reducer
-only while that optimizer lives), so a dropped optimizer is freed at once. Optimizers, reducers and
-``zeroshard.clip_grad_norm_`` all find it by their process group (:func:`coordinator_of`).
+A param carries the hooks of one reducer at most (two would both take its gradient): a newer one takes them over
+(:func:`take_over`), and the older one raises if stepped again. The param gather's guard (``gather/param_gather.py``) and
+the watch for new DDP wrappers (``ddp.py``) stay process-wide, as torch keeps what they mirror. A coordinator holds its
+reducers weakly, through :class:`Reducer`, so a dropped optimizer is freed at once.
 """
 
 from __future__ import annotations
@@ -66,11 +57,7 @@ class Reducer(Protocol):
 
 
 class ReduceCoordinator:
-    """The reducers of one process group, in the order they were built, and the params they own.
-
-    Get it with :func:`coordinator_of`; a reducer joins with :meth:`register` at construction (a collective point, the
-    same on every rank).
-    """
+    """The reducers of one process group, in the order they were built (:meth:`register`), and the params they own (:func:`coordinator_of`)."""
 
     def __init__(self) -> None:
         self._reducers: list[weakref.ref] = []  # in the order they were built
@@ -82,12 +69,10 @@ class ReduceCoordinator:
         self._joint: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> ids of the optimizers of its last joint clip
 
     def register(self, reducer: Reducer) -> None:
-        """Add ``reducer`` after those built before.
+        """Add ``reducer`` after those built before (construction runs at the same point on every rank: the same reducers everywhere).
 
-        Garbage is collected first, if another open reducer is registered: a reducer dropped in a reference cycle (an
-        optimizer kept by an exception's traceback) would otherwise hold the later ones back until the collector runs,
-        at different times on different ranks. Construction runs at the same point of the program on every rank, so
-        every rank sees the same reducers from then on (an optimizer dropped without a cycle is freed at once).
+        Garbage is collected first if another open reducer is registered: one dropped in a reference cycle (an optimizer kept
+        by an exception's traceback) would hold the later ones back until the collector runs, at different times per rank.
         """
         if any((r := ref()) is not None and not r.closed for ref in self._reducers):
             gc.collect()  # only when another open reducer is registered: a full collection takes 50-150 ms
@@ -113,22 +98,21 @@ class ReduceCoordinator:
     def _live(self) -> list[Reducer]:
         return [r for ref in self._reducers if (r := ref()) is not None and not r.closed]
 
-    def _earlier(self, reducer: Reducer) -> list[Reducer]:
+    def _others(self, reducer: Reducer, later: bool = False) -> list[Reducer]:
+        """The live reducers built before ``reducer`` (``later``: after it); none if it is not live."""
         live = self._live()
-        return live[: live.index(reducer)] if reducer in live else []
-
-    def _later(self, reducer: Reducer) -> list[Reducer]:
-        live = self._live()
-        return live[live.index(reducer) + 1 :] if reducer in live else []
+        if reducer not in live:
+            return []
+        return live[live.index(reducer) + 1 :] if later else live[: live.index(reducer)]
 
     def turn_has_come(self, reducer: Reducer) -> bool:
         """Whether every earlier reducer has launched all it launches in this backward pass."""
-        return self.alone or all(r.launched_all for r in self._earlier(reducer))
+        return self.alone or all(r.launched_all for r in self._others(reducer))
 
     def drain_earlier(self, reducer: Reducer) -> None:
         """Complete the earlier reducers' reductions in flight, before ``reducer`` launches (one order across replicas too)."""
         if not self.alone:
-            for r in self._earlier(reducer):
+            for r in self._others(reducer):
                 r.drain()
 
     def take_deferred(self, reducer: Reducer) -> None:
@@ -142,27 +126,20 @@ class ReduceCoordinator:
     def let_later_launch(self, reducer: Reducer) -> None:
         """``reducer`` launched everything: the later reducers taking part in this pass launch their complete buckets."""
         if not self.alone:
-            for r in self._later(reducer):
+            for r in self._others(reducer, later=True):
                 if r.end_of_backward is EndOfBackward.QUEUED:
                     r.launch_complete_buckets()
 
     def flush(self, reducer: Reducer) -> None:
         """At ``reducer``'s end of backward, the first of the pass: every reducer reduces, in the order they were built.
 
-        Those that took part in the pass reduce what they got; their own end-of-backward callbacks, still queued, then
-        return at once. Those that got no gradient on this rank reduce zeros for all their params, as they do on a rank
-        where they took part: which optimizers a backward reaches may differ between ranks (an optimizer's params used
-        on some ranks only), and every rank must still issue every collective in one order (otherwise equal-sized
-        buckets of two optimizers would be summed together, in silence). Reducers under ``no_sync`` reduce nothing, and
-        queue this callback all the same when the group has others, for the others' sake.
+        Those that took part reduce what they got (their own callbacks, still queued, then return at once); those that
+        got no gradient on this rank reduce zeros, as the backward may reach other optimizers on other ranks and every
+        rank must issue every collective in one order; those under ``no_sync`` reduce nothing.
 
-        The launch orders of the first reduced backward are agreed on (a broadcast each) only after every reducer's
-        reductions: a later reducer may have launched buckets during the pass on one rank and launch them only here on
-        another (an earlier reducer's param unused there held its turn back), so a broadcast between the two would meet a
-        reduce-scatter.
-
-        If a reduction raises, autograd drops the callbacks queued after this one: every reducer is then left with none
-        queued, so the next backward queues and reduces as usual.
+        The launch orders are agreed on (a broadcast each) only after every reducer's reductions: a later reducer may
+        launch buckets during the pass on one rank and only here on another, so a broadcast between would meet a
+        reduce-scatter. If a reduction raises, autograd drops the callbacks queued after this one: none is left queued.
         """
         try:
             reduced = []
@@ -201,14 +178,11 @@ class ReduceCoordinator:
 
     def check_one_overflow_decision(self, opt: object) -> None:
         """At the start of ``opt.step()``: raise ``RuntimeError``, naming the way out, if another open ``ShardedOptimizer``
-        with a dynamic loss scale shares this process group and this step's gradients were not checked together.
+        with a dynamic loss scale shares this process group, has gradients of this step waiting for its own ``step()``,
+        and was not checked together with it (:func:`zeroshard.clip_grad_norm_`).
 
-        Others count when gradients of this step wait for their own ``step()`` (the user calls the wrappers' steps in
-        one order on every rank, and each wrapper's params get gradients on every rank). Each wrapper's scaler decides
-        alone whether its gradients overflowed. Two wrappers over one model (one loss, scaled once) that decide
-        differently would step one and skip the other, and their scales would drift apart, so that one divides its
-        gradients by a scale they were not multiplied by: wrong numbers, no error. :func:`zeroshard.clip_grad_norm_`
-        over all of them makes one decision for all. Raised on every rank alike, before any collective.
+        Each wrapper's scaler decides alone whether its gradients overflowed: two wrappers over one loss that decide
+        differently would drift apart in scale, silently wrong. Raised on every rank alike, before any collective.
         """
         joint = self._joint.pop(opt, frozenset())
         if opt not in self._scaled:
@@ -222,8 +196,7 @@ class ReduceCoordinator:
                 f"{len(others) + 1} open ShardedOptimizers with a dynamic loss scale share one process group (one model, two optimizers?): "
                 "each would decide alone whether the gradients overflowed, and their loss scales would drift apart. Before their "
                 "step()s, call zeroshard.clip_grad_norm_(optimizers, max_norm) over all of them every step (max_norm=math.inf to "
-                "check for overflow without clipping)"
-            )
+                "check for overflow without clipping)")
 
     def scales(self, scaler: object) -> bool:
         """Whether an open optimizer of this group updates ``scaler`` at its steps."""

@@ -1,16 +1,13 @@
 """A ``DistributedDataParallel`` wrapped around params that zeroshard reduces: checked, its reducer released and given back.
 
-See ``docs/design.md``, "What user code does to the params and gradients", the item "The model is also wrapped in
-DistributedDataParallel". Switched off (``require_backward_grad_sync = False``), DDP's C++ reducer still holds what its constructor (``_ddp_init_helper``)
-built: an autograd hook per param and bucket buffers as large as the params (``4Ψ`` bytes in fp32), device memory from
-the moment DDP is built on a GPU, and on the CPU once DDP reduced one backward (with ``find_unused_parameters=True``, HF
-Trainer's default, DDP never rebuilds its buckets and they stay). That erases most of stage 2's saving (``4Ψ + 12Ψ/N``
-bytes per rank in fp32 against DDP's ``16Ψ``), so while zeroshard owns the params the reducer is released; on close DDP
-gets a new one, built as its ``__setstate__`` builds one (``_build_params_for_reducer`` + ``_ddp_init_helper``).
-Source: ``torch/nn/parallel/distributed.py`` of torch 2.4 to 2.13.
-
-DDP options zeroshard cannot follow raise :class:`RuntimeError` naming the option when the wrapper is found
-(:func:`check_supported`), never a silent second reduction.
+See ``docs/design.md``, "What user code does to the params and gradients" ("The model is also wrapped in
+DistributedDataParallel"). Switched off (``require_backward_grad_sync = False``), DDP's C++ reducer still holds what its
+constructor (``_ddp_init_helper``) built: an autograd hook per param and bucket buffers as large as the params (``4Ψ``
+bytes in fp32; on a GPU from construction, on the CPU once DDP reduced a backward, and kept for good with
+``find_unused_parameters=True``, HF Trainer's default). That erases most of stage 2's saving (``4Ψ + 12Ψ/N`` bytes per rank
+against DDP's ``16Ψ``), so while zeroshard owns the params the reducer is released; on close DDP gets a new one, built as its
+``__setstate__`` builds one. Source: ``torch/nn/parallel/distributed.py`` of torch 2.4 to 2.13. DDP options zeroshard
+cannot follow raise :class:`RuntimeError` naming the option when the wrapper is found (:func:`check_supported`).
 """
 
 from __future__ import annotations
@@ -49,18 +46,16 @@ class _Refusing:
         raise RuntimeError(
             f"DistributedDataParallel.{self._name}.{name}: DDP's reducer is released while a zeroshard ShardedOptimizer reduces the "
             "gradients of the wrapped params (a second reduction by DDP would send every gradient twice). Call opt.close() "
-            f"first to give DDP its reducer back, {_WAY_OUT}"
-        )
+            f"first to give DDP its reducer back, {_WAY_OUT}")
 
 
 class ReleasedReducer(_Refusing):
     """Stands in for ``ddp.reducer`` while zeroshard reduces the gradients of the wrapped params.
 
-    DDP's forward calls ``_rebuild_buckets()`` (nothing to rebuild: ``False``); Lightning's manual optimization and
-    accelerate's ``trigger_sync_in_backward`` call ``prepare_for_backward`` to have the coming backward reduced even
-    after a ``no_sync()`` forward, which is passed on to zeroshard. ``comm_hooks`` (``(hook, state)`` as in DDP's
-    ``_comm_hooks``) and ``builtin_hook`` (a ``dist.BuiltinCommHookType`` or ``None``) are the released reducer's
-    communication hooks, registered again on the reducer given back.
+    DDP's forward calls ``_rebuild_buckets()`` (``False``: nothing to rebuild); Lightning's manual optimization and
+    accelerate's ``trigger_sync_in_backward`` call ``prepare_for_backward`` (reduce the coming backward even after a
+    ``no_sync()`` forward), passed on to zeroshard. ``comm_hooks`` (DDP's ``_comm_hooks``) and ``builtin_hook`` are the
+    released reducer's communication hooks, registered again on the reducer given back.
     """
 
     _name = "reducer"
@@ -68,8 +63,7 @@ class ReleasedReducer(_Refusing):
     def __init__(self, comm_hooks: list[tuple[Callable, Any]], builtin_hook: Any) -> None:
         self.comm_hooks = comm_hooks
         self.builtin_hook = builtin_hook
-        # Per DDPWrappers (by id) holding the release, one per optimizer whose params the wrapper covers: its
-        # sync_next_backward callback. DDP gets a reducer back when the last one lets go.
+        # Per DDPWrappers holding the release (by id; one per optimizer): its sync_next_backward. The last one gives DDP a reducer back.
         self.holders: dict[int, Callable[[], None]] = {}
 
     def _rebuild_buckets(self) -> bool:
@@ -84,12 +78,8 @@ class ReleasedReducer(_Refusing):
 
 
 class ReleasedLogger(_Refusing):
-    """Stands in for ``ddp.logger`` (which holds the reducer) while the reducer is released.
-
-    ``_get_ddp_logging_data()`` answers with what DDP's logger held at release (Lightning reads it at teardown);
-    ``set_error_and_log`` does nothing (DDP raises its error right after it); ``set_runtime_stats_and_log`` raises naming
-    a forward that skipped the hooks.
-    """
+    """Stands in for ``ddp.logger`` (which holds the reducer) while the reducer is released: ``_get_ddp_logging_data()`` answers
+    with what DDP's logger held (Lightning reads it at teardown); ``set_error_and_log`` does nothing (DDP raises right after)."""
 
     _name = "logger"
 
@@ -164,12 +154,10 @@ def check_supported(ddp: nn.Module) -> None:
 
 
 def release_reducer(wrapped: WrappedDDP, holder: int, sync_next_backward: Callable[[], None]) -> None:
-    """Free the wrapper's reducer (its bucket buffers, as many bytes as the params, and its autograd hooks); ``holder`` holds the release.
+    """Free the wrapper's reducer (its bucket buffers and autograd hooks) for ``holder``, or add ``holder`` to those of a released one.
 
-    Call only between backward passes: a reducer mid-backward has queued a callback on itself. ``ddp.reducer`` and
-    ``ddp.logger`` become :class:`ReleasedReducer` / :class:`ReleasedLogger`; with ``static_graph=True`` DDP's
+    Only between backward passes: a reducer mid-backward has queued a callback on itself. With ``static_graph=True`` DDP's
     first-iteration delayed all-reduce is marked done, so its forward does not queue one on the released reducer.
-    Released already (by another optimizer over other params of the wrapper), ``holder`` joins the holders.
     """
     ddp = wrapped.ddp()
     if ddp is None or wrapped.released:
@@ -187,12 +175,8 @@ def release_reducer(wrapped: WrappedDDP, holder: int, sync_next_backward: Callab
 
 
 def give_back_reducer(wrapped: WrappedDDP, holder: int) -> None:
-    """``holder`` lets go of the wrapper's reducer; the last one builds DDP a new reducer, as ``DistributedDataParallel.__setstate__`` does.
-
-    The new one gets the static graph and communication hook of the released one. No collective runs. It starts as a
-    fresh DDP's reducer does (buckets in registration order, rebuilt after its first iteration; a static graph recorded
-    in its first iteration).
-    """
+    """``holder`` lets go of the wrapper's reducer; the last one builds DDP a new reducer, as ``DistributedDataParallel.__setstate__``
+    does, with the released one's static graph and communication hooks (no collective; buckets rebuilt after its first iteration)."""
     ddp = wrapped.ddp()
     if ddp is None or not wrapped.released:
         return
@@ -222,12 +206,9 @@ def give_back_reducer(wrapped: WrappedDDP, holder: int) -> None:
 
 
 def find_wrappers(params: Iterable[nn.Parameter]) -> list[nn.Module]:
-    """Every ``DistributedDataParallel`` alive now whose module has one of ``params``.
-
-    One pass in C over the objects the garbage collector tracks (``gc.get_referrers``: an instance of a Python class refers
-    to its class), about 5x faster than a Python loop over ``gc.get_objects()``; it finds wrappers built before zeroshard
-    was imported and those that ``copy.deepcopy`` or unpickling made, which no module registration hook sees.
-    """
+    """Every ``DistributedDataParallel`` alive now whose module has one of ``params``, also those built before zeroshard was
+    imported or by ``copy.deepcopy``/unpickling, which no registration hook sees: ``gc.get_referrers`` of the DDP classes is
+    one pass in C over the tracked objects, about 5x faster than a Python loop over ``gc.get_objects()``."""
     ours = {id(p) for p in params}
     ddp_types = _subclasses(DistributedDataParallel)
     # type(), not isinstance(): that raises ReferenceError on a dead weakref.proxy (torch.compile leaves some).
@@ -238,20 +219,12 @@ def find_wrappers(params: Iterable[nn.Parameter]) -> list[nn.Module]:
 
 def _subclasses(cls: type) -> set[type]:
     """``cls`` and its subclasses defined so far, at any depth."""
-    found = {cls}
-    sub: type
-    for sub in cls.__subclasses__():
-        found |= _subclasses(sub)
-    return found
+    return {cls}.union(*map(_subclasses, cls.__subclasses__()))
 
 
 def _restore_sync(ddp: Any, args: object, output: object) -> None:  # Any: DDP, with zeroshard's attributes set on it
-    """A forward hook on a DDP wrapper: its switches as DDP alone would have left them after this forward.
-
-    ``require_backward_grad_sync`` gets back the value the forward started with (``ddp.no_sync()`` restores its own on
-    exit); ``require_forward_param_sync`` (whether the next forward broadcasts rank 0's module buffers) is set as DDP's
-    ``_post_forward`` sets it with that value.
-    """
+    """A forward hook on a DDP wrapper: ``require_backward_grad_sync`` gets back the value the forward started with, and
+    ``require_forward_param_sync`` (the next forward broadcasts rank 0's buffers) is set as DDP's ``_post_forward`` sets it."""
     ddp.require_backward_grad_sync = ddp._zeroshard_sync
     ddp.require_forward_param_sync = torch.is_grad_enabled() and ddp._zeroshard_sync
     ddp._zeroshard_in_forward = False
@@ -260,12 +233,11 @@ def _restore_sync(ddp: Any, args: object, output: object) -> None:  # Any: DDP, 
 class DDPWrappers:
     """The ``DistributedDataParallel`` wrappers around one ``GradReducer``'s params, switched off while it reduces.
 
-    A forward pre-hook turns DDP's ``no_sync`` switch off before every forward of a wrapper and a forward hook gives it
-    back its value (:func:`_restore_sync`); the reducer is released between backward passes (:func:`release_reducer`)
-    and given back by :meth:`close`. ``on_forward`` is called before each forward with whether it runs under
-    ``ddp.no_sync()`` (the backward that follows then accumulates without communication), ``sync_next_backward`` when a
-    framework asks a released reducer to reduce the coming backward. Both must hold the ``GradReducer`` weakly: the
-    wrappers' hooks hold this object.
+    A forward pre-hook turns DDP's gradient sync off before every forward of a wrapper and a forward hook restores it
+    (:func:`_restore_sync`); the reducer is released between backward passes and given back by :meth:`close`.
+    ``on_forward(no_sync)`` is called before each forward (under ``ddp.no_sync()``, the next backward accumulates locally),
+    ``sync_next_backward`` when a framework asks a released reducer to reduce the coming backward; both must hold the
+    ``GradReducer`` weakly (the wrappers' hooks hold this object).
     """
 
     def __init__(self, on_forward: Callable[[bool], None], sync_next_backward: Callable[[], None]) -> None:
@@ -278,16 +250,13 @@ class DDPWrappers:
     def adopt(self, candidates: Iterable[nn.Module]) -> list[bool]:
         """Switch off the gradient reduction of each wrapper in ``candidates`` not adopted yet (logged once).
 
-        Both reducing would send every gradient twice, and DDP's C++ reducer writes its averaged gradients into
-        ``.grad``, where zeroshard keeps its own (a ShardedGrad once reduced). Wrappers found at construction or adopted
-        before their first forward (:meth:`adopt_at_first_forward`) reduce nothing. A wrapper that ran a forward before
-        any hook saw it is adopted at the next backward; that backward was prepared by DDP's forward already, so what
-        DDP writes into ``.grad`` until the next step is ignored, and DDP's reducer is released only at the next forward
-        of the wrapper or ``step()``.
+        Both reducing would send every gradient twice. A wrapper that ran a forward before any hook saw it is adopted at
+        the next backward, which DDP's forward prepared already: what DDP writes into ``.grad`` until the next step is
+        ignored, and its reducer is released at the wrapper's next forward or ``step()``.
 
-        Returns, for each wrapper adopted now, whether its last forward prepared DDP's reducer to reduce the coming
-        backward (``require_forward_param_sync``, which DDP's forward sets so: off for a forward inside ``ddp.no_sync()``).
-        Raises ``RuntimeError`` from :func:`check_supported`, before any wrapper is changed.
+        Returns, per wrapper adopted now, whether its last forward prepared DDP's reducer to reduce the coming backward
+        (``require_forward_param_sync``: off inside ``ddp.no_sync()``). Raises ``RuntimeError`` from :func:`check_supported`,
+        before any wrapper is changed.
         """
         known = {id(w.ddp()) for w in self.wrapped}
         wrappers: list[Any] = list({id(ddp): ddp for ddp in candidates if id(ddp) not in known}.values())
@@ -305,10 +274,7 @@ class DDPWrappers:
         return [ddp.require_forward_param_sync for ddp in wrappers]
 
     def adopt_new(self) -> list[bool]:
-        """At a backward's first gradient: :meth:`adopt` the wrappers built since the last backward began (what it returns).
-
-        Raises ``RuntimeError`` from :func:`check_supported`, before any wrapper is changed.
-        """
+        """At a backward's first gradient: :meth:`adopt` the wrappers built since the last backward began (what it returns; its ``RuntimeError``)."""
         if not self.new:
             return []
         syncs = self.adopt([ddp for ref in self.new if (ddp := ref()) is not None])
@@ -328,9 +294,8 @@ class DDPWrappers:
         self._pre_forward(ddp, args)
 
     def _pre_forward(self, ddp: Any, args: object) -> None:
-        # Under ``ddp.no_sync()`` (gradient accumulation) zeroshard accumulates without communication too; either way
-        # DDP's reducer sits this forward's backward out. The first of several optimizers' pre-hooks (each over other
-        # params) reads the switch.
+        # Under ``ddp.no_sync()`` zeroshard accumulates without communication too; either way DDP's reducer sits this forward's
+        # backward out. The first of several optimizers' pre-hooks (each over other params) reads the switch.
         if not getattr(ddp, "_zeroshard_in_forward", False):
             ddp._zeroshard_sync, ddp._zeroshard_in_forward = ddp.require_backward_grad_sync, True
         self._on_forward(not ddp._zeroshard_sync)
@@ -359,11 +324,10 @@ _WATCHING: list[torch.utils.hooks.RemovableHandle] = []  # the process's one mod
 def watch_new_wrappers(wrappers_of_owners: Callable[[Iterable[nn.Parameter]], list[DDPWrappers]]) -> None:
     """Note every ``DistributedDataParallel`` built from now on with the :class:`DDPWrappers` of its params' owners.
 
-    One global module registration hook per process (torch >= 2.0): DDP's constructor sets ``self.module`` first, so the
-    wrapper goes into ``new`` of each ``DDPWrappers`` that ``wrappers_of_owners`` returns for the module's params, and a
-    one-shot forward pre-hook adopts it before its first forward (the constructor has finished by then); if it runs no
-    forward first, the next backward does. This costs one string comparison per submodule registered anywhere, where
-    looking for wrappers at every backward would cost a pass over every object the garbage collector tracks.
+    One global module registration hook per process: DDP's constructor sets ``self.module`` first, so the wrapper goes
+    into ``new`` of each ``DDPWrappers`` that ``wrappers_of_owners`` returns, and a one-shot forward pre-hook adopts it
+    before its first forward (else the next backward does). One string comparison per submodule registered anywhere,
+    where looking at every backward would cost a pass over every object the garbage collector tracks.
     """
     if _WATCHING:
         return

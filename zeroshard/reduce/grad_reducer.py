@@ -1,7 +1,7 @@
 """Bucketed gradient reduce-scatter driven by post-accumulate-grad hooks.
 
 See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` and "One step" and "Collective order" in
-``docs/design.md``: buckets launch in one order on every rank (``bucket_order.py``, ``coordinator.py``), and a callback at
+``docs/design.md``: buckets launch in one order on every rank (``bucket.py``, ``coordinator.py``), and a callback at
 the end of each backward (``nested_backward.py``) completes every bucket (a missing gradient is zero) and waits for all its
 reductions, as DDP's reducer finalizes.
 """
@@ -25,13 +25,11 @@ from zeroshard.grad.shard_grads import ShardGrads
 from zeroshard.grad.sharded_grad import ShardedGrad, bind_virtual_grads
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce import bucket
-from zeroshard.reduce.bucket import PendingReduce
-from zeroshard.reduce.bucket_order import BucketOrder
+from zeroshard.reduce.bucket import BucketOrder, PendingReduce, StagingBuckets
 from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrappers_of_owners
 from zeroshard.reduce.ddp import DDPWrappers, find_wrappers, release, watch_new_wrappers
 from zeroshard.reduce.nested_backward import OutermostBackward
 from zeroshard.reduce.records import ArrivedGrad, StepPhase, param_hooks, weak_method
-from zeroshard.reduce.staging import StagingBuckets
 
 # Stage 2's bucket reductions in flight at most (DeepSpeed ZeRO-2's double buffering): staging memory ~ this + 1 buckets.
 MAX_BUCKETS_IN_FLIGHT = 2
@@ -85,8 +83,7 @@ class GradReducer:
         self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates locally
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        # DDP wrappers around these params: switched off, their reducers released (DDPWrappers.adopt).
-        self._ddps = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))
+        self._ddps = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))  # switched off, reducers released
         # The hooks hold this reducer weakly, so they go with it (or with close()). Not at exit:
         # DDP would get a reducer back for nothing, maybe after its process group is destroyed.
         self._remove_hooks = weakref.finalize(self, release, self._hooks, self._ddps)
@@ -204,10 +201,7 @@ class GradReducer:
         self._ddp_no_sync = False
 
     def _check_flat_grads(self) -> None:
-        """Stage 1: follow in-place writes to the params' ``.grad`` (:meth:`ShardGrads.follow_flat_writes`).
-
-        Raises ``RuntimeError`` for gradients written in place after they were reduced, not to zero.
-        """
+        """Stage 1: follow in-place writes to the params' ``.grad`` (:meth:`ShardGrads.follow_flat_writes`, which raises)."""
         if not self._ddp_reduced:
             for grads in self._grads:
                 grads.follow_flat_writes(reduced=self.phase is StepPhase.REDUCED)
@@ -222,8 +216,7 @@ class GradReducer:
     # -- backward --
 
     def on_grad_ready(self, k: int, i: int, param: nn.Parameter) -> None:
-        """Param ``i`` of shard ``k``'s post-accumulate-grad hook: take its gradient, or defer taking it while a hook registered
-        after zeroshard's is still to run (see ``ArrivedGrad``).
+        """Param ``i`` of shard ``k``'s post-accumulate-grad hook: take its gradient, or defer it while a later hook is to run (``ArrivedGrad``).
 
         Raises:
             RuntimeError: a sparse gradient; see :meth:`ShardGrads.refuse_partial_write`.
@@ -246,18 +239,14 @@ class GradReducer:
         if self.end_of_backward is EndOfBackward.NONE:
             self._queue_end_of_backward()
         if self._ddp_reduced or last_post_accumulate_grad_hook_id(param) == grads.hook_ids[i]:
-            # No hook runs after zeroshard's (or DDP's reducer, hooked after, reads .grad as left): take it now. Alone,
-            # only a just completed bucket can launch.
+            # No hook runs after zeroshard's (or DDP's reducer, hooked after, reads .grad as left): take it now. Alone, only a just completed bucket can launch.
             if (self._take_grad(k, i, param) or not self.coordinator.alone) and self.overlap_comm:
                 self.launch_complete_buckets()
         else:
             self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this pre-hook
 
     def take_deferred(self) -> None:
-        """Take the gradient that arrived last, now that the hooks after zeroshard's have run; launch what is complete.
-
-        Raises ``RuntimeError`` from :meth:`ShardGrads.refuse_partial_write`.
-        """
+        """Take the gradient deferred last, now that the hooks after zeroshard's have run (:meth:`ShardGrads.refuse_partial_write` raises)."""
         if self._deferred is None:
             return
         arrived, self._deferred = self._deferred, None
@@ -273,10 +262,7 @@ class GradReducer:
             self.launch_complete_buckets()
 
     def _take_grad(self, k: int, i: int, param: nn.Parameter, last: bool = False) -> bool:
-        """Count a gradient of param ``i`` of shard ``k`` (``last``: at the end of the pass); stage 2 moves it into the staging bucket.
-
-        Returns whether this completed the param's bucket (which may then be launched).
-        """
+        """Count a gradient of param ``i`` of shard ``k`` (``last``: at the end of the pass), stage 2 staging it; whether its bucket completed."""
         grads = self._grads[k]
         key = (k, grads.bucket_of[i])
         if self._order.position[key] < self._next_launch:
@@ -341,8 +327,7 @@ class GradReducer:
         fresh = self.stage == 1 or not grads_of.landed[b]
         grads_of.landed[b] = True
         self._pending.append(bucket.launch(grads, self.shards[k].grad_slice(b), self.groups, k, b, fresh=fresh, input_frozen=frozen))
-        if self.stage == 2 and len(self._pending) > MAX_BUCKETS_IN_FLIGHT:
-            # Bound stage 2's gradient memory: finish the oldest reduction and free its staging buffer.
+        if self.stage == 2 and len(self._pending) > MAX_BUCKETS_IN_FLIGHT:  # bound stage 2's gradient memory: finish the oldest
             self._complete(self._pending.pop(0))
 
     def _complete(self, pending: PendingReduce) -> None:
@@ -368,8 +353,8 @@ class GradReducer:
                     continue
                 if not self._ddp_reduced:
                     grads.settle(i, param)  # follow what user code did to the reduced .grad
-                fresh = param.grad is not None and not isinstance(param.grad, ShardedGrad)
-                if fresh and not (self.stage == 1 and grads.is_flat_view(i, param)):
+                grad = param.grad
+                if grad is not None and not isinstance(grad, ShardedGrad) and not (self.stage == 1 and grad.data_ptr() == grads.flat_view(i).data_ptr()):
                     grads.used[i] = True
                 if self.stage == 1 and not isinstance(param.grad, ShardedGrad):  # a ShardedGrad's local sum is in the flat grad already
                     grads.keep_in_flat_grad(i, param)
@@ -383,7 +368,8 @@ class GradReducer:
                 grads.leave_sharded_grads()
         self._clear_backward_state()
         self.phase = StepPhase.REDUCED
-        self._note_flat_grad_versions()
+        for grads in self._grads:
+            grads.note_flat_version()
 
     def rebuild_order(self) -> None:
         """Adopt rank 0's launch order of the first reduced backward (a collective, once: :class:`BucketOrder`)."""
@@ -393,10 +379,6 @@ class GradReducer:
         """At ``step()``: params no rank gave a gradient (``used``) keep ``.grad = None`` (:meth:`ShardGrads.drop_unused`)."""
         for grads, flags in zip(self._grads, used):
             grads.drop_unused(flags)
-
-    def _note_flat_grad_versions(self) -> None:
-        for grads in self._grads:
-            grads.note_flat_version()
 
     def _clear_backward_state(self) -> None:
         """Forget which params were taken in this backward pass."""
@@ -411,17 +393,15 @@ class GradReducer:
 
     def reduce_for_step(self) -> None:
         """Reduce whatever is still local: gradients from ``no_sync``, a late one (``_take_grad``), or a step with no reduced backward
-        (the same on every rank running the same loop, so every rank issues the same collectives here)."""
+        (alike on every rank running the same loop)."""
         self.settle_all()
         if self.phase is not StepPhase.REDUCED or self._late:
             self._late = False
             self.reduce_everything()
 
     def reduce_again(self) -> None:
-        """Have the next :meth:`reduce_for_step` reduce every bucket again (shards were added mid-step).
-
-        Nothing is reduced twice: stage 2's ``ShardedGrad`` s add nothing; stage 1 overwrites each slice with the same sum.
-        """
+        """Have the next :meth:`reduce_for_step` reduce every bucket again (shards were added mid-step): nothing is reduced twice, as
+        stage 2's ``ShardedGrad`` s add nothing and stage 1 overwrites each slice with the same sum."""
         self._accumulate_locally()
 
     def local_used(self) -> list[list[bool]]:
@@ -430,11 +410,8 @@ class GradReducer:
 
     @torch.no_grad()
     def reset(self) -> None:
-        """Zero the grad shards (and stage 1's flat grad buffers) and forget which params were used.
-
-        Also clears what a backward pass that raised midway left behind, and what a DDP wrapper wrote into ``.grad`` in a
-        backward it reduced. Returns at once when nothing happened since the last reset (``zero_grad()`` after ``step()``).
-        """
+        """Zero the grad shards (and stage 1's flat grad buffers), forget which params were used, and what a backward that raised
+        or a DDP wrapper's reduction left; at once when nothing happened since the last reset (``zero_grad()`` after ``step()``)."""
         if self._reset_marks is not None and self._reset_marks == self._marks():
             return
         if self._ddp_reduced:
@@ -454,7 +431,6 @@ class GradReducer:
         self.phase = StepPhase.LOCAL
         self._late = False
         self.end_of_backward = EndOfBackward.NONE
-        self._note_flat_grad_versions()
         self._reset_marks = self._marks()
 
     def _marks(self) -> list[tuple[int, int]]:

@@ -1,12 +1,11 @@
 """Reentrant activation checkpointing: one reduction per backward, at the end of the outermost pass.
 
-See "Activation checkpointing" in ``docs/design.md``. The end-of-backward callback (``queue_callback``) runs when the
-graph task it was queued on ends, and a reentrant checkpoint's nested backward is a graph task of its own, on the same
-thread, inside the enclosing task's node (``torch._C._current_autograd_node()``; ``None`` at the end of the outermost).
-:meth:`OutermostBackward.defer` hands the end over to the enclosing task: a pre-hook on the node's next functions, which
-run there after the node, queues the callback again (gradient hooks in the enclosing task, or in a later nested
-backward, queue it as usual). A node that runs a backward needs a gradient for one of its inputs, so one of them runs.
-A param's extra gradients from several segments: ``ShardGrads`` (``expected``) and ``GradReducer._take_grad``.
+See "Activation checkpointing" in ``docs/design.md``. A reentrant checkpoint's nested backward is a graph task of its own,
+run inside a node of the enclosing task (``torch._C._current_autograd_node()``; ``None`` at the end of the outermost),
+and the end-of-backward callback runs at the end of the task it was queued on. :meth:`OutermostBackward.defer` hands the
+end over to the enclosing task: a pre-hook on the node's next functions (one of which runs, as the node needs a gradient
+for one of its inputs) queues the callback again. A param's extra gradients from several segments: ``ShardGrads``
+(``expected``) and ``GradReducer._take_grad``.
 """
 
 from __future__ import annotations
@@ -20,10 +19,8 @@ from zeroshard.compat import current_autograd_node
 
 
 class OutermostBackward:
-    """Defers a reducer's end-of-backward callback from a nested backward pass to the one enclosing it.
-
-    ``queue_end`` queues that callback on the graph task running now (the reducer's, called through a weak reference).
-    """
+    """Defers a reducer's end-of-backward callback from a nested backward pass to the one enclosing it; ``queue_end`` queues
+    that callback on the graph task running now (the reducer's, called through a weak reference)."""
 
     def __init__(self, queue_end: Callable[[], None]) -> None:
         self._queue_end = queue_end

@@ -23,11 +23,9 @@ class StepPhase(enum.Enum):
 
 @dataclass(slots=True)
 class ArrivedGrad:
-    """The gradient autograd accumulated last into param ``index`` of shard ``shard``, not taken yet: a post-accumulate-grad
-    hook is registered after zeroshard's on the param (with none, the gradient is taken in zeroshard's hook).
-
-    It is taken (marked ready, moved into a staging bucket, its bucket launched) before the next gradient is accumulated
-    or at the end of backward, once the hooks registered after zeroshard's have run, as DDP sees them ("One step", ``docs/design.md``).
+    """The gradient autograd accumulated last into param ``index`` of shard ``shard``, not taken yet because a post-accumulate-grad
+    hook is registered after zeroshard's on the param: it is taken before the next gradient is accumulated or at the end of
+    backward, once those hooks have run, as DDP sees it ("One step", ``docs/design.md``).
     """
 
     shard: int
@@ -61,9 +59,7 @@ def weak_method(method: Callable) -> Callable:
 def param_hooks(reducer: Any, shard: int, index: int, param: nn.Parameter) -> tuple[Callable, Callable]:
     """The tensor pre-hook and post-accumulate-grad hook of param ``index`` of shard ``shard``, calling ``reducer``'s
     ``before_accumulate`` and ``on_grad_ready``; both hold the reducer and the param weakly (no-ops once either is gone).
-
-    Under ``backward(create_graph=True)`` hooks run with grad mode on: the reducer's copies and collectives then run under
-    ``torch.no_grad()``, carrying the gradients' values only (as DDP's reducer does), never autograd history.
+    Under ``backward(create_graph=True)`` (grad mode on) they run under ``torch.no_grad()``: values only, as DDP's reducer.
     """
     reducer_ref, param_ref = weakref.ref(reducer), weakref.ref(param)
 
