@@ -208,9 +208,11 @@ def _metadata_functions() -> frozenset:
     methods = ("numel", "nelement", "dim", "size", "stride", "storage_offset", "data_ptr", "element_size", "is_contiguous",
                "get_device", "is_floating_point", "is_complex", "requires_grad_", "retain_grad", "register_hook",
                "register_post_accumulate_grad_hook", "__hash__", "__len__")
-    return frozenset([d.__get__ for name in getters if (d := getattr(Tensor, name, None)) is not None]
-                     + [d.__set__ for name in setters if (d := getattr(Tensor, name, None)) is not None]
-                     + [f for name in methods if (f := getattr(Tensor, name, None)) is not None])
+    return frozenset(
+        [d.__get__ for name in getters if (d := getattr(Tensor, name, None)) is not None]
+        + [d.__set__ for name in setters if (d := getattr(Tensor, name, None)) is not None]
+        + [f for name in methods if (f := getattr(Tensor, name, None)) is not None]
+    )
 
 
 _METADATA = _metadata_functions()

@@ -36,18 +36,25 @@ class GradHome(Protocol):
 
 
 # Torch functions that read only metadata, or that nn.Module.zero_grad and printing call.
-_METADATA = frozenset({"__set__", "size", "dim", "numel", "nelement", "stride", "element_size", "is_floating_point", "is_complex", "requires_grad_", "detach_",
-                       "_is_view", "_has_compatible_shallow_copy_type", "data_ptr", "storage_offset", "__len__", "get_device", "is_sparse", "is_pinned"})
+_METADATA = frozenset({
+    "__set__", "size", "dim", "numel", "nelement", "stride", "element_size", "is_floating_point", "is_complex",
+    "requires_grad_", "detach_", "_is_view", "_has_compatible_shallow_copy_type", "data_ptr", "storage_offset", "__len__",
+    "get_device", "is_sparse", "is_pinned",
+})
 _METADATA_OR_GET = _METADATA | {"__get__"}  # VirtualGrad: property reads, too, need no gradient piece
 # Properties that return a tensor: these would read the expanded placeholder's values.
 _VALUE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 _CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type", "type_as"})
 # Elementwise in-place functions done on this rank's pieces (other tensor arguments: scalars or the param's shape).
-_INPLACE = frozenset({"mul_", "div_", "clamp_", "clamp_min_", "clamp_max_", "clip_", "zero_", "nan_to_num_", "fill_", "add_", "sub_", "copy_", "neg_", "abs_",
-                      "sign_", "sqrt_", "pow_", "addcmul_", "addcdiv_", "lerp_", "__imul__", "__itruediv__", "__iadd__", "__isub__"})
-_FOREACH_INPLACE = frozenset({"_foreach_mul_", "_foreach_div_", "_foreach_clamp_min_", "_foreach_clamp_max_", "_foreach_zero_", "_foreach_add_",
-                              "_foreach_sub_", "_foreach_neg_", "_foreach_abs_", "_foreach_sqrt_", "_foreach_pow_", "_foreach_lerp_", "_foreach_copy_",
-                              "_foreach_maximum_", "_foreach_minimum_", "_foreach_addcmul_", "_foreach_addcdiv_", "_foreach_sign_"})
+_INPLACE = frozenset({
+    "mul_", "div_", "clamp_", "clamp_min_", "clamp_max_", "clip_", "zero_", "nan_to_num_", "fill_", "add_", "sub_", "copy_",
+    "neg_", "abs_", "sign_", "sqrt_", "pow_", "addcmul_", "addcdiv_", "lerp_", "__imul__", "__itruediv__", "__iadd__", "__isub__",
+})
+_FOREACH_INPLACE = frozenset({
+    "_foreach_mul_", "_foreach_div_", "_foreach_clamp_min_", "_foreach_clamp_max_", "_foreach_zero_", "_foreach_add_",
+    "_foreach_sub_", "_foreach_neg_", "_foreach_abs_", "_foreach_sqrt_", "_foreach_pow_", "_foreach_lerp_", "_foreach_copy_",
+    "_foreach_maximum_", "_foreach_minimum_", "_foreach_addcmul_", "_foreach_addcdiv_", "_foreach_sign_",
+})
 
 
 def _disabled(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

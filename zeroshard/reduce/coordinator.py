@@ -196,7 +196,8 @@ class ReduceCoordinator:
                 f"{len(others) + 1} open ShardedOptimizers with a dynamic loss scale share one process group (one model, two optimizers?): "
                 "each would decide alone whether the gradients overflowed, and their loss scales would drift apart. Before their "
                 "step()s, call zeroshard.clip_grad_norm_(optimizers, max_norm) over all of them every step (max_norm=math.inf to "
-                "check for overflow without clipping)")
+                "check for overflow without clipping)"
+            )
 
     def scales(self, scaler: object) -> bool:
         """Whether an open optimizer of this group updates ``scaler`` at its steps."""

@@ -46,7 +46,8 @@ class _Refusing:
         raise RuntimeError(
             f"DistributedDataParallel.{self._name}.{name}: DDP's reducer is released while a zeroshard ShardedOptimizer reduces the "
             "gradients of the wrapped params (a second reduction by DDP would send every gradient twice). Call opt.close() "
-            f"first to give DDP its reducer back, {_WAY_OUT}")
+            f"first to give DDP its reducer back, {_WAY_OUT}"
+        )
 
 
 class ReleasedReducer(_Refusing):
@@ -294,8 +295,9 @@ class DDPWrappers:
         self._pre_forward(ddp, args)
 
     def _pre_forward(self, ddp: Any, args: object) -> None:
-        # Under ``ddp.no_sync()`` zeroshard accumulates without communication too; either way DDP's reducer sits this forward's
-        # backward out. The first of several optimizers' pre-hooks (each over other params) reads the switch.
+        # Under ``ddp.no_sync()`` (gradient accumulation) zeroshard accumulates without communication too; either way
+        # DDP's reducer sits this forward's backward out. The first of several optimizers' pre-hooks (each over other
+        # params) reads the switch.
         if not getattr(ddp, "_zeroshard_in_forward", False):
             ddp._zeroshard_sync, ddp._zeroshard_in_forward = ddp.require_backward_grad_sync, True
         self._on_forward(not ddp._zeroshard_sync)

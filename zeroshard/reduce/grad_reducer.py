@@ -83,7 +83,8 @@ class GradReducer:
         self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates locally
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._ddps = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))  # switched off, reducers released
+        # DDP wrappers around these params: switched off, their reducers released (DDPWrappers.adopt).
+        self._ddps = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))
         # The hooks hold this reducer weakly, so they go with it (or with close()). Not at exit:
         # DDP would get a reducer back for nothing, maybe after its process group is destroyed.
         self._remove_hooks = weakref.finalize(self, release, self._hooks, self._ddps)
@@ -327,7 +328,8 @@ class GradReducer:
         fresh = self.stage == 1 or not grads_of.landed[b]
         grads_of.landed[b] = True
         self._pending.append(bucket.launch(grads, self.shards[k].grad_slice(b), self.groups, k, b, fresh=fresh, input_frozen=frozen))
-        if self.stage == 2 and len(self._pending) > MAX_BUCKETS_IN_FLIGHT:  # bound stage 2's gradient memory: finish the oldest
+        if self.stage == 2 and len(self._pending) > MAX_BUCKETS_IN_FLIGHT:
+            # Bound stage 2's gradient memory: finish the oldest reduction and free its staging buffer.
             self._complete(self._pending.pop(0))
 
     def _complete(self, pending: PendingReduce) -> None:
