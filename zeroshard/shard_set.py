@@ -201,8 +201,8 @@ class ShardSet:
         # Bounded by collective_timeout_s after construction (add_param_group, unfreezing): a rank that skipped it is named. The
         # constructor waits: ranks may reach it far apart (rank 0 loading weights the broadcast hands the others).
         timeout = None if caller == "the ShardedOptimizer constructor" else groups.timeout
-        for group in groups.all():
-            collectives.check_same_on_all_ranks("param_groups item", fingerprint, group, timeout=timeout, caller=caller)
+        groups.check_each(lambda group: collectives.check_same_on_all_ranks("param_groups item", fingerprint, group, timeout=timeout, caller=caller),
+                          timeout, f"{caller}: the check that every rank has the same param_groups items")
         broadcast_frozen = [(param_name(g, j), p) for g, params in zip(indices, params_of) for j, p in enumerate(params) if not is_sharded(p)]
         # The broadcast below goes by position: frozen params too.
         check_same_order([(name, p) for p, name in taken] + (broadcast_frozen if not already_sharded else []), groups, caller, timeout)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import datetime
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -41,6 +43,31 @@ class ShardingGroups:
     def all(self) -> list[ProcessGroup]:
         """The groups in the order collectives span them: shard first, then replicate."""
         return [self.shard] + ([self.replicate] if self.replicate is not None else [])
+
+    def check_each(self, check: Callable[[ProcessGroup], None], timeout: datetime.timedelta | None, what: str) -> None:
+        """Run ``check``, a cross-rank comparison that raises ``ValueError`` alike on every rank of the group it is given, on
+        each group of :meth:`all`. With a replicate group the ranks then agree (two all-reduces, one per group) whether any check
+        raised: a mismatch found within one shard group raises on every rank, not there alone while the others' ranks wait in
+        the next collective for ranks that left.
+
+        Raises:
+            ValueError: this rank's check's error, or, on a rank whose checks passed, one naming the rank whose check raised.
+            RuntimeError: past ``timeout``, some rank did not join (``what`` names the call).
+        """
+        error: ValueError | None = None
+        for group in self.all():
+            try:
+                check(group)
+            except ValueError as raised:
+                error = error or raised
+        if self.replicate is not None:
+            failed = torch.tensor([dist.get_rank() + 1 if error is not None else 0], device=collectives.collective_device(self.shard))
+            for group in (self.replicate, self.shard):  # (replica i, shard j) reaches (i', j), then (i', j')
+                collectives.wait(collectives.all_reduce(failed, group, op=dist.ReduceOp.MAX), timeout, what, "call it on every rank")
+            if error is None and failed.item():
+                raise ValueError(f"rank {failed.item() - 1} found ranks that differ (its error names them); every rank stops here")
+        if error is not None:
+            raise error
 
     @functools.cached_property
     def reducing(self) -> tuple[ProcessGroup, ...]:
