@@ -202,7 +202,7 @@ def _master(shard: LocalShard, piece: Any, shape: torch.Size) -> Tensor:
 
 def _subclass_table(view: CheckpointView) -> dict[str, dict[str, dict[str, Any]]]:
     """Per ``torch.optim`` index (a ``str``) of every param whose state holds a tensor subclass: per such key, its
-    class (``"module:qualname"``), context, size and stride, for ``zeroshard.checkpoint.convert`` to rebuild it from the
+    class (``"module:qualname"``), context, size and stride, for ``zeroshard.convert`` to rebuild it from the
     inner tensors. The same on every rank (specs depend on the param shapes only), so any rank's copy serves."""
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for shard in view.shards:
@@ -218,7 +218,7 @@ def _subclass_table(view: CheckpointView) -> dict[str, dict[str, dict[str, Any]]
 
 
 def _keeps_step(view: CheckpointView) -> list[bool]:
-    """Per param group, whether the optimizer keeps ``step`` for its params (for ``zeroshard.checkpoint.convert``)."""
+    """Per param group, whether the optimizer keeps ``step`` for its params (for ``zeroshard.convert``)."""
     keeps = [False] * len(view.group_params)
     for shard in view.shards:
         keeps[shard.group] = _spec(view, view.optimizer.param_groups, shard, shard.buffer.params[0].shape).has_step
