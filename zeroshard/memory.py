@@ -217,5 +217,4 @@ def estimate_memory(model_or_numel: nn.Module | int, *, stage: int = 2, world_si
         kinds["optimizer_state"] += state
         if on_cuda:
             host += steps + (master + 2 * master_item * shard + master_item * shard + staging if offload else 0)
-    total = sum(kinds.values())
-    return MemoryUsage(total - host, host, kinds)
+    return MemoryUsage(sum(kinds.values()) - host, host, kinds)

@@ -137,9 +137,8 @@ _SPECS: dict[tuple[Any, ...], StateSpec] = {}
 
 def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], shape: torch.Size | tuple[int, ...],
                dtype: torch.dtype) -> StateSpec:
-    """The state ``optimizer``'s class keeps for a param of ``shape`` and ``dtype`` in a param group with ``hyperparameters``,
-    from one step of a throwaway instance of the class (see the module docstring), cached per class, hyperparameters (the
-    learning rate aside), shape and dtype.
+    """The state ``optimizer``'s class keeps for a param of ``shape`` and ``dtype`` in a param group with ``hyperparameters``
+    (see the module docstring), cached per class, hyperparameters (the learning rate aside), shape and dtype.
 
     Raises:
         ValueError: the class cannot be built or stepped with these hyperparameters on such a param, or it keeps state
@@ -245,8 +244,8 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
     """As :func:`zeroshard.checkpoint.sharded.load_sharded`, for a ``partition="param"`` state dict.
 
     Raises:
-        ValueError: another format version or partition mode, another rank's shard (not through DCP), another layout (a
-            param named with both shapes), or a param's entry with other state or shapes than the saved hyperparameters keep.
+        ValueError: another format version or partition mode, another rank's shard (not through DCP), another layout (a param
+            named with both shapes), or a param's entry with other state or shapes than the saved hyperparameters keep.
     """
     meta = state_dict["zeroshard"]
     _check_version(meta)
@@ -287,8 +286,8 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
 def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
     """Gather the full state onto global rank ``to``; the full dict there, else ``None``.
 
-    A collective over ``to``'s shard group (other shard groups return at once): every owner sends its stepped params'
-    state tensors, and the master of each 16-bit param, to ``to`` one at a time, in the same order on every rank.
+    A collective over ``to``'s shard group (other shard groups return at once): every owner sends its stepped params' state
+    tensors, and the master of each 16-bit param, to ``to`` one at a time, in the same order on every rank.
     """
     if to not in dist.get_process_group_ranks(view.shard_group):
         return None
@@ -353,12 +352,12 @@ def _check_shapes_everywhere(view: CheckpointView) -> None:
 
 
 def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> Loaded:
-    """As :func:`zeroshard.checkpoint.full.load_full`, taking this rank's params' state whole; every param's entry is
-    checked on every rank, so a bad dict raises alike everywhere.
+    """As :func:`zeroshard.checkpoint.full.load_full`, taking this rank's params' state whole; every param's entry is checked
+    on every rank, so a bad dict raises alike everywhere.
 
     Raises:
-        ValueError: as :func:`zeroshard.checkpoint.full.check_full`, or a param's state with other keys or shapes than the
-            saved hyperparameters keep (named).
+        ValueError: as :func:`zeroshard.checkpoint.full.check_full`, or a param's state with other keys, types or shapes than
+            the saved hyperparameters keep (named).
     """
     order, meta = check_full(view, state_dict)
     names = param_names(view)
