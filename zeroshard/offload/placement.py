@@ -234,8 +234,7 @@ def place_chunks(chunks: Sequence[Chunk], tracer: MemoryTracer, model_data_bytes
             allocated (they move as they are).
         tracer: the first iteration's tracer, stopped.
         model_data_bytes: the optimizer's device bytes now (``memory_usage().device_bytes``).
-        ratio: ``gpu_margin_mem_ratio``.
-        device: the params' device.
+        ratio, device: ``gpu_margin_mem_ratio`` and the params' device.
 
     Returns:
         The :class:`Placement`. Moving stops at the first chunk the device has no room for (``torch.cuda.OutOfMemoryError``),
