@@ -81,8 +81,9 @@ class StateDictMixin:
         freshly built optimizer (no dummy step): loading into them never touches the optimizer until
         :meth:`load_state_dict`. From a consolidation to the next step it also holds a one-element-per-rank marker, so that
         a ``dcp.save`` made before rank ``to`` took its full state fails on every rank ("Failed to validate global plan")
-        rather than write a checkpoint without that rank's shard. State-dict hooks run as in
-        ``torch.optim.Optimizer.state_dict`` (a post hook may return a replacement).
+        rather than write a checkpoint without that rank's shard. Hooks registered with
+        ``register_state_dict_pre_hook``/``register_state_dict_post_hook`` run as in ``torch.optim.Optimizer.state_dict`` (a
+        post hook may return a replacement).
 
         Raises:
             ValueError: the wrapped optimizer keeps scalar state other than ``step``.
@@ -129,14 +130,15 @@ class StateDictMixin:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a sharded state dict (this layout, any world size via DCP) or a full one (any world size).
 
-        Accepts what :meth:`state_dict` returns — filled by ``dcp.load`` at any world size, or saved with ``torch.save``
-        at this same world size — and full ``torch.optim``-format dicts: from :meth:`consolidate_state_dict` or from an
+        Accepts what :meth:`state_dict` returns — filled by ``dcp.load`` at any world size, or saved with ``torch.save`` at
+        this same world size — and full ``torch.optim``-format dicts: from :meth:`consolidate_state_dict` or from an
         unsharded optimizer of the same class on the same params. The checkpoint's hyperparameters win, as in
         ``torch.optim``: the state it must hold is what they keep (an ``SGD(momentum=0.9)`` dict loads into an optimizer
         built as ``SGD(lr=0.01)``). Afterwards the state is exactly the loaded one: params without state in the dict have
         none, and 16-bit params whose fp32 master the dict lacks take their current value as master. Runs no collective;
-        everything is checked before anything is written, so on error the optimizer is as it was. Load-state-dict hooks
-        run as in ``torch.optim.Optimizer.load_state_dict`` (a pre hook may return a replacement).
+        everything is checked before anything is written, so on error the optimizer is as it was. Hooks registered with
+        ``register_load_state_dict_pre_hook``/``register_load_state_dict_post_hook`` run as in
+        ``torch.optim.Optimizer.load_state_dict`` (a pre hook may return a replacement).
 
         Raises:
             ValueError: anything else, or a state dict for another model (group count, param count, shape or dtype: the
