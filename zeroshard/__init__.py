@@ -8,8 +8,7 @@ from zeroshard.checkpoint.dirs import latest_checkpoint, verify_checkpoint
 from zeroshard.clip import clip_grad_norm_
 from zeroshard.comm.groups import hybrid_mesh
 from zeroshard.memory import MemoryUsage, estimate_memory
-from zeroshard.offload.placement import MarginMeasurement, Placement
-from zeroshard.offload.tracer import MemoryTracer
+from zeroshard.offload.placement import MarginMeasurement, MemoryTracer, Placement
 from zeroshard.optimizer import ShardedOptimizer
 from zeroshard.step.loss_scaler import DynamicLossScaler
 

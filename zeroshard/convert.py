@@ -1,14 +1,167 @@
-"""The command line ``python -m zeroshard.convert CKPT OUT``; also exports :mod:`zeroshard.checkpoint.convert`'s functions."""
+"""A DCP checkpoint into one file, without a process group: ``python -m zeroshard.convert CKPT OUT`` (``docs/integrations.md``).
+
+The checkpoint is read whole by DCP's no-process-group loader (every ``DTensor`` comes back full), and
+the optimizer's sharded state is cut into per-param ``torch.optim`` state by the checkpoint's layout signature.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import math
+import os
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
-from zeroshard.checkpoint.convert import convert, load_checkpoint, optimizer_to_torch
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from zeroshard.checkpoint.dirs import METADATA, verify_checkpoint
+from zeroshard.checkpoint.sharded import FULL_FORMAT, FULL_FORMAT_VERSION, SHARDED_FORMAT, _check_version
+from zeroshard.checkpoint.whole_param import rebuild
+from zeroshard.compat import load_checkpoint_without_process_group
 
 __all__ = ["convert", "load_checkpoint", "main", "optimizer_to_torch"]
+_PARAM_NAME = re.compile(r"param_groups\[(\d+)\]\['params'\]\[(\d+)\]")
+
+
+def load_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
+    """Everything in the DCP checkpoint directory ``checkpoint``, as full tensors; no process group.
+
+    Raises:
+        ValueError: naming the file that is missing, truncated or corrupted (``.metadata`` or a data file), as
+            :func:`zeroshard.verify_checkpoint` finds it.
+    """
+    if not (Path(checkpoint) / METADATA).is_file():
+        verify_checkpoint(checkpoint)  # raises at once, naming the missing .metadata (before DCP logs its own tracebacks)
+    state: dict[str, Any] = {}
+    try:
+        load_checkpoint_without_process_group(state, str(checkpoint))
+    except (Exception, CheckpointException) as error:
+        verify_checkpoint(checkpoint)  # names the bad file; reads the checkpoint only when the load failed
+        raise ValueError(f"{checkpoint} cannot be read by torch.distributed.checkpoint: {error}") from error
+    return state
+
+
+def _with_subclasses(entry: dict[str, torch.Tensor], subclasses: dict[str, dict[str, Any]], source: str) -> dict[str, Any]:
+    """A ``partition="param"`` entry's state (``master`` aside), tensor subclasses rebuilt as the checkpoint records them;
+    ``ValueError`` if a recorded class cannot be imported (its package is not installed; named)."""
+    state = {key: value.clone() for key, value in entry.items() if key != "master" and key.split(".", 1)[0] not in subclasses}
+    for key, sub in subclasses.items():
+        module, qualname = sub["cls"].split(":")
+        try:
+            cls: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"{source}: its state {key!r} is a {sub['cls']}, which cannot be imported here ({error}); install its package") from error
+        inner = {name.split(".", 1)[1]: value.clone() for name, value in entry.items() if name.split(".", 1)[0] == key}
+        state[key] = rebuild(cls, inner, sub["context"], sub["size"], sub["stride"])
+    return state
+
+
+def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") -> dict[str, Any]:
+    """A zeroshard sharded optimizer state dict with full tensors (as :func:`load_checkpoint` gives it) in ``torch.optim`` format.
+
+    Each param's state is its run of every bucket tensor, reshaped to the param's shape and kept in the saved dtype
+    (fp32 for 16-bit params), or with ``partition="param"`` its saved entry, whole; ``step`` (a 0-dim fp32 tensor, as
+    ``torch.optim`` keeps it) comes from the per-param step counts and is written for every optimizer but SGD (a param
+    group with ``dampening``), which keeps none (``partition="param"`` records which groups keep one). Params never
+    stepped get no entry.
+
+    Args:
+        sharded: the ``"optim"`` entry of a loaded checkpoint.
+        source: what errors call the checkpoint (its path).
+
+    Raises:
+        ValueError: ``sharded`` is not a zeroshard sharded state dict of a version this zeroshard reads, or a bucket's
+            size does not match its params' shapes (both named).
+    """
+    meta = sharded.get("zeroshard") if isinstance(sharded, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != SHARDED_FORMAT:
+        found = sorted(sharded) if isinstance(sharded, dict) else type(sharded).__name__
+        raise ValueError(f"{source}: the optimizer entry is not a zeroshard sharded state dict (found {found})")
+    try:
+        _check_version(meta)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from error
+    groups = sharded["param_groups"]
+    steps = [int(s) for s in sharded["param_steps"].tolist()]
+    state: dict[int, dict[str, Any]] = {}
+    masters: dict[int, torch.Tensor] = {}
+    if meta.get("partition") == "param":  # each param's state whole, keyed by its index (zeroshard/checkpoint/whole_param.py); none: no state
+        keeps_step = {index: keeps for group, keeps in zip(groups, meta["keeps_step"]) for index in group["params"]}
+        for name, entry in sorted((sharded.get("params") or {}).items(), key=lambda item: int(item[0])):
+            index = int(name)
+            if "master" in entry:
+                masters[index] = entry["master"].clone()
+            if steps[index]:
+                state[index] = {**({"step": torch.tensor(float(steps[index]))} if keeps_step[index] else {}),
+                                **_with_subclasses(entry, (meta.get("subclasses") or {}).get(name, {}), source)}
+    for k, (_, params, per_bucket) in enumerate(meta["layout"] if meta.get("partition") != "param" else []):
+        first = 0
+        for b, count in enumerate(per_bucket):
+            name_of_bucket = f"{k}.{b}"
+            entry = sharded["buckets"].get(name_of_bucket, {})  # none when the optimizer keeps no per-element state
+            offset = 0
+            for name, shape in params[first : first + count]:
+                match = _PARAM_NAME.fullmatch(name)
+                if match is None:
+                    raise ValueError(f"{source}: its layout names a param {name!r}, not param_groups[g]['params'][j]")
+                g, j = int(match[1]), int(match[2])
+                index, numel = groups[g]["params"][j], math.prod(shape)
+                for key, value in entry.items():
+                    if value.numel() < offset + numel:
+                        raise ValueError(f"{source}: bucket {name_of_bucket} {key!r} has {value.numel()} elements, too few for its params ({name} "
+                                         f"{tuple(shape)})")
+                    piece = value[offset : offset + numel].clone().view(tuple(shape))
+                    if key == "master":
+                        masters[index] = piece
+                    elif steps[index]:
+                        state.setdefault(index, {})[key] = piece
+                if steps[index] and "dampening" not in groups[g]:
+                    state.setdefault(index, {})["step"] = torch.tensor(float(steps[index]))
+                offset += numel
+            first += count
+    return {
+        "state": dict(sorted(state.items())),
+        "param_groups": groups,
+        "zeroshard": {"format": FULL_FORMAT, "version": FULL_FORMAT_VERSION, "master": masters, "loss_scaler": meta.get("loss_scaler")},
+    }
+
+
+def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key: str = "model", optim_key: str = "optim") -> None:
+    """Write the DCP checkpoint ``checkpoint`` to the single file ``out`` (see ``docs/integrations.md``).
+
+    Args:
+        checkpoint: the directory given to ``dcp.save``.
+        out: the file to write: ``*.safetensors`` for the model's tensors, else ``torch.save``.
+        model_key, optim_key: the keys the model state dict and the optimizer were saved under
+            (``dcp.save({model_key: model.state_dict(), optim_key: opt})``).
+
+    Raises:
+        ValueError: a bad checkpoint file (named); no ``optim_key`` entry (``torch.save``
+            output) or no ``model_key`` entry (safetensors output) in it, naming the keys found.
+        ModuleNotFoundError: safetensors output without the ``safetensors`` package (the ``integrations`` extra).
+    """
+    state = load_checkpoint(checkpoint)
+    if str(out).endswith(".safetensors"):
+        if model_key not in state:
+            raise ValueError(f"{checkpoint} has no {model_key!r} entry to write to {out} (it has {sorted(state)}); pass --model-key")
+        try:
+            from safetensors.torch import save_file  # optional: only this output needs it
+        except ModuleNotFoundError as error:
+            raise ModuleNotFoundError(f"writing {out} needs safetensors: pip install 'zeroshard[integrations]' ({error})") from error
+
+        tensors = {k: v.contiguous() for k, v in state[model_key].items() if torch.is_tensor(v)}
+        save_file(tensors, str(out), metadata={"format": "pt"})
+        return
+    if optim_key not in state:
+        raise ValueError(f"{checkpoint} has no {optim_key!r} entry (it has {sorted(state)}); pass --optim-key")
+    state[optim_key] = optimizer_to_torch(state[optim_key], str(checkpoint))
+    torch.save(state, out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,17 +35,11 @@ class MemoryUsage:
     by_kind: dict[str, int] = field(default_factory=dict)
 
 
-def measure(tensors_by_kind: dict[str, list[Tensor]], device: torch.device) -> MemoryUsage:
-    """The bytes (``numel * element_size``) of each kind's tensors, on ``device`` and elsewhere; each view at its own size."""
-    by_kind = {kind: sum(t.numel() * t.element_size() for t in tensors) for kind, tensors in tensors_by_kind.items()}
-    elsewhere = sum(t.numel() * t.element_size() for tensors in tensors_by_kind.values() for t in tensors if t.device != device)
-    return MemoryUsage(sum(by_kind.values()) - elsewhere, elsewhere, by_kind)
-
-
 def owned_memory(shards: list[LocalShard], grad_buffers: list[Tensor], optimizer: torch.optim.Optimizer, device: torch.device) -> MemoryUsage:
     """What a ``ShardedOptimizer`` owns on this rank (``ShardedOptimizer.memory_usage``), by kind and place: the shards'
     flat param buffers, grad shards and chunks (master, moments, host buffers), the reducer's ``grad_buffers``, and the
-    wrapped optimizer's own state except views of the chunks' moments (counted once)."""
+    wrapped optimizer's own state except views of the chunks' moments (counted once); each tensor's ``numel * element_size``
+    bytes (a view at its own size), on ``device`` or elsewhere."""
     owned: dict[str, list[Tensor]] = {"params": [s.buffer.data for s in shards], "grads": list(grad_buffers),
                                       "grad_shard": [s.grad_shard for s in shards], "master": [], "optimizer_state": []}
     chunk_storages: set[int] = set()
@@ -55,7 +49,9 @@ def owned_memory(shards: list[LocalShard], grad_buffers: list[Tensor], optimizer
             chunk_storages.update(t.untyped_storage().data_ptr() for t in tensors)
     owned["optimizer_state"] += [t for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) for t in _plain_tensors(v)
                                  if t.untyped_storage().data_ptr() not in chunk_storages]
-    return measure(owned, device)
+    by_kind = {kind: sum(t.numel() * t.element_size() for t in tensors) for kind, tensors in owned.items()}
+    elsewhere = sum(t.numel() * t.element_size() for tensors in owned.values() for t in tensors if t.device != device)
+    return MemoryUsage(sum(by_kind.values()) - elsewhere, elsewhere, by_kind)
 
 
 def _plain_tensors(value: Tensor) -> list[Tensor]:
@@ -217,5 +213,4 @@ def estimate_memory(model_or_numel: nn.Module | int, *, stage: int = 2, world_si
         kinds["optimizer_state"] += state
         if on_cuda:
             host += steps + (master + 2 * master_item * shard + master_item * shard + staging if offload else 0)
-    total = sum(kinds.values())
-    return MemoryUsage(total - host, host, kinds)
+    return MemoryUsage(sum(kinds.values()) - host, host, kinds)

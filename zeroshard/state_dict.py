@@ -1,8 +1,5 @@
-"""``ShardedOptimizer``'s checkpoint API: ``state_dict``, ``consolidate_state_dict``, ``load_state_dict``, ``params_own_storage``.
-
-The formats live in ``zeroshard/checkpoint/`` (``sharded.py`` and ``full.py`` for ``partition="flat"``, ``whole_param.py``
-for ``"param"``), each pair behind a :class:`CheckpointFormat`; :class:`StateDictMixin` declares what it needs of the host class.
-"""
+"""``ShardedOptimizer``'s checkpoint API (:class:`StateDictMixin`); the formats, one :class:`CheckpointFormat` per partition
+mode, live in ``zeroshard/checkpoint/``."""
 
 from __future__ import annotations
 
@@ -76,18 +73,17 @@ class StateDictMixin:
         """The optimizer state: this rank's shard, or the full state right after consolidation.
 
         Runs no collective (HF Trainer and accelerate call it on one rank). The first call on the rank that just ran
-        :meth:`consolidate_state_dict` (before any ``step()``) returns the full state in plain ``torch.optim`` format,
-        as ``ZeroRedundancyOptimizer``'s does. Every other call returns the sharded format, which ``torch.distributed.checkpoint``
-        reshards onto any world size: per bucket, a 1-D ``DTensor`` of each per-element state (and of the fp32 master),
-        or with ``partition="param"`` each owned param's state tensors whole; with the param groups, per-param steps and
-        a layout signature (``docs/checkpoint.md``). The tensors are copies, zero-filled in a freshly built optimizer
-        (no dummy step): loading into them never touches the optimizer until :meth:`load_state_dict`. From a consolidation
-        to the next step, the sharded format also holds a one-element-per-rank marker, so that a
-        ``dcp.save`` made before rank ``to`` took its full state fails on every rank ("Failed to validate global plan")
-        rather than write a checkpoint without that rank's shard.
-
-        Hooks registered with ``register_state_dict_pre_hook``/``register_state_dict_post_hook``
-        run as in ``torch.optim.Optimizer.state_dict`` (a post hook may return a replacement).
+        :meth:`consolidate_state_dict` (before any ``step()``) returns the full state in plain ``torch.optim`` format, as
+        ``ZeroRedundancyOptimizer``'s does. Every other call returns the sharded format, which
+        ``torch.distributed.checkpoint`` reshards onto any world size: per bucket, a 1-D ``DTensor`` of each per-element
+        state (and of the fp32 master), or with ``partition="param"`` each owned param's state tensors whole; with the param
+        groups, per-param steps and a layout signature (``docs/checkpoint.md``). The tensors are copies, zero-filled in a
+        freshly built optimizer (no dummy step): loading into them never touches the optimizer until
+        :meth:`load_state_dict`. From a consolidation to the next step it also holds a one-element-per-rank marker, so that
+        a ``dcp.save`` made before rank ``to`` took its full state fails on every rank ("Failed to validate global plan")
+        rather than write a checkpoint without that rank's shard. Hooks registered with
+        ``register_state_dict_pre_hook``/``register_state_dict_post_hook`` run as in ``torch.optim.Optimizer.state_dict`` (a
+        post hook may return a replacement).
 
         Raises:
             ValueError: the wrapped optimizer keeps scalar state other than ``step``.
@@ -134,16 +130,15 @@ class StateDictMixin:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a sharded state dict (this layout, any world size via DCP) or a full one (any world size).
 
-        Accepts what :meth:`state_dict` returns — filled by ``dcp.load`` at any world size, or saved with ``torch.save``
-        at this same world size — and full ``torch.optim``-format dicts: from :meth:`consolidate_state_dict` or from an
+        Accepts what :meth:`state_dict` returns — filled by ``dcp.load`` at any world size, or saved with ``torch.save`` at
+        this same world size — and full ``torch.optim``-format dicts: from :meth:`consolidate_state_dict` or from an
         unsharded optimizer of the same class on the same params. The checkpoint's hyperparameters win, as in
         ``torch.optim``: the state it must hold is what they keep (an ``SGD(momentum=0.9)`` dict loads into an optimizer
-        built as ``SGD(lr=0.01)``). Afterwards the state is exactly the loaded one, as after a load into a freshly built
-        optimizer: params without state in the dict have none (their moments start from zero), and 16-bit params whose
-        fp32 master the dict lacks take their current value as master. Runs no collective. Everything is checked before
-        anything is written, so on error the optimizer is as it was. Hooks registered with
-        ``register_load_state_dict_pre_hook`` (which may return a replacement) and
-        ``register_load_state_dict_post_hook`` run as in ``torch.optim.Optimizer.load_state_dict``.
+        built as ``SGD(lr=0.01)``). Afterwards the state is exactly the loaded one: params without state in the dict have
+        none, and 16-bit params whose fp32 master the dict lacks take their current value as master. Runs no collective;
+        everything is checked before anything is written, so on error the optimizer is as it was. Hooks registered with
+        ``register_load_state_dict_pre_hook``/``register_load_state_dict_post_hook`` run as in
+        ``torch.optim.Optimizer.load_state_dict`` (a pre hook may return a replacement).
 
         Raises:
             ValueError: anything else, or a state dict for another model (group count, param count, shape or dtype: the
@@ -190,15 +185,13 @@ class StateDictMixin:
     def params_own_storage(self) -> Iterator[None]:
         """Context manager: inside, every trainable param has storage of its own, for saving the model.
 
-        The params are views of flat buffers (see ``docs/design.md``), so they share one storage.
-        ``safetensors.torch.save_model`` then refuses to save ("None is covering the entire storage"), ``torch.save`` of
-        any part of ``model.state_dict()`` writes the whole flat buffer, padding included, and a shared-tensor check
-        (older ``transformers``' ``save_pretrained``) may take all params for tied weights. Inside the block each param
-        is a copy of itself (``p.data = p.data.clone()``: the model's bytes once more on its device, for the duration of
-        the block); on exit each becomes a view of its flat buffer again, taking its current values
-        (``FlatParamBuffer.follow``), so a model loaded or edited inside the block keeps those values; bf16/fp16 masters
-        keep their fp32 precision wherever the param value is unchanged. Runs no collective and changes no value; tied
-        params stay one tensor. Do not train inside the block.
+        The params are views of flat buffers (see ``docs/design.md``), so they share one storage:
+        ``safetensors.torch.save_model`` refuses to save ("None is covering the entire storage"), ``torch.save`` of any
+        part of ``model.state_dict()`` writes the whole flat buffer, padding included, and a shared-tensor check (older
+        ``transformers``' ``save_pretrained``) may take all params for tied weights. Inside the block each param is a copy
+        of itself (the model's bytes once more on its device); on exit each becomes a view of its flat buffer again, taking
+        its current values (``FlatParamBuffer.follow``); bf16/fp16 masters keep their fp32 precision wherever the param
+        value is unchanged. Runs no collective and changes no value; tied params stay one tensor. Do not train inside the block.
 
         Example::
 

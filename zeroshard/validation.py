@@ -178,28 +178,12 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
                          "zeroshard.clip_grad_norm_(optimizers, max_norm) over all of them keeps their scales equal")
 
 
-def options_fingerprint(optimizer: torch.optim.Optimizer, stage: int, bucket_size_mb: float, overlap_comm: bool, reduce_dtype: torch.dtype | None,
-                        max_grad_norm: float | None, loss_scale: Any, offload: str | None, partition: str = "flat",
-                        master_weights: bool = True) -> list[tuple[Any, ...]]:
-    """The options every rank must share, as ``(name, value)`` entries for :func:`~zeroshard.comm.collectives.check_same_on_all_ranks`.
-
-    They decide the layout and the collectives (a difference makes gloo abort the process) or the numbers every rank must
-    compute alike (a difference lets the shards drift apart in silence). ``gpu_margin_mem_ratio`` only places this rank's state.
-    """
-    scale = ("DynamicLossScaler", sorted(vars(loss_scale).items())) if isinstance(loss_scale, DynamicLossScaler) else loss_scale
-    return [
-        ("optimizer", f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"), ("stage", stage), ("bucket_size_mb", float(bucket_size_mb)),
-        ("overlap_comm", overlap_comm), ("reduce_dtype", str(reduce_dtype)), ("max_grad_norm", max_grad_norm), ("loss_scale", scale),
-        ("offload", offload), ("partition", partition), ("master_weights", master_weights),
-    ]
-
-
 def check_construction(optimizer: Any, process_group: Any, *, stage: Any, bucket_size_mb: Any, overlap_comm: Any, reduce_dtype: Any,
                        max_grad_norm: Any, loss_scale: Any, offload: Any, gpu_margin_mem_ratio: Any, partition: Any, assume_elementwise: Any,
                        collective_timeout_s: Any, overlap_param_gather: Any, master_weights: Any) -> tuple[str, ShardingGroups]:
     """``ShardedOptimizer``'s argument checks (its arguments, unchecked): :func:`check_arguments`, :func:`choose_partition` and
-    :func:`check_options` on this rank, then (a collective) the options every rank must share (:func:`options_fingerprint`)
-    over each of ``process_group``'s groups. Returns the partition (``"flat"`` or ``"param"``) and the resolved process groups.
+    :func:`check_options` on this rank, then (a collective) the options every rank must share over each of ``process_group``'s
+    groups. Returns the partition (``"flat"`` or ``"param"``) and the resolved process groups.
 
     Raises ``TypeError`` or ``ValueError`` from those checks and from :func:`~zeroshard.comm.groups.resolve_groups`; on every
     rank when ranks pass different options."""
@@ -207,7 +191,15 @@ def check_construction(optimizer: Any, process_group: Any, *, stage: Any, bucket
     chosen = choose_partition(optimizer, partition, assume_elementwise)
     check_options(optimizer, max_grad_norm, loss_scale, offload, gpu_margin_mem_ratio, collective_timeout_s, overlap_param_gather, master_weights)
     groups = resolve_groups(process_group, None if collective_timeout_s is None else datetime.timedelta(seconds=collective_timeout_s))
-    options = options_fingerprint(optimizer, stage, bucket_size_mb, overlap_comm, reduce_dtype, max_grad_norm, loss_scale, offload, chosen, master_weights)
+    # The options every rank must share: they decide the layout and the collectives (a difference makes gloo abort the process) or
+    # the numbers every rank must compute alike (a difference lets the shards drift apart in silence). gpu_margin_mem_ratio only
+    # places this rank's state.
+    scale = ("DynamicLossScaler", sorted(vars(loss_scale).items())) if isinstance(loss_scale, DynamicLossScaler) else loss_scale
+    options = [
+        ("optimizer", f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"), ("stage", stage), ("bucket_size_mb", float(bucket_size_mb)),
+        ("overlap_comm", overlap_comm), ("reduce_dtype", str(reduce_dtype)), ("max_grad_norm", max_grad_norm), ("loss_scale", scale),
+        ("offload", offload), ("partition", chosen), ("master_weights", master_weights),
+    ]
     for group in groups.all():
         collectives.check_same_on_all_ranks("option", options, group)  # unbounded: ranks may reach construction far apart (loading weights)
     return chosen, groups
@@ -251,20 +243,17 @@ def check_params(params_of: list[list[nn.Parameter]], groups: range, device: tor
     params = [p for _, p in named]
     if first and not any(is_sharded(p) for p in params):
         raise ValueError(f"param_groups {list(groups)} hold {len(params)} params, none with requires_grad=True and at least one element: nothing to optimize")
-    bad = [(tuple(p.shape), str(p.layout)) for p in params if p.layout != torch.strided]
-    if bad:
+    if bad := [(tuple(p.shape), str(p.layout)) for p in params if p.layout != torch.strided]:
         raise ValueError(f"sparse params are not supported (shape, layout): {bad[:5]}")
     if non_leaf := [(name, tuple(p.shape)) for name, p in named if not p.is_leaf]:
         raise ValueError(f"{non_leaf[0][0]} (shape {non_leaf[0][1]}) is not a leaf tensor (it has a grad_fn; {len(non_leaf)} params are not): "
                          "autograd accumulates no .grad into it. Pass the model's nn.Parameters (model.parameters()), not results of ops on them")
-    bad = [(tuple(p.shape), str(p.dtype)) for p in params if p.requires_grad and not p.dtype.is_floating_point]
-    if bad:
+    if bad := [(tuple(p.shape), str(p.dtype)) for p in params if p.requires_grad and not p.dtype.is_floating_point]:
         raise ValueError(f"only real floating-point params can be sharded; got (shape, dtype) {bad[:5]}")
     devices = {p.device for p in params} | ({device} if device is not None else set())
     if len(devices) > 1:
         raise ValueError(f"all params must be on one device; got params on {sorted(map(str, devices))}")
-    meta = [(name, tuple(p.shape)) for name, p in named if p.is_meta]
-    if meta:
+    if meta := [(name, tuple(p.shape)) for name, p in named if p.is_meta]:
         name, shape = meta[0]
         raise ValueError(f"{name} (shape {shape}) is on the meta device ({len(meta)} params are): it has no values to train. "
                          "Materialize the model first (model.to_empty(device=...) and initialize it), then build the optimizer")

@@ -1,1 +1,1 @@
-"""Optimizer checkpoints: the sharded (DCP) and full formats of both partitions, directories, offline conversion."""
+"""Optimizer checkpoints: the sharded (DCP) and full formats of both partitions, and checkpoint directories."""

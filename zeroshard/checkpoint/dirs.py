@@ -16,13 +16,12 @@ METADATA = ".metadata"
 
 
 def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, key: str = "optim") -> None:
-    """Check that a DCP checkpoint directory is complete, every entry in it can be read, and (given
-    ``optimizer``) that its optimizer state was saved for the same params and shapes.
+    """Check that a DCP checkpoint directory is complete, every entry in it can be read, and (given ``optimizer``) that its
+    optimizer state was saved for the same params and shapes.
 
-    Reads the whole checkpoint once (each entry is deserialized and dropped), so it costs about
-    as much as a load. ``dcp.load`` refuses a param saved with another shape with DCP's own "Size
-    mismatch" at the param's shape entry (see :func:`~zeroshard.checkpoint.sharded.param_shapes`);
-    called first, this names it in zeroshard's words, with no collective.
+    Reads the whole checkpoint once (each entry is deserialized and dropped), so it costs about as much as a load.
+    ``dcp.load`` refuses a param saved with another shape with DCP's own "Size mismatch" at the param's shape entry (see
+    :func:`~zeroshard.checkpoint.sharded.param_shapes`); this names it first, in zeroshard's words, with no collective.
 
     Args:
         checkpoint_id: the directory given to ``dcp.save``.
@@ -30,10 +29,9 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
         key: the key the optimizer was saved under (``dcp.save({key: optimizer, ...})``).
 
     Raises:
-        ValueError: naming the first bad file: ``.metadata`` missing (the save did not finish)
-            or unreadable; a data file missing, shorter than its entries (truncated), or holding
-            an entry that cannot be deserialized (corrupted); or, with ``optimizer``, the first
-            param saved with another shape, or no zeroshard optimizer state under ``key``.
+        ValueError: naming the first bad file: ``.metadata`` missing (the save did not finish) or unreadable; a data file
+            missing, shorter than its entries (truncated), or holding an entry that cannot be deserialized (corrupted); or,
+            with ``optimizer``, the first param saved with another shape, or no zeroshard optimizer state under ``key``.
     """
     from torch.distributed.checkpoint import FileSystemReader  # on use: `import zeroshard` stays free of DCP (and sympy)
 

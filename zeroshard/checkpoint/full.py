@@ -67,10 +67,9 @@ def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
 
 
 def check_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
-    """The checks every full state dict passes (its structure; this optimizer's groups, param counts, shapes and dtypes).
-    Returns the saved index of each of our params in ``torch.optim`` order, and the ``"zeroshard"`` entry (``{}`` for a plain
-    ``torch.optim`` dict). Raises ``ValueError`` for a non-state dict or another group count, param count, shape or dtype (named),
-    or state for params frozen when this optimizer was built (named; the sharded format refuses them too)."""
+    """The checks every full state dict passes; returns the saved index of each of our params in ``torch.optim`` order, and
+    the ``"zeroshard"`` entry (``{}`` for a plain ``torch.optim`` dict). Raises ``ValueError`` for a non-state dict or another
+    group count, param count, shape or dtype, or state for params frozen when this optimizer was built (named)."""
     if not isinstance(state_dict.get("state"), dict) or not isinstance(state_dict.get("param_groups"), list):
         raise ValueError("state_dict has no 'state' dict and 'param_groups' list: neither a zeroshard nor a torch.optim state dict")
     saved_groups = state_dict["param_groups"]
@@ -102,13 +101,8 @@ def full_envelope(view: CheckpointView, state: dict[int, dict[str, Any]], master
     return {
         "state": state,
         "param_groups": groups_without_params(view.optimizer, view.group_params),
-        "zeroshard": {
-            "format": FULL_FORMAT,
-            "version": FULL_FORMAT_VERSION,
-            "params": [(tuple(p.shape), str(p.dtype)) for p in view.flat_params],
-            "master": masters,
-            "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
-        },
+        "zeroshard": {"format": FULL_FORMAT, "version": FULL_FORMAT_VERSION, "params": [(tuple(p.shape), str(p.dtype)) for p in view.flat_params],
+                      "master": masters, "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None},
     }
 
 
@@ -132,9 +126,8 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> Loaded:
     """Check a full ``torch.optim``-format state dict and cut this rank's shard out of it; nothing is written here.
 
     Accepts dicts from :func:`consolidate` and from an unsharded ``torch.optim`` optimizer of the same class over the same
-    params, whatever the live optimizer's hyperparameters: each param must hold the state its saved param group's
-    hyperparameters keep. A 16-bit param whose fp32 master the dict lacks (a plain ``torch.optim`` dict) gets its current
-    value as master, as in a freshly built optimizer.
+    params: each param must hold the state its saved param group's hyperparameters keep. A 16-bit param whose fp32 master
+    the dict lacks (a plain ``torch.optim`` dict) gets its current value as master, as in a freshly built optimizer.
 
     Raises:
         ValueError: another group count, param count, param shape or dtype (named), or state keys that the saved

@@ -69,8 +69,8 @@ class CheckpointView:
 def state_keys(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], dtype: torch.dtype,
                device: torch.device) -> tuple[list[str], bool]:
     """The per-element state keys (e.g. ``exp_avg``) that ``optimizer``'s class keeps for a param group with
-    ``hyperparameters`` (``SGD`` keeps ``momentum_buffer`` only with ``momentum != 0``), and whether it keeps ``step``:
-    from one step of a throwaway instance of the class on a 2-element param of ``dtype`` on ``device``.
+    ``hyperparameters`` (``SGD`` keeps ``momentum_buffer`` only with ``momentum != 0``), and whether it keeps ``step``: from
+    one step of a throwaway instance of the class on a 2-element param of ``dtype`` on ``device``.
 
     Raises:
         ValueError: the class cannot be built or stepped with these hyperparameters, or it keeps scalar state other than
@@ -124,8 +124,8 @@ def _as_tuples(value: Any) -> Any:
 
 
 def check_layout(view: CheckpointView, saved_layout: Any) -> None:
-    """Raise ``ValueError`` unless ``saved_layout`` (a sharded checkpoint's ``layout`` entry) matches this optimizer, naming
-    every param saved with another shape (both shapes), or else what differs."""
+    """Raise ``ValueError`` unless a sharded checkpoint's ``layout`` entry matches this optimizer, naming every param saved
+    with another shape (both shapes), or else what differs."""
     theirs, ours = _as_tuples(saved_layout), _as_tuples(layout_signature(view))
     if theirs == ours:
         return
@@ -155,8 +155,8 @@ def master_hint(found: Any, wanted: Any) -> str:
 
 
 def saves_master(shard: LocalShard) -> bool:
-    """Whether checkpoints carry this shard's master: only 16-bit params have one that differs from the params (an fp32
-    master kept in host memory by offload equals them), so the formats do not depend on where the master lives."""
+    """Whether checkpoints carry this shard's master: only 16-bit params have one that differs from the params (offload's
+    fp32 host master equals them), so the formats do not depend on where the master lives."""
     return shard.has_master and shard.buffer.dtype.itemsize < 4
 
 
@@ -313,14 +313,14 @@ def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys:
 
 
 def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_place: bool) -> Loaded:
-    """Check a sharded state dict and turn it into what a load hands the optimizer (:data:`Loaded`); nothing is written here.
+    """Check a sharded state dict and turn it into what a load hands the optimizer (:data:`Loaded`); writes nothing.
 
     ``filled_in_place``: the DTensors are those this rank's last ``state_dict()`` returned (``dcp.load`` filled them).
 
     Raises:
-        ValueError: another format version (version 1, saved before the layout named params, with a way out), another
-            rank's shard, a param saved with another shape (named, with both shapes), another layout, optimizer state
-            that the saved hyperparameters do not keep, or local shard geometry.
+        ValueError: another format version (version 1, saved before the layout named params, with a way out), another rank's
+            shard, a param saved with another shape (named, with both shapes), another layout, optimizer state that the
+            saved hyperparameters do not keep, or local shard geometry.
     """
     _check_version(state_dict["zeroshard"])
     check_saver(view, state_dict["zeroshard"], filled_in_place, "flat")
@@ -359,9 +359,8 @@ def inner_state_dict(view: CheckpointView, state: dict[Tensor, dict[str, Any]], 
 
 
 def issued_tensors(state_dict: dict[str, Any]) -> list[Any]:
-    """The tensors of a sharded state dict that ``dcp.load`` fills in place: the param steps and
-    every bucket DTensor, or with ``partition="param"`` every tensor of this rank's params
-    (there may be none: SGD without momentum keeps no state)."""
+    """The tensors of a sharded state dict that ``dcp.load`` fills in place: the param steps and every bucket DTensor, or
+    with ``partition="param"`` every tensor of this rank's params (none for SGD without momentum, which keeps no state)."""
     steps = state_dict.get("param_steps")
     entries = [*state_dict.get("buckets", {}).values(), *state_dict.get("params", {}).values()]
     return ([steps] if torch.is_tensor(steps) else []) + [v for entry in entries for v in entry.values()]

@@ -1,7 +1,6 @@
-"""Both checkpoint formats of ``partition="param"``: each param's state, whole, on its owner (``docs/shape_aware.md``).
-
-The envelope of ``sharded.py`` and ``full.py`` (param groups, per-param steps, loss scaler, layout signature) around
-another payload, as such optimizers (Muon, Adafactor) keep state that is not per-element:
+"""Both checkpoint formats of ``partition="param"`` (``docs/shape_aware.md``): the envelope of ``sharded.py`` and ``full.py``
+(param groups, per-param steps, loss scaler, layout signature) around each param's state, whole, as such optimizers (Muon,
+Adafactor) keep state that is not per-element:
 
 * **sharded**: ``"params"``: per param this rank owns, keyed by its ``torch.optim`` index (a ``str``), each state tensor
   whole and the fp32 ``master`` of a 16-bit param: plain tensors, which DCP writes once and hands whole to each new owner
@@ -138,9 +137,8 @@ _SPECS: dict[tuple[Any, ...], StateSpec] = {}
 
 def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], shape: torch.Size | tuple[int, ...],
                dtype: torch.dtype) -> StateSpec:
-    """The state ``optimizer``'s class keeps for a param of ``shape`` and ``dtype`` in a param group with ``hyperparameters``,
-    from one step of a throwaway instance of the class (see the module docstring), cached per class, hyperparameters (the
-    learning rate aside), shape and dtype.
+    """The state ``optimizer``'s class keeps for a param of ``shape`` and ``dtype`` in a param group with ``hyperparameters``
+    (see the module docstring), cached per class, hyperparameters (the learning rate aside), shape and dtype.
 
     Raises:
         ValueError: the class cannot be built or stepped with these hyperparameters on such a param, or it keeps state
@@ -167,10 +165,9 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
     if others:
         raise ValueError(f"{cls.__name__} keeps state {others} that is not a tensor; zeroshard checkpoints carry tensors and 'step' only")
     subclasses = {k: _subclass(v) for k, v in tensors.items() if is_subclass_state(v)}
-    spec = StateSpec({k: tuple(v.shape) for k, v in sorted(tensors.items())}, {k: v.dtype for k, v in tensors.items()}, "step" in sample,
-                     subclasses)
-    _SPECS[key] = spec
-    return spec
+    _SPECS[key] = StateSpec({k: tuple(v.shape) for k, v in sorted(tensors.items())}, {k: v.dtype for k, v in tensors.items()}, "step" in sample,
+                            subclasses)
+    return _SPECS[key]
 
 
 def instance_options(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]) -> dict[str, Any]:
@@ -200,29 +197,22 @@ def _master(shard: LocalShard, piece: Any, shape: torch.Size) -> Tensor:
     return shard.master_view(piece.shard_offset, piece.numel).to(shard.buffer.device, copy=True).view(shape)
 
 
-def _subclass_table(view: CheckpointView) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per ``torch.optim`` index (a ``str``) of every param whose state holds a tensor subclass: per such key, its
-    class (``"module:qualname"``), context, size and stride, for ``zeroshard.checkpoint.convert`` to rebuild it from the
-    inner tensors. The same on every rank (specs depend on the param shapes only), so any rank's copy serves."""
-    table: dict[str, dict[str, dict[str, Any]]] = {}
+def _for_convert(view: CheckpointView) -> dict[str, Any]:
+    """What ``zeroshard.convert`` needs to rebuild ``torch.optim`` state: per param group, whether the optimizer keeps ``step``
+    (``"keeps_step"``); per ``torch.optim`` index (a ``str``) of every param whose state holds a tensor subclass, per such key,
+    its class (``"module:qualname"``), context, size and stride (``"subclasses"``). The same on every rank (specs depend on the
+    param shapes only), so any rank's copy serves."""
+    keeps: list[bool] = [False] * len(view.group_params)
+    table: dict[str, Any] = {}
     for shard in view.shards:
         for i, param in enumerate(shard.buffer.params):
             spec = _spec(view, view.optimizer.param_groups, shard, param.shape)
+            if i == 0:
+                keeps[shard.group] = spec.has_step
             if spec.subclasses:
-                table[str(shard.param_indices[i])] = {
-                    key: {"cls": f"{sub.cls.__module__}:{sub.cls.__qualname__}", "context": sub.context, "size": list(sub.size),
-                          "stride": list(sub.stride)}
-                    for key, sub in spec.subclasses.items()
-                }
-    return table
-
-
-def _keeps_step(view: CheckpointView) -> list[bool]:
-    """Per param group, whether the optimizer keeps ``step`` for its params (for ``zeroshard.checkpoint.convert``)."""
-    keeps = [False] * len(view.group_params)
-    for shard in view.shards:
-        keeps[shard.group] = _spec(view, view.optimizer.param_groups, shard, shard.buffer.params[0].shape).has_step
-    return keeps
+                table[str(shard.param_indices[i])] = {key: {"cls": f"{sub.cls.__module__}:{sub.cls.__qualname__}", "context": sub.context,
+                                                            "size": list(sub.size), "stride": list(sub.stride)} for key, sub in spec.subclasses.items()}
+    return {"keeps_step": keeps, "subclasses": table}
 
 
 # -- sharded format ----------------------------------------------------------------------------
@@ -241,7 +231,7 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
     return {
         "zeroshard": {
             "format": SHARDED_FORMAT, "version": SHARDED_FORMAT_VERSION, "partition": "param", "layout": layout_signature(view),
-            "rank": view.rank, "world_size": view.world_size, "keeps_step": _keeps_step(view), "subclasses": _subclass_table(view),
+            "rank": view.rank, "world_size": view.world_size, **_for_convert(view),
             "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
         },
         "param_groups": groups_without_params(view.optimizer, view.group_params),
@@ -254,8 +244,8 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
     """As :func:`zeroshard.checkpoint.sharded.load_sharded`, for a ``partition="param"`` state dict.
 
     Raises:
-        ValueError: another format version or partition mode, another rank's shard (not through DCP), another layout (a
-            param named with both shapes), or a param's entry with other state or shapes than the saved hyperparameters keep.
+        ValueError: another format version or partition mode, another rank's shard (not through DCP), another layout (a param
+            named with both shapes), or a param's entry with other state or shapes than the saved hyperparameters keep.
     """
     meta = state_dict["zeroshard"]
     _check_version(meta)
@@ -296,8 +286,8 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
 def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
     """Gather the full state onto global rank ``to``; the full dict there, else ``None``.
 
-    A collective over ``to``'s shard group (other shard groups return at once): every owner sends its stepped params'
-    state tensors, and the master of each 16-bit param, to ``to`` one at a time, in the same order on every rank.
+    A collective over ``to``'s shard group (other shard groups return at once): every owner sends its stepped params' state
+    tensors, and the master of each 16-bit param, to ``to`` one at a time, in the same order on every rank.
     """
     if to not in dist.get_process_group_ranks(view.shard_group):
         return None
@@ -362,12 +352,12 @@ def _check_shapes_everywhere(view: CheckpointView) -> None:
 
 
 def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> Loaded:
-    """As :func:`zeroshard.checkpoint.full.load_full`, taking this rank's params' state whole; every param's entry is
-    checked on every rank, so a bad dict raises alike everywhere.
+    """As :func:`zeroshard.checkpoint.full.load_full`, taking this rank's params' state whole; every param's entry is checked
+    on every rank, so a bad dict raises alike everywhere.
 
     Raises:
-        ValueError: as :func:`zeroshard.checkpoint.full.check_full`, or a param's state with other keys or shapes than the
-            saved hyperparameters keep (named).
+        ValueError: as :func:`zeroshard.checkpoint.full.check_full`, or a param's state with other keys, types or shapes than
+            the saved hyperparameters keep (named).
     """
     order, meta = check_full(view, state_dict)
     names = param_names(view)

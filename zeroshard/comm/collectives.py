@@ -63,12 +63,9 @@ def point_to_point(tensor: Tensor, group: ProcessGroup) -> bool:
 
 def _exchange(sends: dict[int, Tensor], receives: dict[int, Tensor], group: ProcessGroup, tag: int) -> list[dist.Work]:
     """Post a send of ``sends[q]`` to and a receive into ``receives[q]`` from each group rank ``q``."""
-    works: list[dist.Work] = []
-    for q in sends:
-        peer = dist.get_global_rank(group, q)
-        posted = (dist.isend(sends[q], dst=peer, group=group, tag=tag), dist.irecv(receives[q], src=peer, group=group, tag=tag))
-        works += [work for work in posted if work is not None]
-    return works
+    posted = [(dist.isend(sends[q], dst=dist.get_global_rank(group, q), group=group, tag=tag),
+               dist.irecv(receives[q], src=dist.get_global_rank(group, q), group=group, tag=tag)) for q in sends]
+    return [work for pair in posted for work in pair if work is not None]
 
 
 def reduce_scatter(output: Tensor, input: Tensor, group: ProcessGroup, *, input_frozen: bool = False) -> AsyncWork:
@@ -232,8 +229,7 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
     bound = (timeout, f"{caller}: the check that every rank has the same {what}s", f"call {caller}")
     counts = all_gather_int64(torch.tensor([len(fingerprint)], device=device), group, *bound)
     longest = max(int(c) for c in counts)
-    hashes = torch.full((longest,), 0, dtype=torch.int64)
-    hashes[: len(fingerprint)] = torch.tensor([_digest(entry) for entry in fingerprint], dtype=torch.int64)
+    hashes = torch.tensor([_digest(entry) for entry in fingerprint] + [0] * (longest - len(fingerprint)), dtype=torch.int64)
     gathered = all_gather_int64(hashes.to(device), group, *bound)
     reference, n_reference = gathered[0].cpu(), int(counts[0])
     first = dist.get_global_rank(group, 0)
@@ -244,9 +240,7 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
         if len(differs):
             index = int(differs[0])
             label, values = (str(fingerprint[index][0]), repr(fingerprint[index][1:])) if index < len(fingerprint) else (None, None)
-            name, first_name = _broadcast_text(label, rank, group, device), _broadcast_text(label, 0, group, device)
-            other = _broadcast_text(values, rank, group, device)
-            first_value = _broadcast_text(values, 0, group, device)
+            name, first_name, other, first_value = (_broadcast_text(text, src, group, device) for text in (label, values) for src in (rank, 0))
             if name != first_name:  # entries out of step (a param in another group, a group more or less): name both
                 raise ValueError(f"{what} {index} differs: rank {their_rank} has {name} {other} there, rank {first} {first_name} {first_value}; {remedy}")
             raise ValueError(f"{what} {name} on rank {their_rank} is {other}, on rank {first} {first_value}; {remedy}")

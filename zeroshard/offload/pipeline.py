@@ -1,7 +1,5 @@
 """``offload="cpu"`` (ZeRO-Offload, Ren et al., USENIX ATC 2021): the copies around the CPU update of a host chunk, gradient
-device → host and updated params host → device (docs/offload.md, "One offloaded step"). The update itself is
-:meth:`zeroshard.step.fused_adam.FusedAdam.step`'s; which host buffers are pinned, the chunk's (``zeroshard/layout/chunk.py``).
-"""
+device → host and updated params host → device (docs/offload.md, "One offloaded step"); the update is ``FusedAdam.step``'s."""
 
 from __future__ import annotations
 

@@ -24,8 +24,7 @@ from zeroshard.kernels import fused_adamw_
 from zeroshard.layout.chunk import Chunk, chunks_of
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.offload.pipeline import CPU_ADAM_RANGE, OffloadPipeline
-from zeroshard.offload.placement import Placement, place_chunks
-from zeroshard.offload.tracer import MemoryTracer
+from zeroshard.offload.placement import MemoryTracer, Placement, place_chunks
 
 
 class Run(NamedTuple):
