@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
@@ -201,11 +202,15 @@ class ShardSet:
         # Bounded by collective_timeout_s after construction (add_param_group, unfreezing): a rank that skipped it is named. The
         # constructor waits: ranks may reach it far apart (rank 0 loading weights the broadcast hands the others).
         timeout = None if caller == "the ShardedOptimizer constructor" else groups.timeout
-        groups.check_each(lambda group: collectives.check_same_on_all_ranks("param_groups item", fingerprint, group, timeout=timeout, caller=caller),
-                          timeout, f"{caller}: the check that every rank has the same param_groups items")
         broadcast_frozen = [(param_name(g, j), p) for g, params in zip(indices, params_of) for j, p in enumerate(params) if not is_sharded(p)]
-        # The broadcast below goes by position: frozen params too.
-        check_same_order([(name, p) for p, name in taken] + (broadcast_frozen if not already_sharded else []), groups, caller, timeout)
+        # The broadcast below goes by position: frozen params too. The order check needs the shapes the fingerprint compared.
+        named = [(name, p) for p, name in taken] + (broadcast_frozen if not already_sharded else [])
+
+        def check(group: ProcessGroup) -> None:
+            collectives.check_same_on_all_ranks("param_groups item", fingerprint, group, timeout=timeout, caller=caller)
+            check_same_order(named, group, caller, timeout)
+
+        groups.check_each(check, timeout, f"{caller}: the check that every rank has the same params and param group settings")
 
         buffers: list[tuple[FlatParamBuffer, int, list[int]]] = []  # (buffer, its param group, its params' torch.optim indices)
         index = first_param_index

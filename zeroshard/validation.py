@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups, resolve_groups
@@ -200,8 +201,9 @@ def check_construction(optimizer: Any, process_group: Any, *, stage: Any, bucket
         ("overlap_comm", overlap_comm), ("reduce_dtype", str(reduce_dtype)), ("max_grad_norm", max_grad_norm), ("loss_scale", scale),
         ("offload", offload), ("partition", chosen), ("master_weights", master_weights),
     ]
-    for group in groups.all():
-        collectives.check_same_on_all_ranks("option", options, group)  # unbounded: ranks may reach construction far apart (loading weights)
+    # Unbounded: ranks may reach construction far apart (rank 0 loading weights).
+    groups.check_each(lambda group: collectives.check_same_on_all_ranks("option", options, group), None,
+                      "the ShardedOptimizer constructor: the check that every rank has the same options")
     return chosen, groups
 
 
@@ -260,8 +262,8 @@ def check_params(params_of: list[list[nn.Parameter]], groups: range, device: tor
     return devices.pop()
 
 
-def check_same_order(named: Sequence[tuple[str, Tensor]], groups: ShardingGroups, caller: str, timeout: datetime.timedelta | None) -> None:
-    """Raise ``ValueError`` on every rank of a group when a rank lists the same params as the group's rank 0 in another order, as
+def check_same_order(named: Sequence[tuple[str, Tensor]], group: ProcessGroup, caller: str, timeout: datetime.timedelta | None) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` when a rank lists the same params as its rank 0 in another order, as
     a ``set`` of params does: each rank would reduce, update and receive one param as another. The params' fp64 norms are
     compared: a rank whose norms are rank 0's in another order (with the same shapes) raises. Ranks whose values differ (fresh
     init where rank 0 loaded weights: the broadcast makes them equal) are not checked, nor params alike everywhere (LayerNorm
@@ -269,24 +271,21 @@ def check_same_order(named: Sequence[tuple[str, Tensor]], groups: ShardingGroups
 
     ``named``: the params with their names, in this rank's order, whose shapes every rank already shares.
     """
-    if not named:
+    if not named or dist.get_world_size(group) == 1:
         return
     with torch.no_grad():  # fp64 norms, sent as their int64 bit patterns
         norms = torch.stack([torch.linalg.vector_norm(p.detach(), dtype=torch.float64) for _, p in named]).view(torch.int64)
     keys = [tuple(p.shape) for _, p in named]
-    for group in groups.all():
-        if dist.get_world_size(group) == 1:
-            continue
-        what = f"{caller}: the check that every rank lists the params in the same order"
-        sent = norms.to(collectives.collective_device(group))
-        gathered = [v.cpu().view(torch.float64).tolist() for v in collectives.all_gather_int64(sent, group, timeout, what, f"call {caller}")]
-        first = gathered[0]
-        for rank, values in enumerate(gathered[1:], start=1):
-            if values == first or sorted(zip(keys, values)) != sorted(zip(keys, first)):
-                continue  # the same order, or other values (not a reordering)
-            j = next(j for j in range(len(values)) if values[j] != first[j])
-            k = next(k for k in range(len(first)) if first[k] == values[j] and keys[k] == keys[j])
-            raise ValueError(f"{named[j][0]} on rank {dist.get_global_rank(group, rank)} holds the values {named[k][0]} holds on rank "
-                             f"{dist.get_global_rank(group, 0)} (shape {keys[j]}): the ranks list the params in different orders (a "
-                             "set() of params?), so each would be reduced and updated as another. Build the optimizer from "
-                             "model.parameters(), or a list in the same order on every rank")
+    what = f"{caller}: the check that every rank lists the params in the same order"
+    sent = norms.to(collectives.collective_device(group))
+    gathered = [v.cpu().view(torch.float64).tolist() for v in collectives.all_gather_int64(sent, group, timeout, what, f"call {caller}")]
+    first = gathered[0]
+    for rank, values in enumerate(gathered[1:], start=1):
+        if values == first or sorted(zip(keys, values)) != sorted(zip(keys, first)):
+            continue  # the same order, or other values (not a reordering)
+        j = next(j for j in range(len(values)) if values[j] != first[j])
+        k = next(k for k in range(len(first)) if first[k] == values[j] and keys[k] == keys[j])
+        raise ValueError(f"{named[j][0]} on rank {dist.get_global_rank(group, rank)} holds the values {named[k][0]} holds on rank "
+                         f"{dist.get_global_rank(group, 0)} (shape {keys[j]}): the ranks list the params in different orders (a "
+                         "set() of params?), so each would be reduced and updated as another. Build the optimizer from "
+                         "model.parameters(), or a list in the same order on every rank")

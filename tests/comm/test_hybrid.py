@@ -85,21 +85,30 @@ def test_bad_shard_size_or_mesh_raises_before_any_collective(pools):
     pools[4].run(bad_mesh_worker)
 
 
-def hybrid_mistake_worker() -> str:
-    """Rank 1 builds its optimizer with another lr: the error on this rank, or "no error"."""
+def hybrid_mistake_worker(mistake: str) -> str:
+    """Rank 1 alone makes ``mistake`` building or using its optimizer: the error on this rank, or "no error"."""
     torch.manual_seed(0)
-    model = TinyNet()
+    model, rank = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), dist.get_rank()
+    params = list(model.parameters())
+    if mistake == "order" and rank == 1:  # as list(set(model.parameters())) may give
+        params = [params[2], params[1], params[0], params[3]]
+    options = {"stage": 1} if mistake == "option" and rank == 1 else {}
     try:
-        zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=2e-3 if dist.get_rank() == 1 else 1e-3), process_group=zeroshard.hybrid_mesh(2))
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(params, lr=2e-3 if mistake == "lr" and rank == 1 else 1e-3),
+                                         process_group=zeroshard.hybrid_mesh(2), **options)
+        opt.consolidate_state_dict(to=1 if mistake == "to" and rank == 1 else 0)
     except ValueError as error:
         return str(error)
     return "no error"
 
 
-def test_a_mismatch_in_one_shard_group_raises_on_every_rank(pools):
-    # Shard groups {0, 1} and {2, 3}: rank 1's lr differs from rank 0's there and from rank 3's across replicas. Rank 2 finds
-    # nothing wrong itself; without the agreement it would wait in the replicate group's check for rank 0, which had left.
-    messages = pools[4].run(hybrid_mistake_worker, timeout=120)
-    assert all("param_groups[0]['lr'] on rank 1 is (0.002,), on rank 0 (0.001,)" in m for m in messages[:2]), messages
-    assert "param_groups[0]['lr'] on rank 3 is (0.001,), on rank 1 (0.002,)" in messages[3], messages
+@pytest.mark.parametrize(("mistake", "expected"), [
+    ("lr", "param_groups[0]['lr'] on rank"), ("option", "option stage on rank"),
+    ("order", "the ranks list the params in different orders"), ("to", "consolidate_state_dict argument to on rank"),
+])
+def test_a_mismatch_in_one_shard_group_raises_on_every_rank(pools, mistake, expected):
+    # Shard groups {0, 1} and {2, 3}: rank 1 differs from rank 0 there and from rank 3 across replicas. Rank 2 finds nothing
+    # wrong itself; before the ranks agreed, it waited in the replicate group's check for rank 0, which had left.
+    messages = pools[4].run(hybrid_mistake_worker, mistake, timeout=120)
+    assert all(expected in m for m in (messages[0], messages[1], messages[3])), messages
     assert re.fullmatch(r"rank [13] found ranks that differ \(its error names them\); every rank stops here", messages[2]), messages
