@@ -196,3 +196,31 @@ def reshaped_params_worker(directory: str) -> None:
 
 def test_params_saved_with_another_shape_are_named(pools, tmp_path):
     pools[2].run(reshaped_params_worker, str(tmp_path / "dcp"))
+
+
+def verify_mismatch_worker(directory: str) -> None:
+    """verify_checkpoint names what differs from the optimizer about to load, where dcp.load would fail inside DCP on a bucket's
+    size or a missing key: params in other param groups, another partition, another optimizer class. Its own saver passes."""
+    model, opt = _build()
+    _train(model, opt, range(2))
+    dcp.save({"optim": opt}, checkpoint_id=directory)
+    zeroshard.verify_checkpoint(directory, opt)
+
+    def built(groups=param_groups, optimizer=torch.optim.AdamW, **options):
+        torch.manual_seed(0)
+        return zeroshard.ShardedOptimizer(optimizer(groups(TinyNet()), lr=1e-2), bucket_size_mb=BUCKET_MB, **options)
+
+    cases = [
+        (built(groups=lambda m: [{"params": list(m.parameters())}]), r"params of this model's shapes, but in other places of param_groups "
+                                                                      r"\(param_groups\[0\]\['params'\]\[3\]: saved \(13, 13\), this model \(29,\)\)"),
+        (built(partition="param"), r"sharded checkpoint of partition='flat', this optimizer has partition='param'"),
+        (built(optimizer=torch.optim.RMSprop), r"holds optimizer state \[\['exp_avg', 'exp_avg_sq'\], \['exp_avg', 'exp_avg_sq'\]\] per param "
+                                               r"group; RMSprop with this optimizer's hyperparameters keeps \[\['square_avg'\], \['square_avg'\]\]"),
+    ]
+    for other, message in cases:
+        with pytest.raises(ValueError, match=message):
+            zeroshard.verify_checkpoint(directory, other)
+
+
+def test_verify_checkpoint_names_what_differs(pools, tmp_path):
+    pools[2].run(verify_mismatch_worker, str(tmp_path / "dcp"))

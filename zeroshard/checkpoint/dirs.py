@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.checkpoint.sharded import check_layout
+from zeroshard.checkpoint.sharded import check_saved
 
 METADATA = ".metadata"
 
@@ -31,7 +31,9 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
     Raises:
         ValueError: naming the first bad file: ``.metadata`` missing (the save did not finish) or unreadable; a data file
             missing, shorter than its entries (truncated), or holding an entry that cannot be deserialized (corrupted); or,
-            with ``optimizer``, the first param saved with another shape, or no zeroshard optimizer state under ``key``.
+            with ``optimizer``, no zeroshard optimizer state under ``key``, another format version or ``partition``, a param saved with
+            another shape (named, with both shapes) or in another place of ``param_groups``, or other optimizer state (another
+            optimizer class, or hyperparameters that keep other state).
     """
     from torch.distributed.checkpoint import FileSystemReader  # on use: `import zeroshard` stays free of DCP (and sympy)
 
@@ -43,7 +45,7 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as error:
         raise ValueError(f"{metadata_file} cannot be read ({error}): the checkpoint is corrupted") from error
-    saved_layout = None
+    meta: dict[str, Any] = {}  # the saved optimizer's "zeroshard" entry
     entries = defaultdict(list)
     for index, info in metadata.storage_data.items():
         entries[info.relative_path].append((index, info))
@@ -63,13 +65,13 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
                     value = torch.load(io.BytesIO(stream.read(info.length)), map_location="cpu", weights_only=False)
                 except Exception as error:
                     raise ValueError(f"{file} is corrupted: entry {index.fqn!r} at byte {info.offset} cannot be read ({error})") from error
-                if index.fqn == f"{key}.zeroshard.layout":
-                    saved_layout = value
+                if index.fqn.startswith(f"{key}.zeroshard."):
+                    meta[index.fqn.removeprefix(f"{key}.zeroshard.")] = value
     if optimizer is not None:
-        if saved_layout is None:
+        if "layout" not in meta:
             raise ValueError(f"{path} holds no zeroshard optimizer state under {key!r} (no {key}.zeroshard.layout entry)")
         try:
-            check_layout(optimizer.checkpoint_view(), saved_layout)
+            check_saved(optimizer.checkpoint_view(), meta, optimizer.partition)
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
 

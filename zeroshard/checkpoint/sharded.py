@@ -131,6 +131,10 @@ def check_layout(view: CheckpointView, saved_layout: Any) -> None:
         return
     saved = {name: shape for _, params, _ in theirs for name, shape in params}
     here = {name: shape for _, params, _ in ours for name, shape in params}
+    if saved != here and sorted(saved.values()) == sorted(here.values()):  # the same shapes in other places: not a reshaped param
+        name = next((n for n, shape in here.items() if saved.get(n, shape) != shape), None) or next(n for n in here if n not in saved)
+        raise ValueError(f"state_dict has params of this model's shapes, but in other places of param_groups ({name}: saved "
+                         f"{saved.get(name, 'with no param there')}, this model {here[name]}): saved with other param groups, or the params in another order")
     reshaped = [f"{name} was saved with shape {saved[name]}, this model has {shape}" for name, shape in here.items() if name in saved and saved[name] != shape]
     if reshaped:
         raise ValueError("; ".join(reshaped))
@@ -284,13 +288,32 @@ def check_saver(view: CheckpointView, meta: dict[str, Any], filled_in_place: boo
                          f"{view.world_size}: load each rank's own shard, or reshard with torch.distributed.checkpoint (dcp.load)")
 
 
+def check_saved(view: CheckpointView, meta: dict[str, Any], partition: str) -> None:
+    """:func:`~zeroshard.verify_checkpoint`'s checks of a sharded checkpoint's ``"zeroshard"`` entry ``meta`` against this optimizer,
+    before any load: format version, ``partition``, layout and (flat) the state each param group keeps.
+
+    Raises:
+        ValueError: see :func:`check_saver`, :func:`check_layout` and :func:`_check_state_keys`.
+    """
+    _check_version(meta)
+    check_saver(view, meta, True, partition)
+    check_layout(view, meta.get("layout", []))
+    if "state_keys" in meta:
+        _check_state_keys(view, meta, group_state_keys(view, view.optimizer.param_groups), "this optimizer's hyperparameters")
+
+
+def _check_state_keys(view: CheckpointView, meta: dict[str, Any], group_keys: list[tuple[list[str], bool]], whose: str) -> None:
+    """Raise ``ValueError`` unless ``meta`` saved the state keys ``group_keys`` holds, per param group."""
+    saved_keys = [list(keys) for keys in meta.get("state_keys", [])]
+    if saved_keys != [keys for keys, _ in group_keys]:
+        raise ValueError(f"state_dict holds optimizer state {saved_keys} per param group; {type(view.optimizer).__name__} with {whose} "
+                         f"keeps {[keys for keys, _ in group_keys]}")
+
+
 def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys: list[tuple[list[str], bool]], filled_in_place: bool) -> None:
     meta = state_dict["zeroshard"]
     check_layout(view, meta.get("layout", []))
-    saved_keys = [list(keys) for keys in meta.get("state_keys", [])]
-    if saved_keys != [keys for keys, _ in group_keys]:
-        raise ValueError(f"state_dict holds optimizer state {saved_keys} per param group; {type(view.optimizer).__name__} with the state_dict's "
-                         f"hyperparameters keeps {[keys for keys, _ in group_keys]}")
+    _check_state_keys(view, meta, group_keys, "the state_dict's hyperparameters")
     for k, shard in enumerate(view.shards):
         keys, _ = group_keys[shard.group]
         for bucket in shard.buffer.layout.buckets:
