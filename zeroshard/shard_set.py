@@ -168,9 +168,9 @@ class ShardSet:
                already_sharded: frozenset[int] = frozenset()) -> list[LocalShard]:
         """Flatten, broadcast and shard param groups ``indices``; append the new shards to :attr:`shards` and return them.
 
-        Local checks first; then one fingerprint all-gather per group of ranks (a mismatch raises on
-        every rank, naming it, before any size-dependent collective); then the broadcast from rank 0;
-        finally each group's ``"params"`` is replaced by this rank's virtual parameters (or, when
+        Local checks first; then, per group of ranks, the fingerprint check (settings, shapes) and the order check, before any
+        size-dependent collective (a mismatch raises on every rank: see :meth:`ShardingGroups.check_each`); then the broadcast
+        from rank 0; finally each group's ``"params"`` is replaced by this rank's virtual parameters (or, when
         ``already_sharded`` is given, the new virtual parameters are appended to them).
 
         Args:
@@ -210,7 +210,7 @@ class ShardSet:
             collectives.check_same_on_all_ranks("param_groups item", fingerprint, group, timeout=timeout, caller=caller)
             check_same_order(named, group, caller, timeout)
 
-        groups.check_each(check, timeout, f"{caller}: the check that every rank has the same params and param group settings")
+        groups.check_each(check, timeout, caller)
 
         buffers: list[tuple[FlatParamBuffer, int, list[int]]] = []  # (buffer, its param group, its params' torch.optim indices)
         index = first_param_index

@@ -124,7 +124,7 @@ class StateDictMixin:
         # A rank gathering to another `to` would wait for sends that never come.
         self.groups.check_each(lambda group: collectives.check_same_on_all_ranks(
             "consolidate_state_dict argument", [("to", to)], group, remedy="pass the same to= on every rank", timeout=self._timeout,
-            caller="consolidate_state_dict()"), self._timeout, "consolidate_state_dict(): the check that every rank passes the same to=")
+            caller="consolidate_state_dict()"), self._timeout, "consolidate_state_dict()")
         self._consolidated = FORMATS[self.partition].consolidate(self.checkpoint_view(), to)
         self._since_consolidation = True
 

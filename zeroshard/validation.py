@@ -202,8 +202,7 @@ def check_construction(optimizer: Any, process_group: Any, *, stage: Any, bucket
         ("offload", offload), ("partition", chosen), ("master_weights", master_weights),
     ]
     # Unbounded: ranks may reach construction far apart (rank 0 loading weights).
-    groups.check_each(lambda group: collectives.check_same_on_all_ranks("option", options, group), None,
-                      "the ShardedOptimizer constructor: the check that every rank has the same options")
+    groups.check_each(lambda group: collectives.check_same_on_all_ranks("option", options, group), None, "the ShardedOptimizer constructor")
     return chosen, groups
 
 

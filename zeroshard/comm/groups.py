@@ -44,15 +44,16 @@ class ShardingGroups:
         """The groups in the order collectives span them: shard first, then replicate."""
         return [self.shard] + ([self.replicate] if self.replicate is not None else [])
 
-    def check_each(self, check: Callable[[ProcessGroup], None], timeout: datetime.timedelta | None, what: str) -> None:
+    def check_each(self, check: Callable[[ProcessGroup], None], timeout: datetime.timedelta | None, caller: str) -> None:
         """Run ``check``, a cross-rank comparison that raises ``ValueError`` alike on every rank of the group it is given, on
-        each group of :meth:`all`. With a replicate group the ranks then agree (two all-reduces, one per group) whether any check
-        raised: a mismatch found within one shard group raises on every rank, not there alone while the others' ranks wait in
-        the next collective for ranks that left.
+        each group of :meth:`all`, in ``caller`` (what the user called). With a replicate group the ranks then agree (two
+        all-reduces, one per group) whether any check raised: a mismatch found within one shard group raises on every rank,
+        not there alone while the others' ranks wait in the next collective for ranks that left. Another exception (a
+        timeout's ``RuntimeError``) leaves at once, as before: the process group is unusable then.
 
         Raises:
-            ValueError: this rank's check's error, or, on a rank whose checks passed, one naming the rank whose check raised.
-            RuntimeError: past ``timeout``, some rank did not join (``what`` names the call).
+            ValueError: this rank's check's error, or, on a rank whose checks passed, one naming the lowest rank whose check raised.
+            RuntimeError: past ``timeout``, some rank did not join.
         """
         error: ValueError | None = None
         for group in self.all():
@@ -61,11 +62,13 @@ class ShardingGroups:
             except ValueError as raised:
                 error = error or raised
         if self.replicate is not None:
-            failed = torch.tensor([dist.get_rank() + 1 if error is not None else 0], device=collectives.collective_device(self.shard))
+            world = dist.get_world_size()  # sent: world - the lowest failing rank (0: none failed)
+            failed = torch.tensor([world - dist.get_rank() if error is not None else 0], device=collectives.collective_device(self.shard))
             for group in (self.replicate, self.shard):  # (replica i, shard j) reaches (i', j), then (i', j')
-                collectives.wait(collectives.all_reduce(failed, group, op=dist.ReduceOp.MAX), timeout, what, "call it on every rank")
+                work = collectives.all_reduce(failed, group, op=dist.ReduceOp.MAX)
+                collectives.wait(work, timeout, f"{caller}: the all-reduce of whether any rank's checks failed", f"call {caller}")
             if error is None and failed.item():
-                raise ValueError(f"rank {failed.item() - 1} found ranks that differ (its error names them); every rank stops here")
+                raise ValueError(f"{caller}: rank {world - int(failed.item())} found ranks that differ (its error names them); every rank stops here")
         if error is not None:
             raise error
 

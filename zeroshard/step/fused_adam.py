@@ -249,7 +249,7 @@ class FusedAdam:
     def place_once(self, shards: list[LocalShard], model_data_bytes: Callable[[], int]) -> Placement | None:
         """At the first step after :meth:`start_margin_trace`: end its tracer and move ``ratio`` of the measured margin's worth of
         chunks to the device (:func:`~zeroshard.offload.placement.place_chunks`; ``model_data_bytes()``: what the optimizer owns
-        there), masters refreshed and moments allocated first. The new :attr:`placement`, or ``None`` (placed already).
+        there), masters refreshed and moments allocated first. The new :attr:`placement`, or ``None`` (no trace started, or placed already).
         """
         if self._margin is None:
             return None
