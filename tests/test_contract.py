@@ -480,7 +480,7 @@ def timeout_child_output(tmp_path_factory) -> str:
     ("consolidate", ("consolidate_state_dict(): the check that every rank has the same consolidate_state_dict arguments did not "
                      "complete within 2 s on rank 0", "every rank must call consolidate_state_dict()")),
     ("norm", ("reading a gradient norm (its reduction over the ranks) did not complete within 2 s on rank 0",)),
-    ("add_param_group", ("add_param_group(): the check that every rank has the same param_groups items did not complete within 2 s on rank 0",
+    ("add_param_group", ("add_param_group(): the all-reduce of whether any rank's checks failed did not complete within 2 s on rank 0",
                          "call add_param_group()")),
 ])
 def test_rank_missing_a_call_raises_naming_the_collective_within_the_bound(timeout_child_output, call, expected):

@@ -103,22 +103,29 @@ class ShardSet:
         """Add ``param_group`` to the optimizer and shard it (``ShardedOptimizer.add_param_group``); the new shards.
 
         Raises:
-            ValueError: a param already in another group (before anything changes); as
-                ``torch.optim.Optimizer.add_param_group`` and :meth:`add_groups` raise, with the
-                optimizer's param groups as they were.
+            ValueError: a param already in another group; as ``torch.optim.Optimizer.add_param_group`` and
+                :meth:`add_groups` raise, with the optimizer's param groups as they were. Raised on some ranks
+                only, every rank raises (:meth:`ShardingGroups.agree`).
         """
-        params = param_group.get("params") if isinstance(param_group, dict) else None
-        params = [params] if isinstance(params, Tensor) else list(params or [])
-        sharded = {id(p) for group in self.group_params for p in group}
-        again = [tuple(p.shape) for p in params if id(p) in sharded]
-        if again:
-            raise ValueError(f"param_group holds params already in another param group (shapes {again[:5]}); a param can be in one group only")
-        self.optimizer.add_param_group(param_group)
-        index = len(self.optimizer.param_groups) - 1
+        error: Exception | None = None
         try:
+            params = param_group.get("params") if isinstance(param_group, dict) else None
+            params = [params] if isinstance(params, Tensor) else list(params or [])
+            sharded = {id(p) for group in self.group_params for p in group}
+            again = [tuple(p.shape) for p in params if id(p) in sharded]
+            if again:
+                raise ValueError(f"param_group holds params already in another param group (shapes {again[:5]}); a param can be in one group only")
+            self.optimizer.add_param_group(param_group)
+        except (TypeError, ValueError) as raised:
+            error = raised
+        try:
+            # Raised on some ranks only, it would leave the others waiting in the checks' collectives: all raise.
+            self.groups.agree(error, self.groups.timeout, "add_param_group()", found="refused the param group")
+            index = len(self.optimizer.param_groups) - 1
             return self.add_groups(range(index, index + 1), caller="add_param_group()")
         except BaseException:
-            self.optimizer.param_groups.pop()
+            if error is None:  # torch's add_param_group appended it
+                self.optimizer.param_groups.pop()
             raise
 
     def zero_grad(self, set_to_none: bool) -> None:

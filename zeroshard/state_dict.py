@@ -114,17 +114,18 @@ class StateDictMixin:
         at any world size. Mirrors ``ZeroRedundancyOptimizer.consolidate_state_dict``.
 
         Raises:
-            ValueError: ``to`` is not a rank of the world, or (on every rank) not the same on every rank.
+            ValueError: (on every rank) ``to`` not the same on every rank, or not a rank of the world.
             RuntimeError: with ``collective_timeout_s``, some rank did not call it in time (a rank-0-only call).
         """
-        if not 0 <= to < dist.get_world_size():
-            raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
         self.wait_params()
         self._settle()
-        # A rank gathering to another `to` would wait for sends that never come.
+        # A rank gathering to another `to` would wait for sends that never come; compared before the range check, so that a
+        # bad `to` on one rank raises on every rank.
         self.groups.check_each(lambda group: collectives.check_same_on_all_ranks(
             "consolidate_state_dict argument", [("to", to)], group, remedy="pass the same to= on every rank", timeout=self._timeout,
             caller="consolidate_state_dict()"), self._timeout, "consolidate_state_dict()")
+        if not 0 <= to < dist.get_world_size():
+            raise ValueError(f"to={to} is not a rank of the world (size {dist.get_world_size()})")
         self._consolidated = FORMATS[self.partition].consolidate(self.checkpoint_view(), to)
         self._since_consolidation = True
 

@@ -96,7 +96,7 @@ def hybrid_mistake_worker(mistake: str) -> str:
     try:
         opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(params, lr=2e-3 if mistake == "lr" and rank == 1 else 1e-3),
                                          process_group=zeroshard.hybrid_mesh(2), **options)
-        opt.consolidate_state_dict(to=1 if mistake == "to" and rank == 1 else 0)
+        opt.consolidate_state_dict(to={"to": 1, "to outside": 4}.get(mistake, 0) if rank == 1 else 0)
     except ValueError as error:
         return str(error)
     return "no error"
@@ -105,10 +105,34 @@ def hybrid_mistake_worker(mistake: str) -> str:
 @pytest.mark.parametrize(("mistake", "expected"), [
     ("lr", "param_groups[0]['lr'] on rank"), ("option", "option stage on rank"),
     ("order", "the ranks list the params in different orders"), ("to", "consolidate_state_dict argument to on rank"),
+    ("to outside", "consolidate_state_dict argument to on rank"),
 ])
 def test_a_mismatch_in_one_shard_group_raises_on_every_rank(pools, mistake, expected):
     # Shard groups {0, 1} and {2, 3}: rank 1 differs from rank 0 there and from rank 3 across replicas. Rank 2 finds nothing
     # wrong itself; before the ranks agreed, it waited in the replicate group's check for rank 0, which had left.
     messages = pools[4].run(hybrid_mistake_worker, mistake, timeout=120)
     assert all(expected in m for m in (messages[0], messages[1], messages[3])), messages
-    assert re.fullmatch(r".*: rank 0 found ranks that differ \(its error names them\); every rank stops here", messages[2]), messages
+    assert re.fullmatch(r".*: rank 0 found ranks that differ \(its error says more\); every rank stops here", messages[2]), messages
+
+
+def add_param_group_mistake_worker() -> str:
+    """Rank 1 alone passes a param already in another group to add_param_group: the error on this rank, then whether the ranks
+    still run a collective together and the optimizer kept its one group."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model[0].parameters()), process_group=zeroshard.hybrid_mesh(2), collective_timeout_s=60)
+    try:
+        opt.add_param_group({"params": list(model[0 if dist.get_rank() == 1 else 1].parameters())})
+        message = "no error"
+    except ValueError as error:
+        message = str(error)
+    together = torch.ones(1)
+    dist.all_reduce(together)
+    return f"{message} | {int(together.item())} | {len(opt.param_groups)}"
+
+
+def test_add_param_group_refused_on_one_rank_raises_on_every_rank(pools):
+    messages = pools[4].run(add_param_group_mistake_worker, timeout=120)
+    assert messages[1].startswith("param_group holds params already in another param group") and messages[1].endswith("| 4 | 1"), messages
+    for rank in (0, 2, 3):
+        assert messages[rank] == "add_param_group(): rank 1 refused the param group (its error says more); every rank stops here | 4 | 1", messages

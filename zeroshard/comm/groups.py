@@ -46,13 +46,13 @@ class ShardingGroups:
 
     def check_each(self, check: Callable[[ProcessGroup], None], timeout: datetime.timedelta | None, caller: str) -> None:
         """Run ``check``, a cross-rank comparison that raises ``ValueError`` alike on every rank of the group it is given, on
-        each group of :meth:`all`, in ``caller`` (what the user called). With a replicate group the ranks then agree (two
-        all-reduces, one per group) whether any check raised: a mismatch found within one shard group raises on every rank,
-        not there alone while the others' ranks wait in the next collective for ranks that left. Another exception (a
-        timeout's ``RuntimeError``) leaves at once, as before: the process group is unusable then.
+        each group of :meth:`all`, in ``caller`` (what the user called). With a replicate group the ranks then :meth:`agree`:
+        a mismatch found within one shard group raises on every rank, not there alone while the others' ranks wait in the
+        next collective for ranks that left. Another exception (a timeout's ``RuntimeError``) leaves at once: the process
+        group is unusable then.
 
         Raises:
-            ValueError: this rank's check's error, or, on a rank whose checks passed, one naming the lowest rank whose check raised.
+            ValueError: this rank's check's error, or, on a rank whose checks passed, :meth:`agree`'s.
             RuntimeError: past ``timeout``, some rank did not join.
         """
         error: ValueError | None = None
@@ -62,15 +62,28 @@ class ShardingGroups:
             except ValueError as raised:
                 error = error or raised
         if self.replicate is not None:
-            world = dist.get_world_size()  # sent: world - the lowest failing rank (0: none failed)
-            failed = torch.tensor([world - dist.get_rank() if error is not None else 0], device=collectives.collective_device(self.shard))
-            for group in (self.replicate, self.shard):  # (replica i, shard j) reaches (i', j), then (i', j')
-                work = collectives.all_reduce(failed, group, op=dist.ReduceOp.MAX)
-                collectives.wait(work, timeout, f"{caller}: the all-reduce of whether any rank's checks failed", f"call {caller}")
-            if error is None and failed.item():
-                raise ValueError(f"{caller}: rank {world - int(failed.item())} found ranks that differ (its error names them); every rank stops here")
+            self.agree(error, timeout, caller)
         if error is not None:
             raise error
+
+    def agree(self, error: Exception | None, timeout: datetime.timedelta | None, caller: str, found: str = "found ranks that differ") -> None:
+        """Raise on every rank if any rank has an ``error`` (found by a check of its own, before ``caller``'s collectives): that
+        error where there is one, else a ``ValueError`` naming the lowest rank with one and what it ``found``. One all-reduce per group of :meth:`all`
+        ((replica i, shard j) reaches every (i, j'), then every (i', j')).
+
+        Raises:
+            ValueError, TypeError: as said above.
+            RuntimeError: past ``timeout``, some rank did not join.
+        """
+        world = dist.get_world_size()  # sent: world - the lowest rank with an error (0: none)
+        failed = torch.tensor([world - dist.get_rank() if error is not None else 0], device=collectives.collective_device(self.shard))
+        for group in self.all():
+            work = collectives.all_reduce(failed, group, op=dist.ReduceOp.MAX)
+            collectives.wait(work, timeout, f"{caller}: the all-reduce of whether any rank's checks failed", f"call {caller}")
+        if error is not None:
+            raise error
+        if failed.item():
+            raise ValueError(f"{caller}: rank {world - int(failed.item())} {found} (its error says more); every rank stops here")
 
     @functools.cached_property
     def reducing(self) -> tuple[ProcessGroup, ...]:
