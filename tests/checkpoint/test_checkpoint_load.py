@@ -206,14 +206,21 @@ def verify_mismatch_worker(directory: str) -> None:
     dcp.save({"optim": opt}, checkpoint_id=directory)
     zeroshard.verify_checkpoint(directory, opt)
 
-    def built(groups=param_groups, optimizer=torch.optim.AdamW, **options):
+    def built(groups=param_groups, optimizer=torch.optim.AdamW, dtype=torch.float32, bucket_size_mb=BUCKET_MB, **options):
         torch.manual_seed(0)
-        return zeroshard.ShardedOptimizer(optimizer(groups(TinyNet()), lr=1e-2), bucket_size_mb=BUCKET_MB, **options)
+        return zeroshard.ShardedOptimizer(optimizer(groups(TinyNet().to(dtype)), lr=1e-2), bucket_size_mb=bucket_size_mb, **options)
+
+    def without_second_matrix(model):  # as filter(requires_grad) after freezing it: the params after it move up
+        decay, no_decay = param_groups(model)
+        return [{**decay, "params": decay["params"][:1] + decay["params"][2:]}, no_decay]
 
     cases = [
         (built(groups=lambda m: [{"params": list(m.parameters())}]), r"params of this model's shapes, but in other places of param_groups "
                                                                       r"\(param_groups\[0\]\['params'\]\[3\]: saved \(13, 13\), this model \(29,\)\)"),
         (built(partition="param"), r"sharded checkpoint of partition='flat', this optimizer has partition='param'"),
+        (built(groups=without_second_matrix), r"optimizer state for \d+ params, this optimizer trains \d+: a param added, removed or frozen"),
+        (built(dtype=torch.bfloat16), r"flat buffer 0 holds torch.float32 params, this optimizer's are torch.bfloat16: saved with the model in another dtype"),
+        (built(bucket_size_mb=1.0), r"flat buffer 0 has \(.*\) params per bucket, this optimizer \(\d+,\): saved with another bucket_size_mb"),
         (built(optimizer=torch.optim.RMSprop), r"holds optimizer state \[\['exp_avg', 'exp_avg_sq'\], \['exp_avg', 'exp_avg_sq'\]\] per param "
                                                r"group; RMSprop with this optimizer's hyperparameters keeps \[\['square_avg'\], \['square_avg'\]\]"),
     ]

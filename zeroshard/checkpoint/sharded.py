@@ -135,6 +135,10 @@ def check_layout(view: CheckpointView, saved_layout: Any) -> None:
         name = next((n for n, shape in here.items() if saved.get(n, shape) != shape), None) or next(n for n in here if n not in saved)
         raise ValueError(f"state_dict has params of this model's shapes, but in other places of param_groups ({name}: saved "
                          f"{saved.get(name, 'with no param there')}, this model {here[name]}): saved with other param groups, or the params in another order")
+    if len(saved) != len(here):  # not a reshaped param either: the params after it moved up or down
+        raise ValueError(f"state_dict has optimizer state for {len(saved)} params, this optimizer trains {len(here)}: a param added, removed "
+                         f"or frozen since the save, or another model (saved only: {sorted(saved.keys() - here.keys())}; here only: "
+                         f"{sorted(here.keys() - saved.keys())})")
     reshaped = [f"{name} was saved with shape {saved[name]}, this model has {shape}" for name, shape in here.items() if name in saved and saved[name] != shape]
     if reshaped:
         raise ValueError("; ".join(reshaped))
@@ -142,6 +146,10 @@ def check_layout(view: CheckpointView, saved_layout: Any) -> None:
         raise ValueError(f"state_dict has optimizer state for {sorted(saved.keys() - here.keys())} that this optimizer does not train, and none for "
                          f"{sorted(here.keys() - saved.keys())}: saved for another model, param groups or frozen params")
     for k, (a, b) in enumerate(zip(theirs, ours)):
+        if a[0] != b[0]:
+            raise ValueError(f"state_dict flat buffer {k} holds {a[0]} params, this optimizer's are {b[0]}: saved with the model in another dtype")
+        if a != b and a[1] == b[1]:
+            raise ValueError(f"state_dict flat buffer {k} has {a[2]} params per bucket, this optimizer {b[2]}: saved with another bucket_size_mb")
         if a != b:
             raise ValueError(f"state_dict flat buffer {k} has (dtype, params, params per bucket) {a}, this optimizer {b}: "
                              "saved for another model, param groups or bucket_size_mb")
