@@ -227,6 +227,14 @@ def verify_mismatch_worker(directory: str) -> None:
     for other, message in cases:
         with pytest.raises(ValueError, match=message):
             zeroshard.verify_checkpoint(directory, other)
+    # bf16 saved without masters, verified against an optimizer that keeps them (the other way round loads: masters dropped)
+    torch.manual_seed(0)
+    bf16 = TinyNet().to(torch.bfloat16)
+    saved = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(bf16), lr=1e-2), bucket_size_mb=BUCKET_MB, master_weights=False)
+    dcp.save({"optim": saved}, checkpoint_id=directory + "-bf16")
+    with pytest.raises(ValueError, match=r"holds no fp32 masters of 16-bit params, this optimizer keeps them. The checkpoint was saved with master_weights=False"):
+        zeroshard.verify_checkpoint(directory + "-bf16", built(dtype=torch.bfloat16))
+    zeroshard.verify_checkpoint(directory + "-bf16", saved)
 
 
 def test_verify_checkpoint_names_what_differs(pools, tmp_path):

@@ -71,7 +71,8 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
         if "layout" not in meta:
             raise ValueError(f"{path} holds no zeroshard optimizer state under {key!r} (no {key}.zeroshard.layout entry)")
         try:
-            check_saved(optimizer.checkpoint_view(), meta, optimizer.partition)
+            saved_master = any(fqn.startswith(f"{key}.") and fqn.endswith(".master") for fqn in metadata.state_dict_metadata)
+            check_saved(optimizer.checkpoint_view(), meta, optimizer.partition, saved_master)
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
 

@@ -296,9 +296,10 @@ def check_saver(view: CheckpointView, meta: dict[str, Any], filled_in_place: boo
                          f"{view.world_size}: load each rank's own shard, or reshard with torch.distributed.checkpoint (dcp.load)")
 
 
-def check_saved(view: CheckpointView, meta: dict[str, Any], partition: str) -> None:
+def check_saved(view: CheckpointView, meta: dict[str, Any], partition: str, saved_master: bool) -> None:
     """:func:`~zeroshard.verify_checkpoint`'s checks of a sharded checkpoint's ``"zeroshard"`` entry ``meta`` against this optimizer,
-    before any load: format version, ``partition``, layout and (flat) the state each param group keeps.
+    before any load: format version, ``partition``, layout, masters (``saved_master``: the checkpoint holds some) and (flat)
+    the state each param group keeps.
 
     Raises:
         ValueError: see :func:`check_saver`, :func:`check_layout` and :func:`_check_state_keys`.
@@ -306,6 +307,8 @@ def check_saved(view: CheckpointView, meta: dict[str, Any], partition: str) -> N
     _check_version(meta)
     check_saver(view, meta, True, partition)
     check_layout(view, meta.get("layout", []))
+    if not saved_master and any(saves_master(shard) for shard in view.shards):  # the other way round loads: the masters are dropped
+        raise ValueError(f"the checkpoint holds no fp32 masters of 16-bit params, this optimizer keeps them.{master_hint([], ['master'])}")
     if "state_keys" in meta:
         _check_state_keys(view, meta, group_state_keys(view, view.optimizer.param_groups), "this optimizer's hyperparameters")
 
