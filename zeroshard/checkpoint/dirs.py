@@ -17,7 +17,8 @@ METADATA = ".metadata"
 
 def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, key: str = "optim") -> None:
     """Check that a DCP checkpoint directory is complete, every entry in it can be read, and (given ``optimizer``) that its
-    optimizer state was saved for the same params and shapes.
+    optimizer state was saved for the same params, shapes, partition, dtype, buckets, masters and state
+    (:func:`~zeroshard.checkpoint.sharded.check_saved`).
 
     Reads the whole checkpoint once (each entry is deserialized and dropped), so it costs about as much as a load.
     ``dcp.load`` refuses a param saved with another shape with DCP's own "Size mismatch" at the param's shape entry (see
@@ -32,8 +33,9 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
         ValueError: naming the first bad file: ``.metadata`` missing (the save did not finish) or unreadable; a data file
             missing, shorter than its entries (truncated), or holding an entry that cannot be deserialized (corrupted); or,
             with ``optimizer``, no zeroshard optimizer state under ``key``, another format version or ``partition``, a param saved with
-            another shape (named, with both shapes) or in another place of ``param_groups``, or other optimizer state (another
-            optimizer class, or hyperparameters that keep other state).
+            another shape (named, with both shapes) or in another place of ``param_groups``, a param added or removed, another
+            dtype or ``bucket_size_mb``, no fp32 masters where this optimizer keeps them, or other optimizer state (another
+            optimizer class, or hyperparameters that keep other state; flat partition only).
     """
     from torch.distributed.checkpoint import FileSystemReader  # on use: `import zeroshard` stays free of DCP (and sympy)
 
