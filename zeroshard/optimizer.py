@@ -176,7 +176,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         self.max_grad_norm = max_grad_norm
         self.grad_norm: Tensor | None = None  # 0-dim fp32 (fp64 params: fp64): the last step's pre-clip global norm (unscaled)
         self._step_was_skipped = False
-        self._pending: PendingSkip | None = None  # the last step's overflow flag, still on the device
+        self._pending: PendingSkip | None = None  # the last device-decided step's overflow flag (kept once read: its buffer is reused)
         self._skipped_steps = 0
         self._stats: GradStats | ReducedStats | None = None  # from clip_grad_norm_, for the coming step
         self._clip_norm: float | None = None  # max_norm of a clip_grad_norm_ call, for the coming step

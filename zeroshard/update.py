@@ -103,8 +103,8 @@ class UpdateMixin:
 
     def _settle(self) -> None:
         """Read the last step's device overflow flag, if still pending; take back the counts of a skipped step."""
-        pending, self._pending = self._pending, None
-        if pending is None or not pending.skipped():
+        pending = self._pending  # kept once read: the next step's PendingSkip reuses its buffer
+        if pending is None or pending.read or not pending.skipped():
             return
         self._step_was_skipped = True
         self._shard_set.count_steps([[step > 0 for step in shard] for shard in pending.steps], -1)
@@ -130,7 +130,7 @@ class UpdateMixin:
             self._scaler.update(found_inf)  # after the multiplier was taken from the scale of this step's gradients
         self._step_was_skipped = False
         scale_now = self._scaler.scale_value() if self._scaler is not None else None  # the device tensor, as updated
-        self._pending = PendingSkip(found_inf, steps, scale_now if isinstance(scale_now, Tensor) else None)
+        self._pending = PendingSkip(found_inf, steps, scale_now if isinstance(scale_now, Tensor) else None, reuse=self._pending)
         self._reducer.drop_unused_grads(used)
 
     def _update_on_host(self, stats: GradStats, scale: float) -> None:

@@ -23,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
 from zeroshard.step import fused_adam
-from zeroshard.step.grad_norm import ReducedStats
+from zeroshard.step.grad_norm import ReducedStats, local_sumsq
+from zeroshard.step.pending_skip import PendingSkip
 
 STEPS, NAN_STEP, BRANCH_OFF_STEP = 8, 3, 5
 
@@ -273,3 +274,35 @@ def test_cuda_training_step_makes_no_host_sync(nccl_group, dtype, clip):
     assert opts[0].loss_scale == opts[1].loss_scale
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a pinned copy behind an event)")
+def test_pending_skip_takes_over_the_buffer_of_a_flag_already_read_only():
+    """The next step's flag is copied into the last one's pinned buffer once that was read, never while a copy may be in flight."""
+    first = PendingSkip(torch.ones(1, device="cuda"), [[1]])
+    assert first.skipped() and first.read
+    second = PendingSkip(torch.zeros(1, device="cuda"), [[2]], reuse=first)
+    assert second._values is first._values
+    assert not second.skipped()
+    assert first.skipped()  # its answer was kept, not read again from the buffer now holding the second's
+    third = PendingSkip(torch.ones(1, device="cuda"), [[3]], reuse=second)
+    fourth = PendingSkip(torch.zeros(1, device="cuda"), [[4]], reuse=third)  # the third unread: a buffer of its own
+    assert fourth._values is not third._values
+    assert third.skipped() and not fourth.skipped()
+    scaled = PendingSkip(torch.ones(1, device="cuda"), [[5]], torch.tensor(8.0, dtype=torch.float64, device="cuda"), reuse=fourth)
+    assert scaled._values is not fourth._values and scaled.skipped() and scaled.loss_scale() == 8.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the one-launch path)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_local_sum_of_squares_is_the_fp64_one_and_non_finite_on_inf_or_nan(dtype):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    grads = [torch.randn(n, device="cuda", generator=generator).to(dtype) for n in (3_000_001, 17, 0)]
+    expected = sum(float(g.double().square().sum()) for g in grads)
+    got = local_sumsq(grads)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert abs(float(got) - expected) / expected < 1e-5
+    for bad in (math.inf, -math.inf, math.nan):
+        grads[1][5] = bad
+        assert not math.isfinite(float(local_sumsq(grads))), bad
+        grads[1][5] = 0.0
