@@ -37,8 +37,7 @@ fused_adamw_ = torch._fused_adamw_
 fused_adam_ = torch._fused_adam_
 foreach_mul_ = torch._foreach_mul_
 foreach_copy_ = torch._foreach_copy_
-# sharded_grad.py: the norm ``clip_grad_norm_(foreach=True)`` takes of DDP's gradient, taken of a whole gradient alike;
-# grad_norm.py: the sum of squares of every grad shard on CUDA in one launch.
+# sharded_grad.py: the norm ``clip_grad_norm_(foreach=True)`` takes of DDP's gradient, taken of a whole gradient alike.
 foreach_norm = torch._foreach_norm
 
 # ``Tensor._version``, the version counter autograd checks saved tensors with, read directly where a

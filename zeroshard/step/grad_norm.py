@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zeroshard import compat
 from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
 from zeroshard.grad.partial_norm import copy_to_device
@@ -72,7 +71,7 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
     # No second host sync per step; in the common step, every param used, not even a copy.
     flags = _all_set(len(flat_used), device, dtype) if all(flat_used) else copy_to_device(flat_used, device, dtype)
     if norm_type == 2.0:
-        local = local_sumsq([s.grad_shard for s in shards])
+        local = functools.reduce(torch.add, [grad_sumsq(s.grad_shard) for s in shards])  # shards in order, as sum() adds them
     else:
         local = torch.stack([s.grad_shard.abs().max() if s.grad_shard.numel() else torch.zeros((), device=device) for s in shards]).max()
     summed = local if norm_type == 2.0 else (~torch.isfinite(local)).float()  # sum of squares, or a non-finite count
@@ -91,19 +90,6 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
             work = collectives.all_reduce(local, group, op=dist.ReduceOp.MAX)
             collectives.wait(work, timeout, f"{caller}: the all-reduce of the gradient inf-norm", hint)
     return ReducedStats(both, local, local_used, norm_type, dtype, max_norm if checked else None, groups.data_parallel_size, caller)
-
-
-def local_sumsq(grads: list[Tensor]) -> Tensor:
-    """This rank's fp32 sum of squares of ``grads`` (1-D, on one device; fp64 by torch where any is fp64), 0-dim; non-finite iff
-    some element is inf or NaN (or the sum overflows).
-
-    On CUDA one ``torch._foreach_norm`` over every shard (one multi-tensor launch, as ``clip_grad_norm_(foreach=True)``; a
-    :func:`~zeroshard.kernels.grad_sumsq` per shard cost a Triton launch of ~100 µs host time each, #27), its norms squared
-    and summed: rounded differently from one fp32 pass, no more. Elsewhere, and for fp64, shard by shard in order.
-    """
-    if grads[0].device.type == "cuda" and all(g.dtype != torch.float64 for g in grads):
-        return torch.stack(compat.foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
-    return functools.reduce(torch.add, [grad_sumsq(g) for g in grads])  # shards in order, as sum() adds them
 
 
 @functools.cache  # never evicted: a step on another stream may still read one
