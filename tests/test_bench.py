@@ -308,3 +308,15 @@ def test_host_phases_prints_a_line_per_size_and_method():
     for method in ("zeroshard_stage1", "zeroshard_stage2"):  # --profile-step: a profile of step() for each
         assert f"example {method}: opt.step() under cProfile, 1 steps" in result.stdout, result.stdout
     assert result.stdout.count("Ordered by: internal time") == 2, result.stdout
+
+
+def test_step_parts_times_the_step_and_its_parts_per_method():
+    """``python -m bench.step_parts`` wraps zeroshard internals by name: this fails once one of them is renamed."""
+    result = subprocess.run([sys.executable, "-m", "bench.step_parts", "small-compute", "--steps", "2"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "MASTER_PORT": "29548"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    for method in ("zeroshard_stage1", "zeroshard_stage2"):
+        section = result.stdout.split(f"== small-compute {method}")[1].split("==")[0]
+        times = {line.split()[-1]: float(line.split()[0]) for line in section.splitlines()[1:] if line.strip()}
+        assert times["ShardedOptimizer.step"] == max(times.values()) > 0, section
+        assert times["UpdateMixin._gather_stats"] > 0 and times["FusedAdam.step"] > 0, section
