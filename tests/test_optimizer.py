@@ -181,7 +181,8 @@ def rank_mistake_worker(mistake: str) -> str:
         optimizer = torch.optim.AdamW(model.parameters())
     else:  # "non-leaf": the result of an op put into param_groups (torch.optim refuses it only at its construction)
         optimizer = torch.optim.AdamW(model.parameters())
-        optimizer.param_groups[0]["params"][1] = model[0].bias * 1.0
+        if mistake == "non-leaf" or rank == 1:  # "non-leaf on rank 1": there only
+            optimizer.param_groups[0]["params"][1] = model[0].bias * 1.0
     try:
         zeroshard.ShardedOptimizer(optimizer, process_group=process_group).close()
     except ValueError as error:
@@ -194,13 +195,16 @@ def rank_mistake_worker(mistake: str) -> str:
     ("group split", ["differs: rank 1 has param_groups[1]['amsgrad'] (False,) there, rank 0 param_groups[0]['params'][1] ((4,),"] * 2),
     ("not a member", ["no error", "this process (global rank 1) is not a member of process_group"]),
     ("non-leaf", ["param_groups[0]['params'][1] (shape (4,)) is not a leaf tensor"] * 2),
+    # Before, rank 0 waited in the constructor's next collective for good.
+    ("non-leaf on rank 1", ["the ShardedOptimizer constructor: rank 1 refused a param (its error says more); every rank stops here",
+                            "param_groups[0]['params'][1] (shape (4,)) is not a leaf tensor"]),
     ("set order", ["param_groups[0]['params'][0] on rank 1 holds the values param_groups[0]['params'][2] holds on rank 0 (shape (4, 4))"] * 2),
     ("frozen set order", ["param_groups[0]['params'][1] on rank 1 holds the values param_groups[0]['params'][3] holds on rank 0 (shape (4,))"] * 2),
     ("fresh init on rank 1", ["no error"] * 2),
 ])
 def test_a_rank_built_differently_or_a_bad_param_raises_naming_it(pools, mistake, expected):
     # Settings differing by rank would update each rank's shard with its own (no error before: a silent mix of the two).
-    for message, text in zip(pools[2].run(rank_mistake_worker, mistake), expected):
+    for message, text in zip(pools[2].run(rank_mistake_worker, mistake, timeout=120), expected):
         assert text in message, message
 
 

@@ -175,10 +175,10 @@ class ShardSet:
                already_sharded: frozenset[int] = frozenset()) -> list[LocalShard]:
         """Flatten, broadcast and shard param groups ``indices``; append the new shards to :attr:`shards` and return them.
 
-        Local checks first; then, per group of ranks, the fingerprint check (settings, shapes) and the order check, before any
-        size-dependent collective (a mismatch raises on every rank: see :meth:`ShardingGroups.check_each`); then the broadcast
-        from rank 0; finally each group's ``"params"`` is replaced by this rank's virtual parameters (or, when
-        ``already_sharded`` is given, the new virtual parameters are appended to them).
+        Local checks first, agreed by every rank (one all-reduce per group); then, per group of ranks, the fingerprint check
+        (settings, shapes) and the order check, before any size-dependent collective (a mismatch raises on every rank: see
+        :meth:`ShardingGroups.check_each`); then the broadcast from rank 0; finally each group's ``"params"`` is replaced by this
+        rank's virtual parameters (or, when ``already_sharded`` is given, the new virtual parameters are appended to them).
 
         Args:
             indices: the param groups to shard.
@@ -190,13 +190,24 @@ class ShardSet:
                 construction and trainable now are sharded this way, see :meth:`add_unfrozen`).
 
         Raises:
-            ValueError: from :func:`~zeroshard.validation.check_params`, or params that differ
-                between ranks.
+            ValueError: from :func:`~zeroshard.validation.check_params` (on every rank where it
+                raised on one), or params that differ between ranks.
         """
         optimizer, groups, partition = self.optimizer, self.groups, self.partition
-        self.device = check_params(params_of, indices, self.device, first=not self.shards)
-        if partition == "param":
-            check_whole_param_steps(optimizer, indices, params_of)
+        # Bounded by collective_timeout_s after construction (add_param_group, unfreezing): a rank that skipped it is named. The
+        # constructor waits: ranks may reach it far apart (rank 0 loading weights the broadcast hands the others).
+        timeout = None if caller == "the ShardedOptimizer constructor" else groups.timeout
+        error: ValueError | None = None
+        try:
+            device = check_params(params_of, indices, self.device, first=not self.shards)
+            if partition == "param":
+                check_whole_param_steps(optimizer, indices, params_of)
+        except ValueError as raised:
+            error = raised
+        # A param refused on some ranks only (a non-leaf param, params on several devices, on one rank) would leave the others
+        # waiting in the checks' collectives below, unbounded in the constructor: every rank raises.
+        groups.agree(error, timeout, caller, found="refused a param")
+        self.device = device
         taken = [(p, param_name(g, j)) for g, params in zip(indices, params_of) for j, p in enumerate(params)
                  if is_sharded(p) and id(p) not in already_sharded]
         take_over([p for p, _ in taken], [name for _, name in taken])
@@ -206,9 +217,6 @@ class ShardSet:
             for entry in [(f"param_groups[{g}][{key!r}]", value) for key, value in group_settings(optimizer.param_groups[g]).items()]
             + [(param_name(g, j), tuple(p.shape), str(p.dtype), p.requires_grad) for j, p in enumerate(params)]
         ]
-        # Bounded by collective_timeout_s after construction (add_param_group, unfreezing): a rank that skipped it is named. The
-        # constructor waits: ranks may reach it far apart (rank 0 loading weights the broadcast hands the others).
-        timeout = None if caller == "the ShardedOptimizer constructor" else groups.timeout
         broadcast_frozen = [(param_name(g, j), p) for g, params in zip(indices, params_of) for j, p in enumerate(params) if not is_sharded(p)]
         # The broadcast below goes by position: frozen params too. The order check needs the shapes the fingerprint compared.
         named = [(name, p) for p, name in taken] + (broadcast_frozen if not already_sharded else [])

@@ -69,13 +69,17 @@ class ShardingGroups:
     def agree(self, error: Exception | None, timeout: datetime.timedelta | None, caller: str, found: str = "found ranks that differ") -> None:
         """Raise on every rank if any rank has an ``error`` (found by a check of its own, before ``caller``'s collectives): that
         error where there is one, else a ``ValueError`` naming the lowest rank with one and what it ``found``. One all-reduce per group of :meth:`all`
-        ((replica i, shard j) reaches every (i, j'), then every (i', j')).
+        ((replica i, shard j) reaches every (i, j'), then every (i', j')); none at world size 1.
 
         Raises:
             ValueError, TypeError: as said above.
             RuntimeError: past ``timeout``, some rank did not join.
         """
         world = dist.get_world_size()  # sent: world - the lowest rank with an error (0: none)
+        if world == 1:  # no other rank to tell: no collective
+            if error is not None:
+                raise error
+            return
         failed = torch.tensor([world - dist.get_rank() if error is not None else 0], device=collectives.collective_device(self.shard))
         for group in self.all():
             work = collectives.all_reduce(failed, group, op=dist.ReduceOp.MAX)

@@ -23,6 +23,11 @@ class PendingSkip:
             (a pinned allocation and an event cost ~60 µs of host time a step, #27).
     """
 
+    _values: Tensor  # the pinned host copy of the flag (and the scale), or the device values themselves off CUDA
+    _ready: torch.cuda.Event | None  # recorded after the copy (CUDA only)
+    _device: torch.device  # the flag's
+    _loss_scale: float | None  # read with the flag
+
     def __init__(self, found_inf: Tensor, steps: list[list[int]], loss_scale: Tensor | None = None, reuse: PendingSkip | None = None) -> None:
         self.steps = steps
         self._skipped: bool | None = None  # read once
