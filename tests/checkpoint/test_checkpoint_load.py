@@ -200,7 +200,8 @@ def test_params_saved_with_another_shape_are_named(pools, tmp_path):
 
 def verify_mismatch_worker(directory: str) -> None:
     """verify_checkpoint names what differs from the optimizer about to load, where dcp.load would fail inside DCP on a bucket's
-    size or a missing key: params in other param groups, another partition, another optimizer class. Its own saver passes."""
+    size or a missing key: params in other param groups, another partition, another optimizer class (either partition), a
+    param group setting the checkpoint lacks. Its own saver passes."""
     model, opt = _build()
     _train(model, opt, range(2))
     dcp.save({"optim": opt}, checkpoint_id=directory)
@@ -224,9 +225,19 @@ def verify_mismatch_worker(directory: str) -> None:
         (built(optimizer=torch.optim.RMSprop), r"holds optimizer state \[\['exp_avg', 'exp_avg_sq'\], \['exp_avg', 'exp_avg_sq'\]\] per param "
                                                r"group; RMSprop with this optimizer's hyperparameters keeps \[\['square_avg'\], \['square_avg'\]\]"),
     ]
+    named = built()
+    named.param_groups[0]["name"] = "decay"  # a setting of the user's own: dcp.load asks the checkpoint for it
+    cases.append((named, r"param_groups\[0\] was saved without \['name'\], which AdamW's has"))
     for other, message in cases:
         with pytest.raises(ValueError, match=message):
             zeroshard.verify_checkpoint(directory, other)
+    # partition="param" saves no state keys per group: each param's entries are compared (DCP: "Missing key" otherwise)
+    dcp.save({"optim": built(partition="param")}, checkpoint_id=directory + "-param")
+    zeroshard.verify_checkpoint(directory + "-param", built(partition="param"))
+    for optimizer, keeps in [(torch.optim.RMSprop, r"\['square_avg'\]"), (torch.optim.SGD, r"\[\]"), (torch.optim.Adamax, r"\['exp_avg', 'exp_inf'\]")]:
+        with pytest.raises(ValueError, match=r"param_groups\[\d\]\['params'\]\[\d\] was saved with optimizer state \['exp_avg', 'exp_avg_sq'\]; "
+                                             rf"{optimizer.__name__} with this optimizer's hyperparameters keeps {keeps}: saved by another optimizer class"):
+            zeroshard.verify_checkpoint(directory + "-param", built(optimizer=optimizer, partition="param"))
     # bf16 saved without masters, verified against an optimizer that keeps them (the other way round loads: masters dropped)
     torch.manual_seed(0)
     bf16 = TinyNet().to(torch.bfloat16)

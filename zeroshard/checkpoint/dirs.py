@@ -11,14 +11,15 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint.sharded import check_saved
+from zeroshard.checkpoint.whole_param import check_saved_entries
 
 METADATA = ".metadata"
 
 
 def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, key: str = "optim") -> None:
     """Check that a DCP checkpoint directory is complete, every entry in it can be read, and (given ``optimizer``) that its
-    optimizer state was saved for the same params, shapes, partition, dtype, buckets, masters and state
-    (:func:`~zeroshard.checkpoint.sharded.check_saved`).
+    optimizer state was saved for the same params, shapes, partition, dtype, buckets, masters, state and param group settings
+    (:func:`~zeroshard.checkpoint.sharded.check_saved`, :func:`~zeroshard.checkpoint.whole_param.check_saved_entries`).
 
     Reads the whole checkpoint once (each entry is deserialized and dropped), so it costs about as much as a load.
     ``dcp.load`` refuses a param saved with another shape with DCP's own "Size mismatch" at the param's shape entry (see
@@ -34,8 +35,9 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
             missing, shorter than its entries (truncated), or holding an entry that cannot be deserialized (corrupted); or,
             with ``optimizer``, no zeroshard optimizer state under ``key``, another format version or ``partition``, a param saved with
             another shape (named, with both shapes) or in another place of ``param_groups``, a param added or removed, another
-            dtype or ``bucket_size_mb``, no fp32 masters where this optimizer keeps them, or other optimizer state (another
-            optimizer class, or hyperparameters that keep other state; flat partition only).
+            dtype or ``bucket_size_mb``, no fp32 masters where this optimizer keeps them, other optimizer state (another
+            optimizer class, or hyperparameters that keep other state), or a param group saved without one of this
+            optimizer's settings.
     """
     from torch.distributed.checkpoint import FileSystemReader  # on use: `import zeroshard` stays free of DCP (and sympy)
 
@@ -75,6 +77,8 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
         try:
             saved_master = any(fqn.startswith(f"{key}.") and fqn.endswith(".master") for fqn in metadata.state_dict_metadata)
             check_saved(optimizer.checkpoint_view(), meta, optimizer.partition, saved_master)
+            saved = {fqn.removeprefix(f"{key}.") for fqn in metadata.state_dict_metadata if fqn.startswith(f"{key}.")}
+            check_saved_entries(optimizer.checkpoint_view(), saved, optimizer.partition)
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
 

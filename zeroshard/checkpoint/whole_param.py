@@ -215,6 +215,36 @@ def _for_convert(view: CheckpointView) -> dict[str, Any]:
     return {"keeps_step": keeps, "subclasses": table}
 
 
+def check_saved_entries(view: CheckpointView, saved: set[str], partition: str) -> None:
+    """:func:`~zeroshard.verify_checkpoint`'s check of the entries ``dcp.load`` will ask the checkpoint for (``saved``: its entry
+    names under the optimizer's key, as ``"param_groups.0.lr"``, ``"params.3.exp_avg"``): with ``partition="param"`` each
+    param this rank owns, saved with the state this optimizer keeps for it (a master too many is dropped on load); then every
+    setting of each param group. DCP would otherwise fail on the first missing entry as "Missing key".
+
+    Raises:
+        ValueError: a param saved with other state (named, both key lists), or a param group saved without a setting this
+            optimizer's has: saved by another optimizer class, or with hyperparameters that keep other state.
+    """
+    name = type(view.optimizer).__name__
+    if partition == "param":
+        found: dict[str, set[str]] = {}
+        for entry in saved:
+            kind, _, rest = entry.partition(".")
+            position, _, key = rest.partition(".")  # the param's torch.optim index
+            if kind == "params" and key and key != "master":
+                found.setdefault(position, set()).add(key)
+        names = param_names(view)
+        for _, shard, _, vparam, index in _owned(view):
+            wanted = set(_spec(view, view.optimizer.param_groups, shard, vparam.shape).entries())
+            if found.get(str(index), set()) != wanted:
+                raise ValueError(f"{names[index]} was saved with optimizer state {sorted(found.get(str(index), []))}; {name} with this "
+                                 f"optimizer's hyperparameters keeps {sorted(wanted)}: saved by another optimizer class or hyperparameters")
+    for g, group in enumerate(view.optimizer.param_groups):
+        if f"param_groups.{g}.params" in saved and (missing := [key for key in group if f"param_groups.{g}.{key}" not in saved]):
+            raise ValueError(f"param_groups[{g}] was saved without {missing}, which {name}'s has: saved by another optimizer class "
+                             "(or another torch version's)")
+
+
 # -- sharded format ----------------------------------------------------------------------------
 
 
