@@ -176,6 +176,12 @@ def rank_mistake_worker(mistake: str) -> str:
     elif mistake == "group split":  # the same params, in one group on rank 0 and in two on rank 1
         params = list(model.parameters())
         optimizer = torch.optim.AdamW([{"params": params}] if rank == 0 else [{"params": params[:1]}, {"params": params[1:]}])
+    elif mistake == "frozen on rank 1":
+        model[0].bias.requires_grad_(rank == 0)
+        optimizer = torch.optim.AdamW(model.parameters())
+    elif mistake == "extra param on rank 1":  # a param more at the end of rank 1's only group
+        extra = [nn.Parameter(torch.zeros(3))] if rank == 1 else []
+        optimizer = torch.optim.AdamW(list(model.parameters()) + extra)
     elif mistake == "not a member":
         process_group = dist.new_group([0])  # every rank calls new_group; rank 1 gets GroupMember.NON_GROUP_MEMBER
         optimizer = torch.optim.AdamW(model.parameters())
@@ -193,6 +199,10 @@ def rank_mistake_worker(mistake: str) -> str:
 @pytest.mark.parametrize(("mistake", "expected"), [
     ("lr", ["param_groups item param_groups[0]['lr'] on rank 1 is (0.002,), on rank 0 (0.001,)"] * 2),
     ("group split", ["differs: rank 1 has param_groups[1]['amsgrad'] (False,) there, rank 0 param_groups[0]['params'][1] ((4,),"] * 2),
+    ("frozen on rank 1", ["param_groups item param_groups[0]['params'][1] on rank 1 is ((4,), 'torch.float32', 'frozen'), on rank 0 "
+                          "((4,), 'torch.float32', 'trainable')"] * 2),
+    ("extra param on rank 1", ["param_groups items, rank 0 has", "(the first one more, on rank 1: param_groups[0]['params'][4] "
+                               "((3,), 'torch.float32', 'trainable'))"]),
     ("not a member", ["no error", "this process (global rank 1) is not a member of process_group"]),
     ("non-leaf", ["param_groups[0]['params'][1] (shape (4,)) is not a leaf tensor"] * 2),
     # Before, rank 0 waited in the constructor's next collective for good.

@@ -215,7 +215,7 @@ class ShardSet:
             entry
             for g, params in zip(indices, params_of)
             for entry in [(f"param_groups[{g}][{key!r}]", value) for key, value in group_settings(optimizer.param_groups[g]).items()]
-            + [(param_name(g, j), tuple(p.shape), str(p.dtype), p.requires_grad) for j, p in enumerate(params)]
+            + [(param_name(g, j), tuple(p.shape), str(p.dtype), "trainable" if p.requires_grad else "frozen") for j, p in enumerate(params)]
         ]
         broadcast_frozen = [(param_name(g, j), p) for g, params in zip(indices, params_of) for j, p in enumerate(params) if not is_sharded(p)]
         # The broadcast below goes by position: frozen params too. The order check needs the shapes the fingerprint compared.

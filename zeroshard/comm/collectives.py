@@ -244,8 +244,12 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
             if name != first_name:  # entries out of step (a param in another group, a group more or less): name both
                 raise ValueError(f"{what} {index} differs: rank {their_rank} has {name} {other} there, rank {first} {first_name} {first_value}; {remedy}")
             raise ValueError(f"{what} {name} on rank {their_rank} is {other}, on rank {first} {first_value}; {remedy}")
-        if n_theirs != n_reference:
-            raise ValueError(f"rank {their_rank} has {n_theirs} {what}s, rank {first} has {n_reference}; {remedy}")
+        if n_theirs != n_reference:  # name the first entry the longer fingerprint has past the other's end
+            longer, index = (rank, n_reference) if n_theirs > n_reference else (0, n_theirs)
+            extra = f"{fingerprint[index][0]} {fingerprint[index][1:]!r}" if index < len(fingerprint) else None
+            extra = _broadcast_text(extra, longer, group, device)
+            raise ValueError(f"rank {their_rank} has {n_theirs} {what}s, rank {first} has {n_reference} (the first one more, on rank "
+                             f"{dist.get_global_rank(group, longer)}: {extra}); {remedy}")
 
 
 def _digest(entry: tuple[Any, ...]) -> int:
