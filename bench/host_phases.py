@@ -57,6 +57,20 @@ def phase_times(model, opt, x: torch.Tensor, device: torch.device, steps: int = 
     return (time.perf_counter() - start) / steps, {phase: seconds / steps for phase, seconds in totals.items()}
 
 
+def init_one_rank(port: str) -> torch.device:
+    """Start a process group of this process alone (NCCL on GPU 0, else gloo; ``MASTER_PORT`` defaults to ``port``); its device."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", port)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
 def profile_steps(model, opt, x: torch.Tensor, steps: int) -> cProfile.Profile:
     """``steps`` training steps with only ``opt.step()`` under cProfile (forward, backward and ``zero_grad`` outside it)."""
     profiler = cProfile.Profile()
@@ -76,16 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=60, help="timed steps per method")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before them")
     args = parser.parse_args(argv)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_one_rank("29533")
     try:
         for size, config in overhead.SIZES.items():
             x = torch.randint(0, 256, (config.batch_size, config.seq_len), generator=torch.Generator().manual_seed(0)).to(device)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +28,7 @@ import zeroshard.step.fused_adam as fused_adam
 import zeroshard.step.grad_norm as grad_norm
 import zeroshard.update as update
 from bench import overhead
+from bench.host_phases import init_one_rank
 
 # (owner, attribute): what is timed, where the step path looks it up
 TIMED: list[tuple[Any, str]] = [
@@ -68,16 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     calls: collections.Counter = collections.Counter()
     for owner, name in TIMED:
         setattr(owner, name, timed(getattr(owner, name), f"{getattr(owner, '__name__', owner)}.{name}", seconds, calls))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29544")
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_one_rank("29544")
     try:
         for size in args.sizes or ["example"]:
             config = overhead.SIZES[size]
