@@ -482,6 +482,10 @@ def timeout_child_output(tmp_path_factory) -> str:
     ("norm", ("reading a gradient norm (its reduction over the ranks) did not complete within 2 s on rank 0",)),
     ("add_param_group", ("add_param_group(): the all-reduce of whether any rank's checks failed did not complete within 2 s on rank 0",
                          "call add_param_group()")),
+    # a param unfrozen on rank 0 alone: its sharding's check meets rank 1's gradient-norm all-reduce, and both time out
+    ("unfreeze", ("step() or clip_grad_norm_() after params were unfrozen: the check that every rank has the same param_groups items did "
+                  "not complete within 2 s on rank 0",)),
+    ("unfreeze-rank-1", ("step(): the all-reduce of the gradient norm did not complete within 2 s on rank 1",)),
 ])
 def test_rank_missing_a_call_raises_naming_the_collective_within_the_bound(timeout_child_output, call, expected):
     """With ``collective_timeout_s``, a rank left alone in ``step()``, ``consolidate_state_dict()``, a gradient norm's

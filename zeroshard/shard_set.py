@@ -151,8 +151,9 @@ class ShardSet:
 
         Gradual unfreezing: ``torch.optim`` trains a param once it has a gradient. Each group with
         such params gets flat buffers of its own for them, appended to it (a collective; every rank
-        unfreezes the same params, which the cross-rank check verifies). Returns the new shards
-        (none: no collective ran); their gradients are still local, for the caller to reduce.
+        must unfreeze the same params: one that unfroze alone waits in the cross-rank check until
+        ``collective_timeout_s``, or the process group's timeout). Returns the new shards (none: no
+        collective ran); their gradients are still local, for the caller to reduce.
         """
         if self._outside_for != (len(self.shards), len(self.group_params)):  # recomputed only when shards were added
             self._sharded_ids = frozenset(id(p) for shard in self.shards for p in shard.buffer.params)
@@ -162,8 +163,10 @@ class ShardSet:
         first_param_index = 0
         for g, params in enumerate(self.group_params):
             if any(is_sharded(p) for p in self._outside[g]):
+                # Not agreed: a rank that unfroze alone would pair that all-reduce with the others' gradient-norm all-reduce, of
+                # another size (gloo aborts the process); the fingerprint's all-gather times out instead.
                 new = self._shard(range(g, g + 1), [params], first_param_index, "step() or clip_grad_norm_() after params were unfrozen",
-                                  already_sharded=self._sharded_ids)
+                                  already_sharded=self._sharded_ids, agree=False)
                 added.extend(new)
                 if dist.get_rank(self.groups.shard) == 0:
                     logger.info("zeroshard: param group %d: %d params trainable since the optimizer was built are now sharded",
@@ -172,13 +175,14 @@ class ShardSet:
         return added
 
     def _shard(self, indices: range, params_of: list[list[nn.Parameter]], first_param_index: int, caller: str,
-               already_sharded: frozenset[int] = frozenset()) -> list[LocalShard]:
+               already_sharded: frozenset[int] = frozenset(), agree: bool = True) -> list[LocalShard]:
         """Flatten, broadcast and shard param groups ``indices``; append the new shards to :attr:`shards` and return them.
 
-        Local checks first, agreed by every rank (one all-reduce per group); then, per group of ranks, the fingerprint check
-        (settings, shapes) and the order check, before any size-dependent collective (a mismatch raises on every rank: see
-        :meth:`ShardingGroups.check_each`); then the broadcast from rank 0; finally each group's ``"params"`` is replaced by this
-        rank's virtual parameters (or, when ``already_sharded`` is given, the new virtual parameters are appended to them).
+        Local checks first (with ``agree``, agreed by every rank: one all-reduce per group); then, per group of ranks, the
+        fingerprint check (settings, shapes) and the order check, before any size-dependent collective (a mismatch raises on
+        every rank: see :meth:`ShardingGroups.check_each`); then the broadcast from rank 0; finally each group's ``"params"``
+        is replaced by this rank's virtual parameters (or, when ``already_sharded`` is given, the new virtual parameters are
+        appended to them).
 
         Args:
             indices: the param groups to shard.
@@ -188,10 +192,12 @@ class ShardSet:
             caller: what the user called, for errors.
             already_sharded: ids of params in flat buffers already: left out (params frozen at
                 construction and trainable now are sharded this way, see :meth:`add_unfrozen`).
+            agree: whether every rank calls it at once (the constructor, ``add_param_group``), so that
+                the local checks' errors can be agreed.
 
         Raises:
-            ValueError: from :func:`~zeroshard.validation.check_params` (on every rank where it
-                raised on one), or params that differ between ranks.
+            ValueError: from :func:`~zeroshard.validation.check_params` (with ``agree``, on every rank
+                where it raised on one), or params that differ between ranks.
         """
         optimizer, groups, partition = self.optimizer, self.groups, self.partition
         # Bounded by collective_timeout_s after construction (add_param_group, unfreezing): a rank that skipped it is named. The
@@ -206,7 +212,10 @@ class ShardSet:
             error = raised
         # A param refused on some ranks only (a non-leaf param, params on several devices, on one rank) would leave the others
         # waiting in the checks' collectives below, unbounded in the constructor: every rank raises.
-        groups.agree(error, timeout, caller, found="refused a param")
+        if agree:
+            groups.agree(error, timeout, caller, found="refused a param")
+        elif error is not None:
+            raise error
         self.device = device
         taken = [(p, param_name(g, j)) for g, params in zip(indices, params_of) for j, p in enumerate(params)
                  if is_sharded(p) and id(p) not in already_sharded]

@@ -231,6 +231,12 @@ def verify_mismatch_worker(directory: str) -> None:
     for other, message in cases:
         with pytest.raises(ValueError, match=message):
             zeroshard.verify_checkpoint(directory, other)
+    # Settings DCP saves split ("meta.layer", "scales.0") or not at all (an empty dict) verify as they load
+    settings = built()
+    settings.param_groups[0].update(meta={"layer": "attn"}, empty={}, scales=[torch.tensor(1.0)])
+    dcp.save({"optim": settings}, checkpoint_id=directory + "-settings")
+    zeroshard.verify_checkpoint(directory + "-settings", settings)
+    dcp.load({"optim": settings}, checkpoint_id=directory + "-settings")
     # partition="param" saves no state keys per group: each param's entries are compared (DCP: "Missing key" otherwise)
     dcp.save({"optim": built(partition="param")}, checkpoint_id=directory + "-param")
     zeroshard.verify_checkpoint(directory + "-param", built(partition="param"))

@@ -4,7 +4,7 @@ own 2-rank subgroup, made up front (a timed-out gloo group is unusable afterward
 and its own model and optimizer with ``collective_timeout_s=2``; both ranks run a backward on every
 model. Then, case by case, rank 0 calls ``step()`` (``step``), ``consolidate_state_dict()``
 (``consolidate``), reads a param's gradient norm (``norm``) or adds a param group (``add_param_group``)
-and rank 1 does not: rank 0 prints
+and rank 1 does not, or rank 0 unfreezes a param before both call ``step()`` (``unfreeze``): rank 0 prints
 ``<case> raised: <message>`` and writes ``argv[1]/<case>`` so that rank 1, which waits for that file,
 goes on to the next case. Neither rank destroys a process group."""
 
@@ -23,7 +23,7 @@ from models import TinyNet, batch, loss_fn, param_groups
 
 import zeroshard
 
-CASES = ("step", "consolidate", "norm", "add_param_group")
+CASES = ("step", "consolidate", "norm", "add_param_group", "unfreeze")
 
 
 def main(out: Path) -> None:
@@ -47,14 +47,22 @@ def main(out: Path) -> None:
                     opt.consolidate_state_dict()
                 elif case == "norm":
                     model.fc1.weight.grad.norm().item()
-                else:
+                elif case == "add_param_group":
                     opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+                else:  # rank 0 unfroze a param, rank 1 did not: both step (gloo must not abort either process)
+                    model.frozen_scale.requires_grad_(True)
+                    opt.step()
             except RuntimeError as error:
                 print(f"{case} raised: {error}", flush=True)
             else:
                 print(f"{case} returned without rank 1", flush=True)
             (out / case).touch()
         else:
+            if case == "unfreeze":
+                try:
+                    opt.step()
+                except RuntimeError as error:
+                    print(f"{case}-rank-1 raised: {error}", flush=True)
             deadline = time.monotonic() + 60
             while not (out / case).exists() and time.monotonic() < deadline:
                 time.sleep(0.1)

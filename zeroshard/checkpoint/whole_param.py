@@ -222,8 +222,9 @@ def check_saved_entries(view: CheckpointView, saved: set[str], partition: str) -
     setting of each param group. DCP would otherwise fail on the first missing entry as "Missing key".
 
     Raises:
-        ValueError: a param saved with other state (named, both key lists), or a param group saved without a setting this
-            optimizer's has: saved by another optimizer class, or with hyperparameters that keep other state.
+        ValueError: a param saved with other state (named, both key lists: another optimizer class, or hyperparameters that
+            keep other state), or a param group saved without a setting this optimizer's has (another class, or a setting
+            added to the group since).
     """
     name = type(view.optimizer).__name__
     if partition == "param":
@@ -239,10 +240,15 @@ def check_saved_entries(view: CheckpointView, saved: set[str], partition: str) -
             if found.get(str(index), set()) != wanted:
                 raise ValueError(f"{names[index]} was saved with optimizer state {sorted(found.get(str(index), []))}; {name} with this "
                                  f"optimizer's hyperparameters keeps {sorted(wanted)}: saved by another optimizer class or hyperparameters")
+    # DCP saves a setting under its own name, or split into "<name>.<key or index>" entries (a dict; a list holding tensors),
+    # or not at all (an empty dict).
+    named = saved | {entry.rsplit(".", i)[0] for entry in saved for i in range(1, entry.count(".") + 1)}
     for g, group in enumerate(view.optimizer.param_groups):
-        if f"param_groups.{g}.params" in saved and (missing := [key for key in group if f"param_groups.{g}.{key}" not in saved]):
-            raise ValueError(f"param_groups[{g}] was saved without {missing}, which {name}'s has: saved by another optimizer class "
-                             "(or another torch version's)")
+        if f"param_groups.{g}.params" not in saved:
+            continue  # fewer groups saved: check_layout names the params
+        if missing := [key for key, value in group.items() if f"param_groups.{g}.{key}" not in named and value != {}]:
+            raise ValueError(f"param_groups[{g}] was saved without {missing}, which {name}'s has: saved by another optimizer class, "
+                             "or before the setting was added to the group (dcp.load asks for every setting the group has)")
 
 
 # -- sharded format ----------------------------------------------------------------------------

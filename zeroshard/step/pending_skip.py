@@ -20,7 +20,7 @@ class PendingSkip:
         loss_scale: a dynamic loss scale kept on the device, as this step's update left it (0-dim float64), copied
             along for the log line of a skip; ``None`` without one.
         reuse: the previous step's, once read (:attr:`read`): its pinned buffer and event are taken over, not made again
-            (a pinned allocation and an event cost ~60 µs of host time a step, #27).
+            (on an H200, making and reading one took 48 µs of host time with new ones, 32 reusing them; #27).
     """
 
     _values: Tensor  # the pinned host copy of the flag (and the scale), or the device values themselves off CUDA
