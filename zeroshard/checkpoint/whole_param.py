@@ -216,15 +216,12 @@ def _for_convert(view: CheckpointView) -> dict[str, Any]:
 
 
 def check_saved_entries(view: CheckpointView, saved: set[str], partition: str) -> None:
-    """:func:`~zeroshard.verify_checkpoint`'s check of the entries ``dcp.load`` will ask the checkpoint for (``saved``: its entry
-    names under the optimizer's key, as ``"param_groups.0.lr"``, ``"params.3.exp_avg"``): with ``partition="param"`` each
-    param this rank owns, saved with the state this optimizer keeps for it (a master too many is dropped on load); then every
-    setting of each param group. DCP would otherwise fail on the first missing entry as "Missing key".
+    """:func:`~zeroshard.verify_checkpoint`: the entries ``dcp.load`` will ask for are saved (``saved``: entry names under the
+    optimizer's key, as ``"params.3.exp_avg"``): with ``partition="param"`` the state of each param this rank owns (a master
+    too many is dropped on load), then each param group's settings. DCP would fail on the first missing one: "Missing key".
 
     Raises:
-        ValueError: a param saved with other state (named, both key lists: another optimizer class, or hyperparameters that
-            keep other state), or a param group saved without a setting this optimizer's has (another class, or a setting
-            added to the group since).
+        ValueError: a param saved with other state (named, both key lists), or a group saved without a setting it has.
     """
     name = type(view.optimizer).__name__
     if partition == "param":
