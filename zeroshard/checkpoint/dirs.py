@@ -76,9 +76,10 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
             raise ValueError(f"{path} holds no zeroshard optimizer state under {key!r} (no {key}.zeroshard.layout entry)")
         try:
             saved_master = any(fqn.startswith(f"{key}.") and fqn.endswith(".master") for fqn in metadata.state_dict_metadata)
-            check_saved(optimizer.checkpoint_view(), meta, optimizer.partition, saved_master)
+            view = optimizer.checkpoint_view()
+            check_saved(view, meta, optimizer.partition, saved_master)
             saved = {fqn.removeprefix(f"{key}.") for fqn in metadata.state_dict_metadata if fqn.startswith(f"{key}.")}
-            check_saved_entries(optimizer.checkpoint_view(), saved, optimizer.partition)
+            check_saved_entries(view, saved, optimizer.partition)
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
 

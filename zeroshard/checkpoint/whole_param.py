@@ -234,8 +234,8 @@ def check_saved_entries(view: CheckpointView, saved: set[str], partition: str) -
         names = param_names(view)
         for _, shard, _, vparam, index in _owned(view):
             wanted = set(_spec(view, view.optimizer.param_groups, shard, vparam.shape).entries())
-            if found.get(str(index), set()) != wanted:
-                raise ValueError(f"{names[index]} was saved with optimizer state {sorted(found.get(str(index), []))}; {name} with this "
+            if (saved_keys := found.get(str(index), set())) != wanted:
+                raise ValueError(f"{names[index]} was saved with optimizer state {sorted(saved_keys)}; {name} with this "
                                  f"optimizer's hyperparameters keeps {sorted(wanted)}: saved by another optimizer class or hyperparameters")
     # DCP saves a setting under its own name, or split into "<name>.<key or index>" entries (a dict; a list holding tensors),
     # or not at all (an empty dict).

@@ -246,8 +246,8 @@ def check_same_on_all_ranks(what: str, fingerprint: Sequence[tuple[Any, ...]], g
             raise ValueError(f"{what} {name} on rank {their_rank} is {other}, on rank {first} {first_value}; {remedy}")
         if n_theirs != n_reference:  # name the first entry the longer fingerprint has past the other's end
             longer, index = (rank, n_reference) if n_theirs > n_reference else (0, n_theirs)
-            extra = f"{fingerprint[index][0]} {fingerprint[index][1:]!r}" if index < len(fingerprint) else None
-            extra = _broadcast_text(extra, longer, group, device)
+            extra = _broadcast_text(f"{fingerprint[index][0]} {fingerprint[index][1:]!r}" if index < len(fingerprint) else None,
+                                    longer, group, device)
             raise ValueError(f"rank {their_rank} has {n_theirs} {what}s, rank {first} has {n_reference} (the first one more, on rank "
                              f"{dist.get_global_rank(group, longer)}: {extra}); {remedy}")
 

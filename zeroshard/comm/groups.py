@@ -86,8 +86,8 @@ class ShardingGroups:
             collectives.wait(work, timeout, f"{caller}: the all-reduce of whether any rank's checks failed", f"call {caller}")
         if error is not None:
             raise error
-        if failed.item():
-            raise ValueError(f"{caller}: rank {world - int(failed.item())} {found} (its error says more); every rank stops here")
+        if lowest := int(failed.item()):
+            raise ValueError(f"{caller}: rank {world - lowest} {found} (its error says more); every rank stops here")
 
     @functools.cached_property
     def reducing(self) -> tuple[ProcessGroup, ...]:

@@ -55,8 +55,9 @@ class PendingSkip:
         if self._skipped is None:
             if self._ready is not None:
                 self._ready.synchronize()
-            self._skipped = self._values[0].item() != 0  # a read of the pinned copy itself (bench overhead counts no host sync)
-            self._loss_scale = float(self._values[1]) if self._values.numel() > 1 else None  # before a later step reuses the buffer
+            # One read of the pinned copy itself (no host sync), the scale with it: a later step reuses the buffer.
+            flag, *scale = self._values.tolist()
+            self._skipped, self._loss_scale = flag != 0, (scale[0] if scale else None)
         return self._skipped
 
     def loss_scale(self) -> float | None:
