@@ -4,13 +4,14 @@ same numbers as DDP + torch.optim.AdamW, or a clear error (never a silent differ
 from __future__ import annotations
 
 import copy
+import math
 import subprocess
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from models import TinyNet, batch, loss_fn, param_groups
+from models import TinyNet, batch, loss_fn, param_groups, tolerance_ratio
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -271,7 +272,9 @@ def test_fp16_gradients_have_ddps_headroom(pools, stage):
 # -- 7. gradual unfreezing -----------------------------------------------------------------------
 
 
-def unfreeze_worker(stage: int, clip: bool, optimizer_class: type = torch.optim.AdamW) -> None:
+def unfreeze_worker(stage: int, clip: str, optimizer_class: type = torch.optim.AdamW) -> None:
+    """``clip``: ``"none"``, ``"max_grad_norm"`` (zeroshard's), or ``"torch"``: ``torch.nn.utils.clip_grad_norm_`` over the model
+    between backward and step, which must read DDP's averaged gradient of the param unfrozen, also at its first backward."""
     # Reference: the torch optimizer fed the data-parallel gradient (each rank's, all-reduced, over N).
     torch.manual_seed(0)
     ref_model = TinyNet()
@@ -280,7 +283,7 @@ def unfreeze_worker(stage: int, clip: bool, optimizer_class: type = torch.optim.
         m.fc1.weight.requires_grad_(False)
     ref_opt = optimizer_class(param_groups(ref_model), lr=1e-2, foreach=False)
     opt = zeroshard.ShardedOptimizer(optimizer_class(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB,
-                                     max_grad_norm=0.5 if clip else None)
+                                     max_grad_norm=0.5 if clip == "max_grad_norm" else None)
     for step in range(6):
         if step == 2:
             for m in (ref_model, model):
@@ -290,24 +293,64 @@ def unfreeze_worker(stage: int, clip: bool, optimizer_class: type = torch.optim.
         for grad in grads:
             dist.all_reduce(grad)
             grad.div_(dist.get_world_size())
-        if clip:
-            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)
+        norms = []
+        if clip != "none":
+            norms.append(float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)))
         ref_opt.step()
         ref_model.zero_grad()
-        _train_step(model, opt, step)
+        loss_fn(model, *batch(dist.get_rank(), step)).backward()
+        if clip == "torch":
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, foreach=False)))
+            assert math.isclose(norms[0], norms[1], rel_tol=1e-5), f"step {step}: torch's clip read norm {norms[1]}, DDP's gradient has {norms[0]}"
+        opt.step()
+        model.zero_grad()
         close = all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(ref_model.parameters(), model.parameters()))
-        assert _same(ref_model, model) if not clip else close, f"step {step}: params differ from torch.optim after unfreezing fc1.weight"
+        assert _same(ref_model, model) if clip == "none" else close, f"step {step}: params differ from torch.optim after unfreezing fc1.weight"
     assert not torch.equal(model.fc1.weight, TinyNet().fc1.weight)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("clip", ["none", "max_grad_norm", "torch"])
 def test_param_unfrozen_after_wrapping_is_trained(pools, stage, clip):
     pools[2].run(unfreeze_worker, stage, clip)
 
 
 def test_param_unfrozen_after_wrapping_keeps_adagrads_initial_state(pools):
-    pools[2].run(unfreeze_worker, 2, False, torch.optim.Adagrad)
+    pools[2].run(unfreeze_worker, 2, "none", torch.optim.Adagrad)
+
+
+def late_group_worker(stage: int) -> None:
+    """``add_param_group`` between a backward and ``step()`` for params in no optimizer until then, which got this rank's own
+    gradient in that backward: torch's clip and the step use DDP's average of it, as if the group had been there all along."""
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    model = copy.deepcopy(ref_model)
+    trained = {id(m): [p for p in m.parameters() if p.requires_grad and p.dim() >= 2 and p is not m.fc2.weight] for m in (ref_model, model)}
+    ref_opt = torch.optim.AdamW(trained[id(ref_model)], lr=1e-2, foreach=False)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(trained[id(model)], lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB)
+    for step in range(4):
+        norms = []
+        for m, o in ((ref_model, ref_opt), (model, opt)):
+            loss_fn(m, *batch(dist.get_rank(), step)).backward()
+            if o is ref_opt:  # DDP's average
+                for p in m.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad)
+                        p.grad.div_(dist.get_world_size())
+            if step == 2:
+                o.add_param_group({"params": [m.fc2.weight], "weight_decay": 0.0})
+                trained[id(m)].append(m.fc2.weight)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(trained[id(m)], 1.0, foreach=False)))
+            o.step()
+            m.zero_grad()
+        assert math.isclose(*norms, rel_tol=1e-5), f"step {step}: torch's clip read {norms[1]}, DDP's gradients have {norms[0]}"
+        assert tolerance_ratio(model, ref_model) <= 1.0, f"step {step}: params differ from DDP + AdamW"
+    assert not torch.equal(model.fc2.weight, TinyNet().fc2.weight)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_param_group_added_between_backward_and_step_is_trained_on_the_average(pools, stage):
+    pools[2].run(late_group_worker, stage)
 
 
 # -- 5. a NaN on one rank with clip_grad_norm_(norm_type=inf) ----------------------------------
@@ -483,7 +526,7 @@ def timeout_child_output(tmp_path_factory) -> str:
     ("add_param_group", ("add_param_group(): the all-reduce of whether any rank's checks failed did not complete within 2 s on rank 0",
                          "call add_param_group()")),
     # a param unfrozen on rank 0 alone: its sharding's check meets rank 1's gradient-norm all-reduce, and both time out
-    ("unfreeze", ("step() or clip_grad_norm_() after params were unfrozen: the check that every rank has the same param_groups items did "
+    ("unfreeze", ("a backward's end, clip_grad_norm_() or step() after params were unfrozen: the check that every rank has the same param_groups items did "
                   "not complete within 2 s on rank 0",)),
     ("unfreeze-rank-1", ("step(): the all-reduce of the gradient norm did not complete within 2 s on rank 1",)),
 ])

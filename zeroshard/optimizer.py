@@ -26,6 +26,7 @@ from zeroshard.memory import MemoryUsage, owned_memory
 from zeroshard.offload.placement import Placement
 from zeroshard.reduce.coordinator import coordinator_of
 from zeroshard.reduce.grad_reducer import GradReducer
+from zeroshard.reduce.records import StepPhase, weak_method
 from zeroshard.shard_set import ShardSet
 from zeroshard.state_dict import StateDictMixin
 from zeroshard.step.fused_adam import FusedAdam, fused_adam_kind
@@ -186,6 +187,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
             self._shard_set.add_groups(range(len(optimizer.param_groups))), stage=stage, groups=self.groups, reduce_dtype=reduce_dtype,
             overlap_comm=overlap_comm, timeout=self._timeout,
         )
+        self._reducer.before_reduce = weak_method(self._shard_unfrozen)
         self._device = self._shards[0].buffer.device  # every param on one device (checked)
         self._fused = FusedAdam(optimizer, kind) if master_weights and (kind := fused_adam_kind(optimizer)) else None
         self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
@@ -212,12 +214,19 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         wrapped optimizer. Existing groups keep their layout and state; the new group gets flat
         buffers, buckets and virtual parameters of its own.
 
+        Gradients the new params got in a backward of this step (this rank's own) are reduced at
+        once, as DDP's were: a clip and ``step()`` see the average.
+
         Raises:
             TypeError, ValueError: as ``torch.optim.Optimizer.add_param_group`` does, and for the
                 param checks of the constructor. On error the optimizer is left as it was.
         """
         self.wait_params()
-        self._hook_up(self._shard_set.add_param_group(param_group))
+        shards = self._shard_set.add_param_group(param_group)
+        self._hook_up(shards)
+        if shards and self._reducer.phase is StepPhase.REDUCED:  # the step's gradients are reduced already: the new ones too
+            self._reducer.reduce_again()
+            self._reducer.reduce_for_step()
 
     # -- training ----------------------------------------------------------------------------
 

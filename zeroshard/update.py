@@ -69,12 +69,19 @@ class UpdateMixin:
 
     def _gather_stats(self, norm_type: float, caller: str, max_norm: float | None) -> ReducedStats:
         """The statistics, all-reduced and still on the device (:meth:`_on_device`), with the coming step's clip ``max_norm``."""
-        unfrozen = self._shard_set.add_unfrozen()
-        if unfrozen:
-            self._hook_up(unfrozen)
+        if self._shard_unfrozen():
             self._reducer.reduce_again()  # their gradients are still local
         self._reducer.reduce_for_step()
         return reduce_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._timeout, caller, max_norm or 0.0)
+
+    def _shard_unfrozen(self) -> bool:
+        """Shard and hook up the params unfrozen since their group was sharded (:meth:`ShardSet.add_unfrozen`: a collective when
+        there are some); whether there were. The reducer also calls it as each backward ends (``GradReducer.before_reduce``), so
+        that their gradients, still this rank's own, are reduced with the others: a clip before ``step()`` reads DDP's average."""
+        with torch.no_grad():
+            unfrozen = self._shard_set.add_unfrozen()
+            self._hook_up(unfrozen)
+        return bool(unfrozen)
 
     def _note_scaled_losses(self) -> None:
         """At a step's end (or ``zero_grad()``): the losses scaled so far are this step's, not the next one's."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -83,6 +83,7 @@ class GradReducer:
         self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates locally
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.before_reduce: Callable[[], object] | None = None  # run first by reduce_everything: the optimizer shards params unfrozen since
         # DDP wrappers around these params: switched off, their reducers released (DDPWrappers.adopt).
         self._ddps = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))
         # The hooks hold this reducer weakly, so they go with it (or with close()). Not at exit:
@@ -347,6 +348,8 @@ class GradReducer:
         """Complete every bucket not yet launched, launch it, add all results into the grad shards; then :meth:`rebuild_order`
         unless the caller does it later (:meth:`ReduceCoordinator.flush`)."""
         self._reset_marks = None
+        if self.before_reduce is not None:
+            self.before_reduce()
         self.take_deferred()
         for k, shard in enumerate(self.shards):
             grads = self._grads[k]

@@ -45,7 +45,7 @@ class ArrivedGrad:
 
 
 def weak_method(method: Callable) -> Callable:
-    """``method`` (bound to a GradReducer) called through a weak reference: a no-op once the reducer is gone."""
+    """``method`` (bound to a GradReducer or an optimizer) called through a weak reference: a no-op once its object is gone."""
     ref = weakref.WeakMethod(method)
 
     def call(*args: object) -> None:
