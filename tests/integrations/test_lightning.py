@@ -26,7 +26,7 @@ def result(tmp_path_factory):
 def test_lightning_trains_like_ddp_with_accumulation_clipping_and_resume(result, loop):
     run = result[loop]
     assert min(run["ddp_norms"]) > 10 * MAX_NORM  # DDP clipped every step, so equal params mean zeroshard did too
-    assert run["vs_ddp"] <= 1.0, run  # rtol 1e-6: the norm is summed in another order (shards vs params)
+    assert run["vs_ddp"] <= 1.0, run  # rtol 1e-6, atol 1e-6: the norm is summed in another order (shards vs params)
     assert run["resumed_vs_uninterrupted"] == 0.0, run  # a checkpoint after epoch 1, resumed: bitwise
     # The logged norm (Trainer: get_total_norm over the model's params before clipping; Fabric: what
     # clip_gradients returns) is DDP's global pre-clip norm.

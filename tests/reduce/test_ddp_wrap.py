@@ -542,3 +542,50 @@ def test_ddp_forward_called_directly_with_a_param_unused_on_some_ranks(pools, un
     for difference, refused in pools[2].run(direct_forward_worker, 1, unused_everywhere):
         assert difference == 0.0
         assert "DistributedDataParallel.forward ran without its forward hooks (ddp.forward(x) called directly?)" in refused
+
+
+def uncovered_worker(when: str) -> dict[str, str]:
+    """DDP wraps TinyNet, built ``when`` (before or after the optimizers); a ShardedOptimizer holds every trainable param but
+    fc2's, which a plain SGD steps (``"plain"``), a second ShardedOptimizer holds (``"second"``), or which are frozen
+    (``"frozen"``). Per case, what two training steps raise ("" for nothing) and whether the ranks' params stayed equal."""
+    out = {}
+    for case in ("plain", "second", "frozen"):
+        torch.manual_seed(0)
+        model = TinyNet()
+        ddp = DDP(model) if when == "before" else None
+        if case == "frozen":
+            model.fc2.requires_grad_(False)
+        rest = [p for p in model.parameters() if all(p is not q for q in model.fc2.parameters())]
+        opts = [zeroshard.ShardedOptimizer(torch.optim.AdamW(rest, lr=1e-2), bucket_size_mb=BUCKET_MB)]
+        fc2 = list(model.fc2.parameters())
+        if case == "plain":
+            opts.append(torch.optim.SGD(fc2, lr=0.1))
+        elif case == "second":
+            opts.append(zeroshard.ShardedOptimizer(torch.optim.SGD(fc2, lr=0.1)))
+        ddp = ddp or DDP(model)
+        message = ""
+        try:
+            for step in range(2):
+                _tiny_loss(ddp, step, 0).backward()
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad()
+        except RuntimeError as error:
+            message = str(error)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, flat)
+        out[case] = (message, all(torch.equal(g, flat) for g in gathered))
+        for opt in opts:
+            if isinstance(opt, zeroshard.ShardedOptimizer):
+                opt.close()
+    return out
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_ddp_wrapping_params_no_sharded_optimizer_holds_raises(pools, when):
+    # zeroshard switches the wrapper's reduction off: a plain optimizer over the rest would have let the ranks drift apart
+    for results in pools[2].run(uncovered_worker, when):
+        message, _ = results["plain"]
+        assert "DistributedDataParallel wraps 2 trainable params that no ShardedOptimizer holds (['fc2.weight', 'fc2.bias'])" in message, message
+        assert results["second"] == ("", True) and results["frozen"] == ("", True), results

@@ -99,7 +99,9 @@ def main(out: Path) -> None:
         run(True, 1, save=out / f"{name}.ckpt")
         resumed, _ = run(True, 2, resume=out / f"{name}.ckpt")
         result[name] = {
-            "ddp_norms": ddp_norms, "norms": norms, "vs_ddp": tolerance_ratio(sharded, ddp),
+            # atol 1e-6: the clip's norm sums shards where DDP sums params, so the clip coefficients differ in the last bits; after 4
+            # AdamW steps elements near zero of the embedding end up to 2e-7 apart on an AVX-512 CPU (bitwise without the clip).
+            "ddp_norms": ddp_norms, "norms": norms, "vs_ddp": tolerance_ratio(sharded, ddp, atol=1e-6),
             "resumed_vs_uninterrupted": tolerance_ratio(resumed, sharded),
         }
     result["distributed"] = dist.is_initialized() and dist.get_world_size() == 2

@@ -107,6 +107,7 @@ class WrappedDDP:
 
     ddp: weakref.ref  # the wrapper
     released: bool = False  # this optimizer holds the release of ``ddp``'s reducer (a :class:`ReleasedReducer` now)
+    covered: bool = False  # every param it reduces is some optimizer's (DDPWrappers.check_covered)
 
 
 def _hooks_to_register_again(ddp: nn.Module) -> tuple[list[tuple[Callable, Any]], Any]:
@@ -308,6 +309,25 @@ class DDPWrappers:
         """Release every adopted wrapper's reducer (:func:`release_reducer`); only between backward passes."""
         for wrapped in self.wrapped:
             release_reducer(wrapped, id(self), self._sync_next_backward)
+
+    def check_covered(self, owned: Callable[[nn.Parameter], bool]) -> None:
+        """Raise ``RuntimeError`` naming them if a wrapper reduces trainable params that no ``ShardedOptimizer`` reduces
+        (``owned``): with DDP's reduction off nothing would average their gradients, so a clip over the model would read each
+        rank's own and an optimizer over them would let the ranks drift apart. Once per wrapper, at the end of the first
+        backward reduced after its adoption (every optimizer built by then), alike on every rank."""
+        for wrapped in self.wrapped:
+            ddp = wrapped.ddp()
+            if ddp is None or wrapped.covered:
+                continue
+            ignored = getattr(ddp, "parameters_to_ignore", ())
+            missing = [name for name, p in ddp.module.named_parameters() if p.requires_grad and p.numel() and name not in ignored and not owned(p)]
+            if missing:
+                raise RuntimeError(
+                    f"DistributedDataParallel wraps {len(missing)} trainable params that no ShardedOptimizer holds ({missing[:5]}): zeroshard "
+                    "switches DDP's gradient reduction off, so nothing would average their gradients (a clip over the model would read "
+                    "each rank's own, a plain optimizer over them would let the ranks drift apart). Put them in a ShardedOptimizer (a "
+                    "second one for another optimizer) or freeze them (requires_grad_(False))")
+            wrapped.covered = True
 
     def close(self) -> None:
         """Remove the hooks and give every wrapper its reducer back: DDP reduces again from its next forward (idempotent)."""

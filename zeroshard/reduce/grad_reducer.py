@@ -26,7 +26,7 @@ from zeroshard.grad.sharded_grad import ShardedGrad, bind_virtual_grads
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce import bucket
 from zeroshard.reduce.bucket import BucketOrder, PendingReduce, StagingBuckets
-from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrappers_of_owners
+from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrappers_of_owners, owners_of
 from zeroshard.reduce.ddp import DDPWrappers, find_wrappers, release, watch_new_wrappers
 from zeroshard.reduce.nested_backward import OutermostBackward
 from zeroshard.reduce.records import ArrivedGrad, StepPhase, param_hooks, weak_method
@@ -375,6 +375,7 @@ class GradReducer:
         self.phase = StepPhase.REDUCED
         for grads in self._grads:
             grads.note_flat_version()
+        self._ddps.check_covered(lambda p: bool(owners_of([p])))
 
     def rebuild_order(self) -> None:
         """Adopt rank 0's launch order of the first reduced backward (a collective, once: :class:`BucketOrder`)."""
