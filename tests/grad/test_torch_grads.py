@@ -158,6 +158,42 @@ def test_clip_after_accumulation_gives_ddps_numbers(pools, stage, accumulate):
     pools[2].run(torch_code_worker, stage, "clip_grad_norm_", accumulate)
 
 
+def all_micro_steps_under_no_sync_worker(stage: int) -> dict[str, str]:
+    """Every micro-step under ``opt.no_sync()``, so ``step()`` reduces: then ``between`` runs, then ``step()``; per ``between``,
+    what the step raised ("" for nothing). ``.grad`` holds each rank's own gradient until then."""
+    out = {}
+    for between in ("torch clip", "mul_ one gradient", "zero_grad(set_to_none=False)", "opt.clip_grad_norm_", "nothing"):
+        _, _, model, opt = _pair(stage)
+        try:
+            for micro in range(2):
+                with opt.no_sync():
+                    loss_fn(model, *batch(dist.get_rank(), 0, micro)).backward()
+            if between == "torch clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            elif between == "mul_ one gradient":
+                model.fc1.weight.grad.mul_(0.5)
+            elif between == "zero_grad(set_to_none=False)":
+                opt.zero_grad(set_to_none=False)
+            elif between == "opt.clip_grad_norm_":
+                opt.clip_grad_norm_(0.05)
+            opt.step()
+            out[between] = ""
+        except RuntimeError as error:
+            out[between] = str(error)
+        finally:
+            opt.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_clip_of_gradients_not_yet_reduced_raises(pools, stage):
+    # Each rank would scale its own gradient before the step reduced them: params off DDP's by 2e-2, silently, before.
+    for results in pools[2].run(all_micro_steps_under_no_sync_worker, stage):
+        for between in ("torch clip", "mul_ one gradient"):
+            assert "modified in place after a backward under no_sync() and before they were reduced" in results[between], results
+        assert results["zero_grad(set_to_none=False)"] == results["opt.clip_grad_norm_"] == results["nothing"] == "", results
+
+
 @pytest.mark.parametrize("variant", ["clip_grad_norm_", "clip_grad_norm_(param_groups)", "norms, isfinite, sum"])
 def test_hybrid_sharding_gives_ddps_numbers(pools, variant):
     pools[4].run(torch_code_worker, 2, variant, "none", 2)  # 2 replicas of 2 shards: the pieces of a gradient span one shard group

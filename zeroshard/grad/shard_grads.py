@@ -15,6 +15,11 @@ from zeroshard.layout.local_shard import LocalShard
 from zeroshard.layout.partition import ShardPiece
 
 
+def sparse_gradient(param: nn.Parameter) -> RuntimeError:
+    """The error for a sparse gradient of ``param`` (``nn.Embedding(sparse=True)``), which zeroshard does not reduce."""
+    return RuntimeError(f"param {tuple(param.shape)} got a sparse gradient; zeroshard reduces dense gradients only (use sparse=False in nn.Embedding)")
+
+
 @dataclass
 class ShardGrads:
     """The gradient bookkeeping of one :class:`~zeroshard.layout.local_shard.LocalShard` (``GradReducer``'s, per shard); per param: in layout order."""
@@ -37,6 +42,7 @@ class ShardGrads:
     flat_addresses: list[int] = field(default_factory=list)  # their data pointers: where each view must point
     reduced_versions: dict[int, int] = field(default_factory=dict)  # per param, that ShardedGrad's version when left (absent: none left since)
     hook_ids: dict[int, int] = field(default_factory=dict)  # per param, the handle id of zeroshard's post-accumulate-grad hook on it
+    local: dict[int, tuple[Tensor, int]] = field(default_factory=dict)  # stage 2, per param: its .grad and version after a no_sync() backward
     landed: list[bool] = field(default_factory=list)  # per bucket: reduced into its grad shard slice since the reset (stage 2 adds next)
     arrivals: list[int] = field(default_factory=list)  # per param: gradients taken in this backward pass (reentrant checkpoints: several)
     expected: list[int] = field(default_factory=list)  # per param: the most gradients taken in one pass so far: ready once that many arrived
@@ -89,6 +95,7 @@ class ShardGrads:
         self.continued = [False] * len(self.continued)
         self.landed = [False] * len(self.landed)
         self.live = self.edited = False
+        self.local.clear()
 
     def sharded_grad(self, i: int, param: nn.Parameter) -> ShardedGrad:
         """The ShardedGrad to leave in param ``i``'s ``.grad`` once reduced (made once), its version noted as left."""
@@ -145,6 +152,7 @@ class ShardGrads:
         """
         self.live = True
         self.reductions += 1
+        self.local.clear()
         for i, param in enumerate(self.shard.buffer.params):
             grad = param.grad
             if grad is None or (self.flat is not None and not isinstance(grad, ShardedGrad)):
@@ -246,6 +254,29 @@ class ShardGrads:
                 "the params' .grad were edited in place after zeroshard reduced them, and another backward now adds to them: "
                 "ZeRO stage 1 reduces the running local sum again, which would drop the edit. Edit gradients after the last "
                 "backward of the step (accumulate micro-steps with opt.no_sync()), or use stage=2")
+
+    def note_local(self, i: int, param: nn.Parameter) -> None:
+        """Param ``i``'s gradient was accumulated locally (``no_sync()``): note it as autograd left it (:meth:`refuse_local_edits`)."""
+        if self.flat is not None:
+            self.note_flat_version()
+        elif (grad := param.grad) is not None:
+            self.local[i] = (grad, grad._version)
+
+    def refuse_local_edits(self) -> None:
+        """Before gradients accumulated under ``no_sync()`` are reduced for a step: raise ``RuntimeError`` if user code wrote them
+        in place since their last backward (a clip of this rank's own gradient: each rank would scale its own, DDP the average)."""
+        if self.flat is not None:
+            edited = self.flat._version != self.flat_version and bool(self.flat.any())  # all zero: zero_grad(set_to_none=False)
+        else:
+            params = self.shard.buffer.params
+            edited = any(params[i].grad is grad and grad._version != version for i, (grad, version) in self.local.items())
+        self.local.clear()
+        if edited:
+            raise RuntimeError(
+                "the params' .grad were modified in place after a backward under no_sync() and before they were reduced "
+                "(torch.nn.utils.clip_grad_norm_ or a framework's clipping?): they hold this rank's own gradient, so each rank "
+                "changed its own where DDP changes the average. Run the last micro-batch's backward outside no_sync() (its end "
+                "reduces: .grad then holds DDP's averaged gradient), or clip with opt.clip_grad_norm_(...) or max_grad_norm")
 
     def refuse_partial_write(self, i: int, changed: bool) -> None:
         """Raise ``RuntimeError`` if a hook ``changed`` param ``i``'s gradient in a backward after one that reduced it in this step:

@@ -21,7 +21,7 @@ from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
 from zeroshard.compat import accumulates_into_grad, current_graph_task, last_post_accumulate_grad_hook_id
 from zeroshard.grad.partial_norm import GradComm, ParamSpace
-from zeroshard.grad.shard_grads import ShardGrads
+from zeroshard.grad.shard_grads import ShardGrads, sparse_gradient
 from zeroshard.grad.sharded_grad import ShardedGrad, bind_virtual_grads
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce import bucket
@@ -76,6 +76,7 @@ class GradReducer:
         self._no_sync = False
         self.phase = StepPhase.LOCAL  # where this step's gradients are
         self._late = False  # a gradient arrived after its bucket was reduced in this step (_take_grad)
+        self._local_since_reduced = False  # a no_sync() backward since the last reduction (reduce_for_step)
         self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset; None: used since
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self._followed_task = -1  # the graph task (backward pass) that last checked for moved params
@@ -83,7 +84,7 @@ class GradReducer:
         self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates locally
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self.before_reduce: Callable[[], object] | None = None  # run first by reduce_everything: the optimizer shards params unfrozen since
+        self.before_reduce: Callable[[], object] | None = None  # reduce_everything runs it first (the optimizer: unfrozen params)
         # DDP wrappers around these params: switched off, their reducers released (DDPWrappers.adopt).
         self._ddps = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))
         # The hooks hold this reducer weakly, so they go with it (or with close()). Not at exit:
@@ -227,12 +228,14 @@ class GradReducer:
         if grad is None:
             return
         if grad.is_sparse:
-            raise RuntimeError(f"param {tuple(param.shape)} got a sparse gradient; zeroshard reduces dense gradients only (use sparse=False in nn.Embedding)")
+            raise sparse_gradient(param)
         grads = self._grads[k]
         grads.used[i] = True
         if grads.flat is not None:
             grads.keep_in_flat_grad(i, param)
         if self._no_sync or self._ddp_no_sync:  # accumulating
+            grads.note_local(i, param)
+            self._local_since_reduced = True
             if self.coordinator.shared():  # the group's other reducers still reduce at this backward's end
                 self._queue_end_of_backward()
             return
@@ -373,6 +376,7 @@ class GradReducer:
                 grads.leave_sharded_grads()
         self._clear_backward_state()
         self.phase = StepPhase.REDUCED
+        self._local_since_reduced = False
         for grads in self._grads:
             grads.note_flat_version()
         self._ddps.check_covered(lambda p: bool(owners_of([p])))
@@ -400,6 +404,9 @@ class GradReducer:
     def reduce_for_step(self) -> None:
         """Reduce whatever is still local: gradients from ``no_sync``, a late one (``_take_grad``), or a step with no reduced backward
         (alike on every rank running the same loop)."""
+        if self._local_since_reduced and not self._ddp_reduced:  # RuntimeError if user code edited them, before settle_all follows that
+            for grads in self._grads:
+                grads.refuse_local_edits()
         self.settle_all()
         if self.phase is not StepPhase.REDUCED or self._late:
             self._late = False
@@ -435,7 +442,7 @@ class GradReducer:
         self._clear_backward_state()
         self._staging.clear()  # stage 2 holds no gradient buffers between steps
         self.phase = StepPhase.LOCAL
-        self._late = False
+        self._late = self._local_since_reduced = False
         self.end_of_backward = EndOfBackward.NONE
         self._reset_marks = self._marks()
 
