@@ -189,3 +189,18 @@ def test_each_backward_pass_has_a_graph_task_of_its_own():
     for _ in range(2):
         (param * 2).sum().backward()
     assert compat.current_graph_task() == -1 and seen[0] >= 0 and seen[1] != seen[0], f"torch {torch.__version__}: _current_graph_task_id changed ({seen})"
+
+
+def test_a_scheduler_reads_the_step_mark_that_note_step_sets():
+    import warnings
+
+    for noted in (False, True):
+        opt = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        if noted:
+            compat.note_step(opt)  # what zeroshard's fused update does in place of opt.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            schedule.step()
+        warned = any("lr_scheduler.step()` before `optimizer.step()" in str(w.message) for w in caught)
+        assert warned is not noted, f"torch {torch.__version__}: LRScheduler no longer reads optimizer._opt_called"

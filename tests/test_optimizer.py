@@ -481,3 +481,30 @@ def test_a_clip_on_some_ranks_only_raises_on_every_rank(pools):
     step, clip = pools[2].run(clip_on_one_rank_worker)
     assert step.startswith("step(): the ranks clip this step differently (max_norm here 0, 0 for none; the 2 ranks' values differ)"), step
     assert clip.startswith("clip_grad_norm_(): the ranks clip this step differently (max_norm here 0.05"), clip
+
+
+def scheduler_on_wrapped_worker() -> list[str]:
+    """A scheduler built on the wrapped optimizer (as a framework holding ``opt.optimizer`` builds it), the fused update and
+    the wrapped optimizer's own step: the warnings its ``step()`` gave."""
+    import warnings
+
+    messages = []
+    for inner in (lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)):
+        model = TinyNet()
+        opt = zeroshard.ShardedOptimizer(inner(param_groups(model)))
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lambda step: 1.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(2):
+                loss_fn(model, *batch(dist.get_rank(), step)).backward()
+                opt.step()
+                opt.zero_grad()
+                schedule.step()
+        messages += [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+        opt.close()
+    return messages
+
+
+def test_a_scheduler_on_the_wrapped_optimizer_sees_its_steps(pools):
+    # The fused update steps the wrapped optimizer's state without its step(): the scheduler warned it came first.
+    assert pools[2].run(scheduler_on_wrapped_worker) == [[], []]

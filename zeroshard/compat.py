@@ -115,6 +115,15 @@ def last_post_accumulate_grad_hook_id(param: nn.Parameter) -> int | None:
     return next(reversed(hooks)) if hooks else None
 
 
+def note_step(optimizer: torch.optim.Optimizer) -> None:
+    """Record on ``optimizer`` that its step ran, as the ``step`` wrapper a ``torch.optim.lr_scheduler.LRScheduler`` built on
+    it records (``optimizer._opt_called``), so that the scheduler does not warn that its ``step()`` came first.
+
+    update.py: the fused update steps the wrapped optimizer's state without calling its ``step()``; no public API marks a step.
+    """
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
 def load_checkpoint_without_process_group(state: dict[str, Any], checkpoint: str) -> None:
     """Fill ``state`` with everything in the DCP checkpoint directory ``checkpoint``, on one process, with no process group.
 

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from zeroshard.comm.groups import ShardingGroups
+from zeroshard.compat import note_step
 from zeroshard.gather.param_gather import ParamGather
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce.grad_reducer import GradReducer
@@ -167,6 +168,7 @@ class UpdateMixin:
             shard.refresh_master()
         if self._fused is not None:
             self._fused.step(self._shards, steps, multiplier, found_inf)
+            note_step(self.optimizer)  # a scheduler built on the wrapped optimizer sees its step
         else:  # only with a float multiplier (_on_device needs the fused update)
             wrapped_step(self.optimizer, self._shards, used, multiplier)  # type: ignore[arg-type]
         self._gather.launch(self._shards)  # waited for before the params are next read (param_gather.py)
