@@ -272,9 +272,11 @@ def test_fp16_gradients_have_ddps_headroom(pools, stage):
 # -- 7. gradual unfreezing -----------------------------------------------------------------------
 
 
-def unfreeze_worker(stage: int, clip: str, optimizer_class: type = torch.optim.AdamW) -> None:
+def unfreeze_worker(stage: int, clip: str, optimizer_class: type = torch.optim.AdamW, variant: str = "plain") -> None:
     """``clip``: ``"none"``, ``"max_grad_norm"`` (zeroshard's), or ``"torch"``: ``torch.nn.utils.clip_grad_norm_`` over the model
-    between backward and step, which must read DDP's averaged gradient of the param unfrozen, also at its first backward."""
+    between backward and step, which must read DDP's averaged gradient of the param unfrozen, also at its first backward.
+    ``variant``: ``"branch unused on rank 1"`` (the ranks launch the pass's buckets at different times, so the sharding at its end
+    must come after them all), ``"create_graph"`` (the pass ends with grad mode on)."""
     # Reference: the torch optimizer fed the data-parallel gradient (each rank's, all-reduced, over N).
     torch.manual_seed(0)
     ref_model = TinyNet()
@@ -288,7 +290,11 @@ def unfreeze_worker(stage: int, clip: str, optimizer_class: type = torch.optim.A
         if step == 2:
             for m in (ref_model, model):
                 m.fc1.weight.requires_grad_(True)
-        loss_fn(ref_model, *batch(dist.get_rank(), step)).backward()
+        use_branch = variant != "branch unused on rank 1" or dist.get_rank() == 0
+        loss_fn(ref_model, *batch(dist.get_rank(), step), use_branch=use_branch).backward()
+        for p in ref_model.parameters():  # DDP's average of a param unused on one rank: the other's over N
+            if p.requires_grad and p.grad is None and not use_branch:
+                p.grad = torch.zeros_like(p)
         grads = [p.grad for p in ref_model.parameters() if p.grad is not None]
         for grad in grads:
             dist.all_reduce(grad)
@@ -298,7 +304,7 @@ def unfreeze_worker(stage: int, clip: str, optimizer_class: type = torch.optim.A
             norms.append(float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)))
         ref_opt.step()
         ref_model.zero_grad()
-        loss_fn(model, *batch(dist.get_rank(), step)).backward()
+        loss_fn(model, *batch(dist.get_rank(), step), use_branch=use_branch).backward(create_graph=variant == "create_graph")
         if clip == "torch":
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, foreach=False)))
             assert math.isclose(norms[0], norms[1], rel_tol=1e-5), f"step {step}: torch's clip read norm {norms[1]}, DDP's gradient has {norms[0]}"
@@ -317,6 +323,13 @@ def test_param_unfrozen_after_wrapping_is_trained(pools, stage, clip):
 
 def test_param_unfrozen_after_wrapping_keeps_adagrads_initial_state(pools):
     pools[2].run(unfreeze_worker, 2, "none", torch.optim.Adagrad)
+
+
+@pytest.mark.parametrize(("stage", "variant"), [(2, "branch unused on rank 1"), (1, "branch unused on rank 1"), (1, "create_graph")])
+def test_param_unfrozen_is_sharded_after_the_pass_collectives(pools, stage, variant):
+    # A review found both: the sharding at the pass's end met rank 0's reduce-scatter (a hang), and create_graph's grad mode
+    # made stage 1 write the new buffers' no_grad views ("a view was created in no_grad mode").
+    pools[2].run(unfreeze_worker, stage, "torch", torch.optim.AdamW, variant)
 
 
 def late_group_worker(stage: int) -> None:
@@ -526,8 +539,8 @@ def timeout_child_output(tmp_path_factory) -> str:
     ("add_param_group", ("add_param_group(): the all-reduce of whether any rank's checks failed did not complete within 2 s on rank 0",
                          "call add_param_group()")),
     # a param unfrozen on rank 0 alone: its sharding's check meets rank 1's gradient-norm all-reduce, and both time out
-    ("unfreeze", ("a backward's end, clip_grad_norm_() or step() after params were unfrozen: the check that every rank has the same param_groups items did "
-                  "not complete within 2 s on rank 0",)),
+    ("unfreeze", ("backward(), clip_grad_norm_() or step() after params were unfrozen (alike on every rank): the check that every rank "
+                  "has the same param_groups items did not complete within 2 s on rank 0",)),
     ("unfreeze-rank-1", ("step(): the all-reduce of the gradient norm did not complete within 2 s on rank 1",)),
 ])
 def test_rank_missing_a_call_raises_naming_the_collective_within_the_bound(timeout_child_output, call, expected):

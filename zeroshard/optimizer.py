@@ -187,7 +187,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
             self._shard_set.add_groups(range(len(optimizer.param_groups))), stage=stage, groups=self.groups, reduce_dtype=reduce_dtype,
             overlap_comm=overlap_comm, timeout=self._timeout,
         )
-        self._reducer.before_reduce = weak_method(self._shard_unfrozen)
+        self._reducer.grow = weak_method(self._shard_unfrozen)
         self._device = self._shards[0].buffer.device  # every param on one device (checked)
         self._fused = FusedAdam(optimizer, kind) if master_weights and (kind := fused_adam_kind(optimizer)) else None
         self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)

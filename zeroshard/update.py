@@ -77,7 +77,7 @@ class UpdateMixin:
 
     def _shard_unfrozen(self) -> bool:
         """Shard and hook up the params unfrozen since their group was sharded (:meth:`ShardSet.add_unfrozen`: a collective when
-        there are some); whether there were. The reducer also calls it as each backward ends (``GradReducer.before_reduce``), so
+        there are some); whether there were. The reducer also calls it as each backward ends (``GradReducer.grow``), so
         that their gradients, still this rank's own, are reduced with the others: a clip before ``step()`` reads DDP's average."""
         with torch.no_grad():
             unfrozen = self._shard_set.add_unfrozen()

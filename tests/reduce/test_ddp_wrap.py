@@ -547,21 +547,26 @@ def test_ddp_forward_called_directly_with_a_param_unused_on_some_ranks(pools, un
 def uncovered_worker(when: str) -> dict[str, str]:
     """DDP wraps TinyNet, built ``when`` (before or after the optimizers); a ShardedOptimizer holds every trainable param but
     fc2's, which a plain SGD steps (``"plain"``), a second ShardedOptimizer holds (``"second"``), or which are frozen
-    (``"frozen"``). Per case, what two training steps raise ("" for nothing) and whether the ranks' params stayed equal."""
+    (``"frozen"``), or which the second holds, fc2.bias frozen while both were built (``"second, unfrozen"``). Per case, what
+    two training steps raise ("" for nothing) and whether the ranks' params stayed equal."""
     out = {}
-    for case in ("plain", "second", "frozen"):
+    for case in ("plain", "second", "frozen", "second, unfrozen"):
         torch.manual_seed(0)
         model = TinyNet()
         ddp = DDP(model) if when == "before" else None
         if case == "frozen":
             model.fc2.requires_grad_(False)
+        if case == "second, unfrozen":
+            model.fc2.bias.requires_grad_(False)
         rest = [p for p in model.parameters() if all(p is not q for q in model.fc2.parameters())]
         opts = [zeroshard.ShardedOptimizer(torch.optim.AdamW(rest, lr=1e-2), bucket_size_mb=BUCKET_MB)]
         fc2 = list(model.fc2.parameters())
         if case == "plain":
             opts.append(torch.optim.SGD(fc2, lr=0.1))
-        elif case == "second":
+        elif case.startswith("second"):
             opts.append(zeroshard.ShardedOptimizer(torch.optim.SGD(fc2, lr=0.1)))
+        if case == "second, unfrozen":  # frozen while the optimizers were built: the second shards them at the first backward's end
+            model.fc2.bias.requires_grad_(True)
         ddp = ddp or DDP(model)
         message = ""
         try:
@@ -587,5 +592,5 @@ def test_ddp_wrapping_params_no_sharded_optimizer_holds_raises(pools, when):
     # zeroshard switches the wrapper's reduction off: a plain optimizer over the rest would have let the ranks drift apart
     for results in pools[2].run(uncovered_worker, when):
         message, _ = results["plain"]
-        assert "DistributedDataParallel wraps 2 trainable params that no ShardedOptimizer holds (['fc2.weight', 'fc2.bias'])" in message, message
-        assert results["second"] == ("", True) and results["frozen"] == ("", True), results
+        assert "DistributedDataParallel wraps 2 trainable param(s) that no ShardedOptimizer holds (['fc2.weight', 'fc2.bias'])" in message, message
+        assert results["second"] == results["frozen"] == results["second, unfrozen"] == ("", True), results

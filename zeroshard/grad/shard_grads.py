@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +43,7 @@ class ShardGrads:
     flat_addresses: list[int] = field(default_factory=list)  # their data pointers: where each view must point
     reduced_versions: dict[int, int] = field(default_factory=dict)  # per param, that ShardedGrad's version when left (absent: none left since)
     hook_ids: dict[int, int] = field(default_factory=dict)  # per param, the handle id of zeroshard's post-accumulate-grad hook on it
-    local: dict[int, tuple[Tensor, int]] = field(default_factory=dict)  # stage 2, per param: its .grad and version after a no_sync() backward
+    local: dict[int, tuple[weakref.ref[Tensor], int]] = field(default_factory=dict)  # stage 2, per param: .grad (weakly), version after no_sync()
     landed: list[bool] = field(default_factory=list)  # per bucket: reduced into its grad shard slice since the reset (stage 2 adds next)
     arrivals: list[int] = field(default_factory=list)  # per param: gradients taken in this backward pass (reentrant checkpoints: several)
     expected: list[int] = field(default_factory=list)  # per param: the most gradients taken in one pass so far: ready once that many arrived
@@ -260,7 +261,7 @@ class ShardGrads:
         if self.flat is not None:
             self.note_flat_version()
         elif (grad := param.grad) is not None:
-            self.local[i] = (grad, grad._version)
+            self.local[i] = (weakref.ref(grad), grad._version)
 
     def refuse_local_edits(self) -> None:
         """Before gradients accumulated under ``no_sync()`` are reduced for a step: raise ``RuntimeError`` if user code wrote them
@@ -269,7 +270,8 @@ class ShardGrads:
             edited = self.flat._version != self.flat_version and bool(self.flat.any())  # all zero: zero_grad(set_to_none=False)
         else:
             params = self.shard.buffer.params
-            edited = any(params[i].grad is grad and grad._version != version for i, (grad, version) in self.local.items())
+            grads = [grad for i, (held, version) in self.local.items() if (grad := held()) is not None and grad is params[i].grad and grad._version != version]
+            edited = any(bool(grad.any()) for grad in grads)  # all zero: followed, as at stage 1
         self.local.clear()
         if edited:
             raise RuntimeError(

@@ -16,9 +16,10 @@ from __future__ import annotations
 import enum
 import gc
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from zeroshard.reduce.ddp import DDPWrappers
@@ -36,6 +37,7 @@ class Reducer(Protocol):
     """What a :class:`ReduceCoordinator` reads and calls of a ``GradReducer``."""
 
     end_of_backward: EndOfBackward  # its end-of-backward callback in the running pass
+    grow: Callable[[], object] | None  # its optimizer's: shard the params unfrozen since (collectives); whether there were some
 
     @property
     def closed(self) -> bool: ...  # taken over or closed: its hooks do nothing
@@ -163,6 +165,14 @@ class ReduceCoordinator:
                 reduced.append(r)
             for r in reduced:
                 r.rebuild_order()
+            # Params unfrozen since: sharded, then every bucket reduced again with them. Only now, after the pass's last collective
+            # on every rank: ranks launch a pass's buckets at different times, and a sharding before would meet a reduce-scatter.
+            with torch.no_grad():  # a backward(create_graph=True) ends with grad mode on
+                for r in reduced:
+                    if r.grow is not None and r.grow():
+                        r.reduce_everything()
+            for r in reduced:  # every optimizer has sharded its unfrozen params
+                r.ddp_wrappers.check_covered(held)
         except BaseException:
             for r in self._live():
                 r.end_of_backward = EndOfBackward.NONE
@@ -223,6 +233,11 @@ def owners_of(params: Iterable[nn.Parameter]) -> list[Reducer]:
     """The live reducers, on any process group, that own one of ``params`` (each once)."""
     found = {id(owner): owner for p in params for c in list(_COORDINATORS.values()) if (owner := c.owner_of(p)) is not None}
     return list(found.values())
+
+
+def held(param: nn.Parameter) -> bool:
+    """Whether a live reducer, on any process group, has its hooks on ``param`` (``DDPWrappers.check_covered``)."""
+    return bool(owners_of([param]))
 
 
 def take_over(params: Sequence[nn.Parameter], names: Sequence[str]) -> None:

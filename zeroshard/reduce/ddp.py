@@ -323,7 +323,7 @@ class DDPWrappers:
             missing = [name for name, p in ddp.module.named_parameters() if p.requires_grad and p.numel() and name not in ignored and not owned(p)]
             if missing:
                 raise RuntimeError(
-                    f"DistributedDataParallel wraps {len(missing)} trainable params that no ShardedOptimizer holds ({missing[:5]}): zeroshard "
+                    f"DistributedDataParallel wraps {len(missing)} trainable param(s) that no ShardedOptimizer holds ({missing[:5]}): zeroshard "
                     "switches DDP's gradient reduction off, so nothing would average their gradients (a clip over the model would read "
                     "each rank's own, a plain optimizer over them would let the ranks drift apart). Put them in a ShardedOptimizer (a "
                     "second one for another optimizer) or freeze them (requires_grad_(False))")

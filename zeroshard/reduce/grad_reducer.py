@@ -26,7 +26,7 @@ from zeroshard.grad.sharded_grad import ShardedGrad, bind_virtual_grads
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce import bucket
 from zeroshard.reduce.bucket import BucketOrder, PendingReduce, StagingBuckets
-from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrappers_of_owners, owners_of
+from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrappers_of_owners, held
 from zeroshard.reduce.ddp import DDPWrappers, find_wrappers, release, watch_new_wrappers
 from zeroshard.reduce.nested_backward import OutermostBackward
 from zeroshard.reduce.records import ArrivedGrad, StepPhase, param_hooks, weak_method
@@ -84,7 +84,7 @@ class GradReducer:
         self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates locally
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self.before_reduce: Callable[[], object] | None = None  # reduce_everything runs it first (the optimizer: unfrozen params)
+        self.grow: Callable[[], object] | None = None  # the optimizer's: shard params unfrozen since; whether it did (flush)
         # DDP wrappers around these params: switched off, their reducers released (DDPWrappers.adopt).
         self._ddps = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))
         # The hooks hold this reducer weakly, so they go with it (or with close()). Not at exit:
@@ -351,8 +351,6 @@ class GradReducer:
         """Complete every bucket not yet launched, launch it, add all results into the grad shards; then :meth:`rebuild_order`
         unless the caller does it later (:meth:`ReduceCoordinator.flush`)."""
         self._reset_marks = None
-        if self.before_reduce is not None:
-            self.before_reduce()
         self.take_deferred()
         for k, shard in enumerate(self.shards):
             grads = self._grads[k]
@@ -379,7 +377,6 @@ class GradReducer:
         self._local_since_reduced = False
         for grads in self._grads:
             grads.note_flat_version()
-        self._ddps.check_covered(lambda p: bool(owners_of([p])))
 
     def rebuild_order(self) -> None:
         """Adopt rank 0's launch order of the first reduced backward (a collective, once: :class:`BucketOrder`)."""
@@ -411,6 +408,8 @@ class GradReducer:
         if self.phase is not StepPhase.REDUCED or self._late:
             self._late = False
             self.reduce_everything()
+            if self.coordinator.alone:  # else the group's flush checks, once every optimizer has grown
+                self._ddps.check_covered(held)
 
     def reduce_again(self) -> None:
         """Have the next :meth:`reduce_for_step` reduce every bucket again (shards were added mid-step): nothing is reduced twice, as

@@ -45,13 +45,12 @@ class ArrivedGrad:
 
 
 def weak_method(method: Callable) -> Callable:
-    """``method`` (bound to a GradReducer or an optimizer) called through a weak reference: a no-op once its object is gone."""
+    """``method`` (bound to a GradReducer or an optimizer) called through a weak reference: a no-op (``None``) once its object is gone."""
     ref = weakref.WeakMethod(method)
 
-    def call(*args: object) -> None:
+    def call(*args: object) -> object:
         live = ref()
-        if live is not None:
-            live(*args)
+        return live(*args) if live is not None else None
 
     return call
 
