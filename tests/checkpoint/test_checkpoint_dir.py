@@ -89,3 +89,18 @@ def test_damaged_file_is_named_on_every_rank(pools, tmp_path, damage):
     for verdict, plain in pools[2].run(damaged_load_worker, str(tmp_path)):
         assert victim.name in verdict and ("truncated" in verdict if damage == "truncate" else "corrupted" in verdict), verdict
         assert plain != "loaded"
+
+
+def test_latest_checkpoint_goes_by_the_step_in_the_name_then_by_time(tmp_path):
+    # A copy or restore (cp -r) gives the files new times in any order: the names still say which step is latest.
+    for name in ("step_000010", "step_000003", "step_000004"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".metadata").write_bytes(b"")
+    later = time.time_ns() + 10**12
+    os.utime(tmp_path / "step_000003" / ".metadata", ns=(later, later))  # written last
+    (tmp_path / "step_000011").mkdir()  # a save that did not finish
+    assert zeroshard.latest_checkpoint(tmp_path) == tmp_path / "step_000010"
+    (tmp_path / "final").mkdir()  # a name without a number: the times decide
+    (tmp_path / "final" / ".metadata").write_bytes(b"")
+    assert zeroshard.latest_checkpoint(tmp_path) == tmp_path / "step_000003"
+    assert zeroshard.latest_checkpoint(tmp_path / "missing") is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -85,10 +86,15 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
 
 
 def latest_checkpoint(parent: str | os.PathLike) -> Path | None:
-    """The most recently completed checkpoint directory directly under ``parent``, or ``None``: the one whose ``.metadata``
-    was written last (directories without it, saves that did not finish, are skipped)."""
+    """The latest completed checkpoint directory directly under ``parent``, or ``None`` (directories without ``.metadata``,
+    saves that did not finish, are skipped): the one whose name ends in the highest number when every name ends in one
+    (``step_000010``, HF's ``checkpoint-10``: a copy or restore keeps it, not the files' times), else the one whose
+    ``.metadata`` was written last."""
     root = Path(parent)
     if not root.is_dir():
         return None
     complete = [d for d in root.iterdir() if (d / METADATA).is_file()]
+    numbers = {d: int(found.group(1)) for d in complete if (found := re.search(r"(\d+)$", d.name))}
+    if complete and len(numbers) == len(complete):
+        return max(complete, key=numbers.__getitem__)
     return max(complete, key=lambda d: (d / METADATA).stat().st_mtime_ns, default=None)
