@@ -77,8 +77,9 @@ class UpdateMixin:
 
     def _shard_unfrozen(self) -> bool:
         """Shard and hook up the params unfrozen since their group was sharded (:meth:`ShardSet.add_unfrozen`: a collective when
-        there are some); whether there were. The reducer also calls it as each backward ends (``GradReducer.grow``), so
-        that their gradients, still this rank's own, are reduced with the others: a clip before ``step()`` reads DDP's average."""
+        there are some); whether there were. The group's coordinator also calls it (``GradReducer.grow``) as each reduced
+        backward ends, after that pass's collectives, so that their gradients, still this rank's own, are reduced with the
+        others: a clip before ``step()`` reads DDP's average."""
         with torch.no_grad():
             unfrozen = self._shard_set.add_unfrozen()
             self._hook_up(unfrozen)
