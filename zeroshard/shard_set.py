@@ -163,8 +163,8 @@ class ShardSet:
         first_param_index = 0
         for g, params in enumerate(self.group_params):
             if any(is_sharded(p) for p in self._outside[g]):
-                # Not agreed: a rank that unfroze alone would pair that all-reduce with the others' gradient-norm all-reduce, of
-                # another size (gloo aborts the process); the fingerprint's all-gather times out instead.
+                # Not agreed: a rank that unfroze alone would pair that all-reduce with the others' next collective (a gradient-norm
+                # all-reduce or reduce-scatter) of another size (gloo aborts the process); the fingerprint's all-gather times out instead.
                 new = self._shard(range(g, g + 1), [params], first_param_index,
                                   "backward(), clip_grad_norm_() or step() after params were unfrozen (alike on every rank)",
                                   already_sharded=self._sharded_ids, agree=False)
