@@ -9,6 +9,7 @@ finiteness checks and ``full_tensor()`` all give DDP's values, and the step hono
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -196,6 +197,36 @@ def test_a_clip_of_gradients_not_yet_reduced_raises(pools, stage):
             assert "modified in place after a backward under no_sync() and before they were reduced" in results[between], results
         followed = ("zero_grad(set_to_none=False)", "model.zero_grad(set_to_none=False)", "opt.clip_grad_norm_", "nothing")
         assert all(results[between] == "" for between in followed), results
+
+
+def clip_param_groups_after_no_sync_worker(stage: int, clip: str) -> tuple[float, float, float]:
+    """Every micro-step under ``opt.no_sync()`` (DDP: the last one synced), then torch's ``clip`` over the optimizer's
+    ``param_groups`` and ``step()``: (zeroshard's norm, DDP's, the largest param difference after the step)."""
+    ref, ref_opt, model, opt = _pair(stage)
+    for micro in range(2):
+        with opt.no_sync(), ref.no_sync() if micro == 0 else contextlib.nullcontext():
+            loss_fn(ref, *batch(dist.get_rank(), 0, micro)).backward()
+            loss_fn(model, *batch(dist.get_rank(), 0, micro)).backward()
+    ours = ddps = 0.0
+    if clip == "clip_grad_norm_":
+        ours = float(torch.nn.utils.clip_grad_norm_(_optimizer_params(opt), 0.05))
+        ddps = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+    else:
+        torch.nn.utils.clip_grad_value_(_optimizer_params(opt), 1e-3)
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 1e-3)
+    ref_opt.step()
+    opt.step()
+    opt.close()
+    return ours, ddps, max(float((a - b).abs().max()) for a, b in zip(ref.module.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("clip", ["clip_grad_norm_", "clip_grad_value_"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_clip_over_param_groups_reduces_what_no_sync_left_local(pools, stage, clip):
+    # The virtual params' .grad (the grad shard) held nothing yet: the norm read 0.0 and the clip was lost, silently, before.
+    for ours, ddps, off in pools[2].run(clip_param_groups_after_no_sync_worker, stage, clip):
+        _close(ours, ddps, "norm")
+        assert off <= 1e-7, off
 
 
 @pytest.mark.parametrize("variant", ["clip_grad_norm_", "clip_grad_norm_(param_groups)", "norms, isfinite, sum"])

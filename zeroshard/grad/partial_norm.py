@@ -13,7 +13,7 @@ import datetime
 import functools
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ class GradComm:
 
     group: ProcessGroup
     timeout: datetime.timedelta | None
+    reduce_pending: Callable[[], object] = lambda: None  # before a virtual param's .grad is used: reduce what no_sync() left local
 
     @property
     def size(self) -> int:

@@ -260,7 +260,12 @@ class VirtualGrad(Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        placeholder = next((a.elsewhere for a in args if isinstance(a, VirtualGrad) and a.elsewhere), "") if name not in _METADATA_OR_GET else ""
+        if name in _METADATA_OR_GET:
+            return _disabled(func, *args, **kwargs)
+        grads = [g for a in args for g in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(g, VirtualGrad)]
+        for comm in {id(g.comm): g.comm for g in grads}.values():
+            comm.reduce_pending()  # gradients a no_sync() backward left local are reduced first, on every rank clipping alike
+        placeholder = next((g.elsewhere for g in grads if g.elsewhere), "")
         if placeholder:
             raise RuntimeError(f"{placeholder}: a virtual param in host memory (offload='cpu') has its gradient piece on the GPU, so torch.{name} "
                                "cannot run on its .grad; clip with ShardedOptimizer(..., max_grad_norm=...) or torch.nn.utils.clip_grad_norm_ "

@@ -1,9 +1,8 @@
 """Bucketed gradient reduce-scatter driven by post-accumulate-grad hooks.
 
 See [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py`` and "One step" and "Collective order" in
-``docs/design.md``: buckets launch in one order on every rank (``bucket.py``, ``coordinator.py``), and a callback at
-the end of each backward (``nested_backward.py``) completes every bucket (a missing gradient is zero) and waits for all its
-reductions, as DDP's reducer finalizes.
+``docs/design.md``: buckets launch in one order on every rank, and a callback at the end of each backward completes every
+bucket (a missing gradient is zero) and waits for its reductions, as DDP's reducer finalizes.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ class GradReducer:
     accumulation": ``docs/design.md``). The grad shard ends up holding ``sum over ranks / their number`` (ZeRO, §5.2).
 
     Args:
-        shards: the local shards whose params get hooks.
-        stage: 1 or 2.
+        shards: the local shards whose params get hooks. stage: 1 or 2.
         groups: the shard group (reduce-scatter) and, hybrid, the replicate group (all-reduce of the reduced slice).
         reduce_dtype: dtype of the reduce-scatter; ``None``: each param's own dtype.
         overlap_comm: launch buckets during backward as they complete (``True``) or all at its end (``False``).
@@ -62,13 +60,13 @@ class GradReducer:
         self.reduce_dtype = reduce_dtype
         self.overlap_comm = overlap_comm
         self.shards: list[LocalShard] = []
-        self._comm = GradComm(groups.shard, timeout)  # where every gradient's pieces are
+        self._comm = GradComm(groups.shard, timeout, weak_method(self.reduce_pending))
         self._space = ParamSpace()  # the params as torch.optim numbers them (VirtualGrad norms)
         self._grads: list[ShardGrads] = []  # per shard: its gradient bookkeeping
         self._reduce_dtypes: list[torch.dtype] = []  # per shard: the dtype its gradients are reduced in
         self._order = BucketOrder()  # rebuilt once, from the first reduced backward
         self._staging = StagingBuckets()  # stage 2
-        self._pending: list[PendingReduce] = []
+        self._pending: list[PendingReduce] = []  # launched reductions
         self._deferred: ArrivedGrad | None = None  # the last gradient, not taken yet
         self._next_launch = 0
         self.end_of_backward = EndOfBackward.NONE  # see coordinator.py
@@ -76,7 +74,7 @@ class GradReducer:
         self._no_sync = False
         self.phase = StepPhase.LOCAL  # where this step's gradients are
         self._late = False  # a gradient arrived after its bucket was reduced in this step (_take_grad)
-        self._local_since_reduced = False  # a no_sync() backward since the last reduction (reduce_for_step)
+        self._local_since_reduced = False  # no_sync() since the last reduction: alike on every rank (reduce_pending)
         self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset; None: used since
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self._followed_task = -1  # the graph task (backward pass) that last checked for moved params
@@ -87,8 +85,7 @@ class GradReducer:
         self.grow: Callable[[], object] | None = None  # the optimizer's: shard params unfrozen since; whether it did (flush)
         # DDP wrappers around these params: switched off, their reducers released (DDPWrappers.adopt).
         self._ddps = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))
-        # The hooks hold this reducer weakly, so they go with it (or with close()). Not at exit:
-        # DDP would get a reducer back for nothing, maybe after its process group is destroyed.
+        # The hooks hold it weakly and go with it (or close()); not at exit (DDP's process group may be gone).
         self._remove_hooks = weakref.finalize(self, release, self._hooks, self._ddps)
         self._remove_hooks.atexit = False
         self.closed_because = ""
@@ -196,6 +193,7 @@ class GradReducer:
 
     def _accumulate_locally(self) -> None:
         """This backward accumulates locally (``no_sync``): what a reduction left becomes :attr:`StepPhase.REDUCED_THEN_LOCAL`."""
+        self._local_since_reduced = True
         if self.phase is StepPhase.REDUCED:
             self.phase = StepPhase.REDUCED_THEN_LOCAL
 
@@ -333,7 +331,7 @@ class GradReducer:
         grads_of.landed[b] = True
         self._pending.append(bucket.launch(grads, self.shards[k].grad_slice(b), self.groups, k, b, fresh=fresh, input_frozen=frozen))
         if self.stage == 2 and len(self._pending) > MAX_BUCKETS_IN_FLIGHT:
-            # Bound stage 2's gradient memory: finish the oldest reduction and free its staging buffer.
+            # bound stage 2's gradient memory
             self._complete(self._pending.pop(0))
 
     def _complete(self, pending: PendingReduce) -> None:
@@ -383,7 +381,7 @@ class GradReducer:
         self._order.rebuild(self.groups, self.timeout)
 
     def drop_unused_grads(self, used: list[list[bool]]) -> None:
-        """At ``step()``: params no rank gave a gradient (``used``) keep ``.grad = None`` (:meth:`ShardGrads.drop_unused`)."""
+        """At ``step()``: params no rank gave a gradient (``used``) keep ``.grad = None``."""
         for grads, flags in zip(self._grads, used):
             grads.drop_unused(flags)
 
@@ -399,8 +397,7 @@ class GradReducer:
             grads.clear_backward()
 
     def reduce_for_step(self) -> None:
-        """Reduce whatever is still local: gradients from ``no_sync``, a late one (``_take_grad``), or a step with no reduced backward
-        (alike on every rank running the same loop)."""
+        """Reduce what is still local: ``no_sync`` gradients, a late one (``_take_grad``), or a step with no reduced backward."""
         if self._local_since_reduced and not self._ddp_reduced:  # RuntimeError if user code edited them, before settle_all follows that
             for grads in self._grads:
                 grads.refuse_local_edits()
@@ -410,6 +407,11 @@ class GradReducer:
             self.reduce_everything()
             if self.coordinator.alone:  # else the group's flush checks, once every optimizer has grown
                 self._ddps.check_covered(held)
+
+    def reduce_pending(self) -> None:
+        """Before a virtual param's ``.grad`` is read or edited (a clip over ``param_groups``): reduce what ``no_sync()`` left local."""
+        if self._local_since_reduced:
+            self.reduce_for_step()
 
     def reduce_again(self) -> None:
         """Have the next :meth:`reduce_for_step` reduce every bucket again (shards were added mid-step): nothing is reduced twice, as
