@@ -220,6 +220,29 @@ def clip_param_groups_after_no_sync_worker(stage: int, clip: str) -> tuple[float
     return ours, ddps, max(float((a - b).abs().max()) for a, b in zip(ref.module.parameters(), model.parameters()))
 
 
+def read_inside_no_sync_worker(stage: int) -> float:
+    """Two micro-steps under ``opt.no_sync()``, the second after a norm of ``param_groups`` read inside its block (which reduces
+    the first's gradient), then ``step()``: the largest param difference from DDP's (the last micro-step synced)."""
+    ref, ref_opt, model, opt = _pair(stage)
+    for micro in range(2):
+        with opt.no_sync(), ref.no_sync() if micro == 0 else contextlib.nullcontext():
+            if micro == 1:
+                torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in _optimizer_params(opt)])).item()
+            loss_fn(ref, *batch(dist.get_rank(), 0, micro)).backward()
+            loss_fn(model, *batch(dist.get_rank(), 0, micro)).backward()
+    ref_opt.step()
+    opt.step()
+    opt.close()
+    return max(float((a - b).abs().max()) for a, b in zip(ref.module.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_backward_under_no_sync_after_a_reduction_is_reduced_at_step(pools, stage):
+    # The read reduced the first micro-step's gradient; step() then saw the phase "reduced" and dropped the second's, silently.
+    for off in pools[2].run(read_inside_no_sync_worker, stage):
+        assert off <= 1e-7, off
+
+
 @pytest.mark.parametrize("clip", ["clip_grad_norm_", "clip_grad_value_"])
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_clip_over_param_groups_reduces_what_no_sync_left_local(pools, stage, clip):

@@ -70,11 +70,11 @@ class GradReducer:
         self._deferred: ArrivedGrad | None = None  # the last gradient, not taken yet
         self._next_launch = 0
         self.end_of_backward = EndOfBackward.NONE  # see coordinator.py
-        self._outermost = OutermostBackward(weak_method(self._queue_end_of_backward))  # see zeroshard/reduce/nested_backward.py
+        self._outermost = OutermostBackward(weak_method(self._queue_end_of_backward))  # reentrant checkpoints
         self._no_sync = False
         self.phase = StepPhase.LOCAL  # where this step's gradients are
         self._late = False  # a gradient arrived after its bucket was reduced in this step (_take_grad)
-        self._local_since_reduced = False  # no_sync() since the last reduction: alike on every rank (reduce_pending)
+        self._local_since_reduced = False  # no_sync() since the last reduction (alike on every rank)
         self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset; None: used since
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self._followed_task = -1  # the graph task (backward pass) that last checked for moved params
@@ -233,7 +233,7 @@ class GradReducer:
             grads.keep_in_flat_grad(i, param)
         if self._no_sync or self._ddp_no_sync:  # accumulating
             grads.note_local(i, param)
-            self._local_since_reduced = True
+            self._accumulate_locally()  # after a reduction in the block too (a clip): step() reduces again
             if self.coordinator.shared():  # the group's other reducers still reduce at this backward's end
                 self._queue_end_of_backward()
             return
@@ -242,7 +242,7 @@ class GradReducer:
         if self.end_of_backward is EndOfBackward.NONE:
             self._queue_end_of_backward()
         if self._ddp_reduced or last_post_accumulate_grad_hook_id(param) == grads.hook_ids[i]:
-            # No hook runs after zeroshard's (or DDP's reducer, hooked after, reads .grad as left): take it now. Alone, only a just completed bucket can launch.
+            # No hook runs after zeroshard's (DDP's reducer reads .grad as left): take it; alone, only its bucket can launch.
             if (self._take_grad(k, i, param) or not self.coordinator.alone) and self.overlap_comm:
                 self.launch_complete_buckets()
         else:
@@ -409,7 +409,7 @@ class GradReducer:
                 self._ddps.check_covered(held)
 
     def reduce_pending(self) -> None:
-        """Before a virtual param's ``.grad`` is read or edited (a clip over ``param_groups``): reduce what ``no_sync()`` left local."""
+        """Before a virtual param's ``.grad`` is used (a clip over ``param_groups``): reduce what ``no_sync()`` left local."""
         if self._local_since_reduced:
             self.reduce_for_step()
 
