@@ -204,3 +204,15 @@ def test_a_scheduler_reads_the_step_mark_that_note_step_sets():
             schedule.step()
         warned = any("lr_scheduler.step()` before `optimizer.step()" in str(w.message) for w in caught)
         assert warned is not noted, f"torch {torch.__version__}: LRScheduler no longer reads optimizer._opt_called"
+
+
+def test_compiling_is_true_while_dynamo_compiles_a_frame_only():
+    seen = []
+
+    def backend(graph, example_inputs):
+        seen.append(compat.compiling())  # Dynamo's own Python, as when it describes a param's .grad
+        return graph
+
+    assert not compat.compiling(), f"{TORCH}: compat.compiling() outside torch.compile"
+    torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))
+    assert seen == [True], f"{TORCH}: torch._guards.TracingContext is not set while Dynamo compiles a frame"

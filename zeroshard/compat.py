@@ -115,6 +115,17 @@ def last_post_accumulate_grad_hook_id(param: nn.Parameter) -> int | None:
     return next(reversed(hooks)) if hooks else None
 
 
+def compiling() -> bool:
+    """Whether Dynamo is compiling a frame, also in the Python it runs itself (``torch.compiler.is_compiling()`` is ``True`` only
+    in the code it traces).
+
+    sharded_grad.py: making a param a fake tensor, Dynamo describes its ``.grad``'s storage, which is metadata there.
+    """
+    from torch._guards import TracingContext  # on use, as torch._dynamo imports it
+
+    return TracingContext.try_get() is not None
+
+
 def note_step(optimizer: torch.optim.Optimizer) -> None:
     """Record on ``optimizer`` that its step ran, as the ``step`` wrapper a ``torch.optim.lr_scheduler.LRScheduler`` built on
     it records (``optimizer._opt_called``), so that the scheduler does not warn that its ``step()`` came first.

@@ -15,6 +15,8 @@ from __future__ import annotations
 import datetime
 import functools
 import itertools
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +126,21 @@ class ParamGather:
             _GUARD.forget(gather)
 
 
+# Dynamo cannot trace a wait on a c10d work: the waits run outside compiled frames (a graph break, or this reason under fullgraph).
+_COMPILED = ("zeroshard: the last step()'s param all-gather is in flight and compiled code cannot wait for it; call "
+             "opt.wait_params() before a torch.compile(fullgraph=True) function, compile the model itself (torch.compile(model), "
+             "model.compile(): its hooks run before the compiled frame), or pass overlap_param_gather=False")
+
+
+def _wait_for(entry: tuple[ParamGather, BucketGather]) -> None:
+    entry[0].wait_for(entry[1])
+
+
+def _outside_compiled(fn: Callable) -> Callable:
+    """``fn``, made to run outside Dynamo's compiled frames once Dynamo is in use (not before: its import is heavy)."""
+    return torch.compiler.disable(fn, reason=_COMPILED) if "torch._dynamo" in sys.modules else fn
+
+
 class _ParamGuard(TorchFunctionMode):
     """The mode that waits for a param's pending all-gather before any torch function touches it. One per process: every
     optimizer's pending gathers are registered here, so several optimizers (Muon + AdamW) share one mode on the stack."""
@@ -133,6 +150,7 @@ class _ParamGuard(TorchFunctionMode):
         self._waiting: dict[int, tuple[ParamGather, BucketGather]] = {}  # id(param) -> (its optimizer's gathers, its bucket's)
         self._gathers: dict[int, ParamGather] = {}  # id -> the optimizers' gathers with buckets in _waiting
         self._pop_hook: torch.utils.hooks.RemovableHandle | None = None
+        self._wait_for: Callable = _wait_for
 
     def watch(self, gathers: ParamGather) -> bool:
         """Register ``gathers``' pending buckets and push the guard on this thread's mode stack; ``False`` where it cannot be pushed.
@@ -145,8 +163,9 @@ class _ParamGuard(TorchFunctionMode):
             if stack:
                 return False
             push_function_mode(self)
+            self._wait_for = _outside_compiled(_wait_for)
             if self._pop_hook is None:
-                self._pop_hook = nn.modules.module.register_module_forward_pre_hook(self._before_module_call)
+                self._pop_hook = nn.modules.module.register_module_forward_pre_hook(_outside_compiled(self._before_module_call))
         self._gathers[id(gathers)] = gathers
         for gather in gathers._pending:  # launched, not yet waited for
             for param in gather.params:
@@ -182,7 +201,7 @@ class _ParamGuard(TorchFunctionMode):
             for param in module.parameters():
                 entry = self._waiting.get(id(param))
                 if entry is not None:
-                    entry[0].wait_for(entry[1])
+                    _wait_for(entry)
         self.pop_if_done()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -192,7 +211,7 @@ class _ParamGuard(TorchFunctionMode):
                 for item in value if isinstance(value, (list, tuple)) else (value,):
                     entry = self._waiting.get(id(item))
                     if entry is not None:
-                        entry[0].wait_for(entry[1])
+                        self._wait_for(entry)
         return func(*args, **(kwargs or {}))
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import Tensor, nn
 
-from zeroshard.compat import DisableTorchFunctionSubclass, current_graph_task, foreach_norm, make_subclass
+from zeroshard.compat import DisableTorchFunctionSubclass, compiling, current_graph_task, foreach_norm, make_subclass
 from zeroshard.grad.gathered_view import first_argument, views_refuse_edits, writes_first_argument
 from zeroshard.grad.partial_norm import NORMS, SHARDED, VIRTUAL, GradComm, ParamSpace, PartialNorm, local_power_sum, norm_arguments, norm_order, param_tag
 
@@ -39,7 +39,7 @@ class GradHome(Protocol):
 _METADATA = frozenset({
     "__set__", "size", "dim", "numel", "nelement", "stride", "element_size", "is_floating_point", "is_complex",
     "requires_grad_", "detach_", "_is_view", "_has_compatible_shallow_copy_type", "data_ptr", "storage_offset", "__len__",
-    "get_device", "is_sparse", "is_pinned",
+    "get_device", "is_sparse", "is_pinned", "is_conj", "is_neg", "is_inference",
 })
 _METADATA_OR_GET = _METADATA | {"__get__"}  # VirtualGrad: property reads, too, need no gradient piece
 # Properties that return a tensor: these would read the expanded placeholder's values.
@@ -164,7 +164,7 @@ class ShardedGrad(Tensor):
                 return _disabled(func, *args, **kwargs)
         elif name == "is_contiguous":
             return True  # the gradient it stands for is (its one-element placeholder is not)
-        elif name in _METADATA or (name == "type" and len(args) == 1 and not kwargs):  # type(): the type's name
+        elif name in _METADATA or (name == "type" and len(args) == 1 and not kwargs) or (name == "untyped_storage" and compiling()):
             return _disabled(func, *args, **kwargs)
         out = kwargs.get("out")
         if isinstance(out, ShardedGrad):  # torch.mul(g, 0.5, out=g): computed on the gathered values, written into the pieces
