@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -250,6 +251,58 @@ def test_a_clip_over_param_groups_reduces_what_no_sync_left_local(pools, stage, 
     for ours, ddps, off in pools[2].run(clip_param_groups_after_no_sync_worker, stage, clip):
         _close(ours, ddps, "norm")
         assert off <= 1e-7, off
+
+
+def edits_around_reductions_worker(stage: int, case: str) -> str | float:
+    """``case`` around two backward passes, then ``step()``: what zeroshard raised, else the largest param difference from DDP's
+    (each model's gradients dropped, clipped or not as ``case`` says)."""
+    ref, ref_opt, model, opt = _pair(stage)
+    unfreeze = case == "unfrozen, param_groups clip"
+    if unfreeze:  # frozen when the optimizer was built, unfrozen before the step's micro-steps
+        opt.close()
+        model.fc1.weight.requires_grad_(False)
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB)
+        model.fc1.weight.requires_grad_(True)
+    try:
+        for micro in range(2):
+            local = case != "param_groups clip between synced backward passes" and (micro == 0 or case != "param_groups clip between micro-steps")
+            with opt.no_sync() if local else contextlib.nullcontext(), ref.no_sync() if micro == 0 and local else contextlib.nullcontext():
+                loss_fn(ref, *batch(dist.get_rank(), 0, micro)).backward()
+                loss_fn(model, *batch(dist.get_rank(), 0, micro)).backward()
+            if micro == 0 and "between" in case:
+                torch.nn.utils.clip_grad_norm_(_optimizer_params(opt), 0.05)
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        if unfreeze:
+            torch.nn.utils.clip_grad_norm_(_optimizer_params(opt), 0.05)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        if case == "model.zero_grad()":
+            model.zero_grad()
+            ref.zero_grad()
+        ref_opt.step()
+        opt.step()
+        return max(float((a - b).abs().max()) for a, b in zip(ref.module.parameters(), model.parameters()))
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_edits_that_ddp_would_make_elsewhere_raise_and_dropped_gradients_stay_dropped(pools, stage):
+    # Each case was silent before: the clip lost (stage 1), applied where DDP applies it to each rank's own gradient (after an
+    # early reduction), left out of the unfrozen params; a stage 2 gradient dropped after no_sync() still had weight decay applied.
+    run = functools.partial(pools[2].run, edits_around_reductions_worker, stage)
+    for result in run("unfrozen, param_groups clip"):
+        assert "params unfrozen since the optimizer was built got gradients under no_sync() only" in result, result
+    for result in run("param_groups clip between micro-steps"):
+        assert "edited in place after zeroshard reduced them" in result, result
+    for result in run("param_groups clip between synced backward passes"):
+        if stage == 1:  # it re-reduces the running local sums
+            assert "edited in place after zeroshard reduced them" in result, result
+        else:  # it adds the second reduction to the clipped first, as DDP's all-reduce does
+            assert result <= 1e-6, result
+    for result in run("model.zero_grad()"):
+        assert result == 0.0, result
 
 
 @pytest.mark.parametrize("variant", ["clip_grad_norm_", "clip_grad_norm_(param_groups)", "norms, isfinite, sum"])

@@ -21,6 +21,13 @@ def sparse_gradient(param: nn.Parameter) -> RuntimeError:
     return RuntimeError(f"param {tuple(param.shape)} got a sparse gradient; zeroshard reduces dense gradients only (use sparse=False in nn.Embedding)")
 
 
+def unfrozen_under_no_sync() -> RuntimeError:
+    """The error for a read of ``opt.param_groups``' gradients that would leave out params unfrozen since the last reduction."""
+    return RuntimeError("params unfrozen since the optimizer was built got gradients under no_sync() only, so a clip over "
+                        "opt.param_groups listed its params before they were sharded into it (DDP's clip includes them); "
+                        "clip with opt.clip_grad_norm_, or run the last micro-batch's backward outside no_sync()")
+
+
 @dataclass
 class ShardGrads:
     """The gradient bookkeeping of one :class:`~zeroshard.layout.local_shard.LocalShard` (``GradReducer``'s, per shard); per param: in layout order."""
@@ -37,6 +44,7 @@ class ShardGrads:
     whole: list[bool] = field(default_factory=list)  # per param: it lies whole in one rank's slice, whose norm of it is torch's of DDP's
     live: bool = False  # a reduction left gradients in the grad shard that no step() has consumed yet (reset)
     edited: bool = False  # a ShardedGrad of this shard was edited in place (not zeroed) since the last reset
+    shard_version: int = 0  # the grad shard's _version when zeroshard last wrote it (a later one: a VirtualGrad was edited)
     reductions: int = 0  # how many times a reduction left gradients here (ShardedGrad.zeroed)
     reduced: dict[int, ShardedGrad] = field(default_factory=dict)  # per param, the ShardedGrad left in its .grad once reduced (made once)
     flat_views: list[Tensor] = field(default_factory=list)  # stage 1, per param: its view of ``flat`` (flat_view)
@@ -63,11 +71,13 @@ class ShardGrads:
         version = flat_grad._version if flat_grad is not None else 0
         return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n, comm,
                    [layout.within_one_slice(i) for i in range(n)], landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n, zeroed=[flat] * n,
-                   bucket_of=[slot.bucket for slot in layout.slots], bucket_sizes=[len(b.params) for b in layout.buckets])
+                   bucket_of=[slot.bucket for slot in layout.slots], bucket_sizes=[len(b.params) for b in layout.buckets],
+                   shard_version=shard.grad_shard._version)
 
     def note_flat_version(self) -> None:
-        """Record that zeroshard wrote :attr:`flat` last."""
+        """Record that zeroshard wrote :attr:`flat` and the grad shard last."""
         self.flat_version = self.flat._version if self.flat is not None else 0
+        self.shard_version = self.shard.grad_shard._version
 
     def clear_backward(self) -> None:
         """Forget which params were taken in the current backward pass (learning how many gradients each got)."""
@@ -130,6 +140,20 @@ class ShardGrads:
     def marks(self) -> list[tuple[int, int]]:
         """The grad shard's and :attr:`flat`'s identity and version: equal marks mean neither was written in between."""
         return [(id(t), t._version) for t in (self.shard.grad_shard, self.flat) if t is not None]
+
+    def follow_untaken(self, i: int, param: nn.Parameter, ddp_reduced: bool) -> None:
+        """At a pass's end, before param ``i``'s gradient (not taken in the pass) is reduced: follow what user code did to ``.grad``
+        (:meth:`settle`; set to ``None`` at stage 2 after a ``no_sync()`` backward, by ``model.zero_grad()``: dropped, unused, as
+        under DDP), note a gradient of this rank's own as used, and keep it in :attr:`flat` (stage 1)."""
+        if not ddp_reduced:
+            self.settle(i, param)
+        grad = param.grad
+        if grad is None and self.flat is None and not ddp_reduced:
+            self.used[i] = False
+        elif grad is not None and not isinstance(grad, ShardedGrad) and not (self.flat is not None and grad.data_ptr() == self.flat_view(i).data_ptr()):
+            self.used[i] = True
+        if self.flat is not None and not isinstance(grad, ShardedGrad):  # a ShardedGrad's local sum is in the flat grad already
+            self.keep_in_flat_grad(i, param)
 
     def keep_in_flat_grad(self, i: int, param: nn.Parameter) -> None:
         """Stage 1: make param ``i``'s ``.grad`` its view of :attr:`flat`, copying if autograd made a new one (``None``: zeroes it)."""
@@ -247,14 +271,16 @@ class ShardGrads:
         param.grad = self.flat_view(i) if self.flat is not None else None
         self.reduced_versions.pop(i, None)
 
-    def refuse_edits_before_rereduction(self) -> None:
-        """Stage 1, at a backward after one that reduced this step: raise ``RuntimeError`` if a ``ShardedGrad`` was edited in place
-        since (reducing the running local sums again would drop the edit)."""
-        if self.flat is not None and self.edited:
+    def refuse_edits_before_rereduction(self, early: bool) -> None:
+        """At a backward after one that reduced this step: raise ``RuntimeError`` if a ``ShardedGrad`` or ``VirtualGrad`` was edited
+        in place since, at stage 1 (reducing the running local sums again would drop the edit) or after an ``early`` reduction (a
+        read after a ``no_sync()`` backward: DDP would have edited each rank's own gradient)."""
+        if (self.flat is not None or early) and (self.edited or self.shard.grad_shard._version != self.shard_version):
             raise RuntimeError(
-                "the params' .grad were edited in place after zeroshard reduced them, and another backward now adds to them: "
-                "ZeRO stage 1 reduces the running local sum again, which would drop the edit. Edit gradients after the last "
-                "backward of the step (accumulate micro-steps with opt.no_sync()), or use stage=2")
+                "the gradients (the params' .grad, or opt.param_groups' .grad) were edited in place after zeroshard reduced them, "
+                "and another backward now adds to them: ZeRO stage 1 reduces the running local sum again, which would drop the "
+                "edit, and after a no_sync() micro-step DDP would have edited each rank's own gradient. Edit gradients after the "
+                "last backward of the step (accumulate micro-steps with opt.no_sync())")
 
     def note_local(self, i: int, param: nn.Parameter) -> None:
         """Param ``i``'s gradient was accumulated locally (``no_sync()``): note it as autograd left it (:meth:`refuse_local_edits`)."""

@@ -32,6 +32,7 @@ class GradHome(Protocol):
     comm: GradComm  # where the other ranks' pieces are
     edited: bool  # set when user code writes a ShardedGrad in place
     reductions: int  # how many reductions left gradients here (a ShardedGrad zeroed after the last one reads as zeros)
+    shard_version: int  # the grad shard's version when zeroshard last wrote it
     arrivals: list[int]  # per param, the gradients taken in the running backward pass
 
 
@@ -69,7 +70,7 @@ class ShardedGrad(Tensor):
     :meth:`zeroshard.grad.shard_grads.ShardGrads.sharded_grad` and reused.
     """
 
-    home: GradHome  # the reducer's record of the shard (its grad shard, this param's pieces, whether they are live)
+    home: GradHome  # the reducer's record of the shard
     param_index: int  # the param's index in its flat buffer (layout order)
     placeholder: int  # the data pointer of its one element: ``Tensor.set_`` (which no torch function sees) changes it
     zeroed_at: int = -1  # ``home.reductions`` when it was zeroed after ``step()`` consumed it (``zero_grad(set_to_none=False)``)
@@ -210,11 +211,12 @@ class ShardedGrad(Tensor):
             if not self.consumed:
                 for _, piece in self.local_pieces():
                     piece.zero_()
+                self.home.shard_version = self.home.shard.grad_shard._version  # followed, not refused
             else:
                 self.zeroed_at = self.home.reductions
             _disabled(Tensor.fill_, self, math.nan)  # moves the version, which the reducer reads (settle)
             return self
-        args, kwargs = _gathered(args, self), {k: _gathered(v, self) for k, v in kwargs.items()}  # once, on every rank, whatever its pieces
+        args, kwargs = _gathered(args, self), {k: _gathered(v, self) for k, v in kwargs.items()}  # on every rank alike
         if self.zeroed:  # an edit that leaves zeros (a clip's multiply by 1.0) keeps them; any other raises
             probe = torch.zeros(tuple(self.shape), dtype=self.dtype, device=self.device)
             _disabled(func, probe, *args, **kwargs)
@@ -240,7 +242,7 @@ class VirtualGrad(Tensor):
     space: ParamSpace
     slot: int  # its param's torch.optim index in ``space``
     amp_link: GradScalerLink | None = None  # the optimizer's (zeroshard/grad/amp.py)
-    elsewhere: str = ""  # the param's name when the piece is on another device than the virtual param (offload on CUDA)
+    elsewhere: str = ""  # the param's name when the piece is on another device (offload on CUDA)
 
     @staticmethod
     def of(piece: Tensor, comm: GradComm, space: ParamSpace, slot: int, vparam: Tensor, name: str) -> VirtualGrad:
@@ -264,7 +266,7 @@ class VirtualGrad(Tensor):
             return _disabled(func, *args, **kwargs)
         grads = [g for a in args for g in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(g, VirtualGrad)]
         for comm in {id(g.comm): g.comm for g in grads}.values():
-            comm.reduce_pending()  # gradients a no_sync() backward left local are reduced first, on every rank clipping alike
+            comm.reduce_pending()  # what no_sync() left local: reduced first, on every rank alike
         placeholder = next((g.elsewhere for g in grads if g.elsewhere), "")
         if placeholder:
             raise RuntimeError(f"{placeholder}: a virtual param in host memory (offload='cpu') has its gradient piece on the GPU, so torch.{name} "

@@ -20,7 +20,7 @@ from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
 from zeroshard.compat import accumulates_into_grad, current_graph_task, last_post_accumulate_grad_hook_id
 from zeroshard.grad.partial_norm import GradComm, ParamSpace
-from zeroshard.grad.shard_grads import ShardGrads, sparse_gradient
+from zeroshard.grad.shard_grads import ShardGrads, sparse_gradient, unfrozen_under_no_sync
 from zeroshard.grad.sharded_grad import ShardedGrad, bind_virtual_grads
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce import bucket
@@ -75,6 +75,7 @@ class GradReducer:
         self.phase = StepPhase.LOCAL  # where this step's gradients are
         self._late = False  # a gradient arrived after its bucket was reduced in this step (_take_grad)
         self._local_since_reduced = False  # no_sync() since the last reduction (alike on every rank)
+        self._early = False  # the last reduction was reduce_pending's, with more backward passes to come maybe
         self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset; None: used since
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self._followed_task = -1  # the graph task (backward pass) that last checked for moved params
@@ -174,7 +175,7 @@ class GradReducer:
             self._check_flat_grads()
             if self.phase is not StepPhase.LOCAL:
                 for grads in self._grads:
-                    grads.refuse_edits_before_rereduction()
+                    grads.refuse_edits_before_rereduction(self._early)
         if task != self._followed_task:  # once per backward pass: did the model move?
             self._followed_task = task
             for shard in self.shards:
@@ -342,8 +343,8 @@ class GradReducer:
 
     def _wait(self, work: collectives.AsyncWork | None, what: str) -> None:
         if work is not None:  # None: a shard group of one, nothing was sent
-            collectives.wait(work, self.timeout, f"backward or step(): {what}",
-                             "run the same backward passes (outside no_sync()) and step() calls, with the same params used")
+            collectives.wait(work, self.timeout, f"backward, step() or a read of opt.param_groups' .grad after no_sync(): {what}",
+                             "run the same backward passes (outside no_sync()), gradient reads and step() calls, with the same params used")
 
     def reduce_everything(self, rebuild_order: bool = True) -> None:
         """Complete every bucket not yet launched, launch it, add all results into the grad shards; then :meth:`rebuild_order`
@@ -353,16 +354,9 @@ class GradReducer:
         for k, shard in enumerate(self.shards):
             grads = self._grads[k]
             for i, param in enumerate(shard.buffer.params):
-                if grads.ready[i]:
-                    continue
-                if not self._ddp_reduced:
-                    grads.settle(i, param)  # follow what user code did to the reduced .grad
-                grad = param.grad
-                if grad is not None and not isinstance(grad, ShardedGrad) and not (self.stage == 1 and grad.data_ptr() == grads.flat_view(i).data_ptr()):
-                    grads.used[i] = True
-                if self.stage == 1 and not isinstance(param.grad, ShardedGrad):  # a ShardedGrad's local sum is in the flat grad already
-                    grads.keep_in_flat_grad(i, param)
-                self._take_grad(k, i, param, last=True)
+                if not grads.ready[i]:
+                    grads.follow_untaken(i, param, self._ddp_reduced)
+                    self._take_grad(k, i, param, last=True)
         self.launch_complete_buckets(in_turn=False)
         self.drain()
         if rebuild_order:
@@ -372,7 +366,7 @@ class GradReducer:
                 grads.leave_sharded_grads()
         self._clear_backward_state()
         self.phase = StepPhase.REDUCED
-        self._local_since_reduced = False
+        self._local_since_reduced = self._early = False
         for grads in self._grads:
             grads.note_flat_version()
 
@@ -411,7 +405,10 @@ class GradReducer:
     def reduce_pending(self) -> None:
         """Before a virtual param's ``.grad`` is used (a clip over ``param_groups``): reduce what ``no_sync()`` left local."""
         if self._local_since_reduced:
+            if self.grow is not None and self.grow():
+                raise unfrozen_under_no_sync()
             self.reduce_for_step()
+            self._early = True
 
     def reduce_again(self) -> None:
         """Have the next :meth:`reduce_for_step` reduce every bucket again (shards were added mid-step): nothing is reduced twice, as
@@ -443,7 +440,7 @@ class GradReducer:
         self._clear_backward_state()
         self._staging.clear()  # stage 2 holds no gradient buffers between steps
         self.phase = StepPhase.LOCAL
-        self._late = self._local_since_reduced = False
+        self._late = self._local_since_reduced = self._early = False
         self.end_of_backward = EndOfBackward.NONE
         self._reset_marks = self._marks()
 
