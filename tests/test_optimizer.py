@@ -63,6 +63,8 @@ def bad_input_worker() -> list[str]:
         (TypeError, r"bucket_size_mb='25' must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), bucket_size_mb="25")),
         (TypeError, r"collective_timeout_s='5' must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), collective_timeout_s="5")),
         (ValueError, r"collective_timeout_s=0 must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), collective_timeout_s=0)),
+        (ValueError, r"param_groups\[0\]\['params'\]\[3\] \(shape \(29, 13\)\) is listed earlier in its param group too",
+         lambda: zeroshard.ShardedOptimizer(torch.optim.AdamW([model.embed.weight, model.fc1.bias, model.fc1.weight, model.fc1.weight]))),
         (ValueError, r"param_groups\[0\]\['params'\]\[0\] \(shape \(2, 3\)\) is on the meta device",
          lambda: zeroshard.ShardedOptimizer(torch.optim.AdamW(nn.Linear(3, 2, device="meta").parameters()))),
     ]

@@ -77,9 +77,15 @@ class ShardSet:
         """Shard the optimizer's param groups ``indices`` (a collective, in ``caller``); returns the new shards.
 
         Raises:
-            ValueError: see :meth:`_shard`.
+            ValueError: a param listed twice in one group; see :meth:`_shard`.
         """
         params_of = [list(dict.fromkeys(self.optimizer.param_groups[g]["params"])) for g in indices]
+        for g, params in zip(indices, params_of):
+            if len(params) < len(listed := self.optimizer.param_groups[g]["params"]):
+                j = next(j for j, p in enumerate(listed) if any(p is q for q in listed[:j]))
+                raise ValueError(f"{param_name(g, j)} (shape {tuple(listed[j].shape)}) is listed earlier in its param group too (a tied weight "
+                                 "from named_parameters(remove_duplicate=False)?): torch.optim warns and steps it twice per step; list each "
+                                 "param once (model.parameters() does)")
         new = self._shard(indices, params_of, len(self.param_steps), caller)
         self.group_params.extend(params_of)
         self.param_steps.extend([0] * sum(map(len, params_of)))
