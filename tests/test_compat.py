@@ -167,7 +167,7 @@ def test_the_ddp_internals_the_wrapper_surgery_uses_exist():
         missing = [n for n in names if not hasattr(owner, n)]
         assert not missing, f"{TORCH}: {getattr(owner, '__name__', owner)} lacks {missing}"
     source = inspect.getsource(DistributedDataParallel)
-    for attribute in ("self._has_rebuilt_buckets", "self._static_graph_delay_allreduce_enqueued"):
+    for attribute in ("self._has_rebuilt_buckets", "self._static_graph_delay_allreduce_enqueued", "self._lazy_init_ran = True"):
         assert attribute in source, f"{TORCH}: DistributedDataParallel no longer sets {attribute}"
 
 

@@ -22,7 +22,6 @@ from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
 from zeroshard.compat import DisableTorchFunction
 from zeroshard.grad.amp import GradScalerLink
-from zeroshard.grad.sharded_grad import link_amp
 from zeroshard.layout.flat_buffer import FlatParamBuffer, is_sharded, param_name
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.layout.ownership import assign_owners, param_costs
@@ -270,7 +269,7 @@ class ShardSet:
             optimizer.param_groups[g]["params"] = (optimizer.param_groups[g]["params"] if already_sharded else []) + virtual
         shard_initial_state(optimizer, shards)
         for shard in shards:
-            link_amp(shard, self.amp)
+            self.amp.bind(shard)
         self.shards.extend(shards)
         return shards
 

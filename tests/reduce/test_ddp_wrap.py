@@ -18,7 +18,8 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from models import TinyNet, average_grads, batch, loss_fn, param_groups
+import torch.nn.functional as F
+from models import VOCAB, TinyNet, average_grads, batch, loss_fn, param_groups
 from rank_pool import RankPool
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -594,3 +595,55 @@ def test_ddp_wrapping_params_no_sharded_optimizer_holds_raises(pools, when):
         message, _ = results["plain"]
         assert "DistributedDataParallel wraps 2 trainable param(s) that no ShardedOptimizer holds (['fc2.weight', 'fc2.bias'])" in message, message
         assert results["second"] == results["frozen"] == results["second, unfrozen"] == ("", True), results
+
+
+class BlocksNet(nn.Module):
+    """Repeated blocks in an ``nn.ModuleList``: what accelerate's ``compile_regions`` compiles one by one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 13)
+        self.blocks = nn.ModuleList(nn.Linear(13, 13) for _ in range(2))
+        self.head = nn.Linear(13, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+def regional_compile_worker(stage: int) -> list[tuple[float, float]]:
+    """accelerate's regional compilation (``TorchDynamoPlugin(use_regional_compilation=True)``; HF Trainer's ``torch_compile``
+    with ``ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=1``) of a DDP built after the optimizer: ``compile_regions`` runs a
+    shallow copy of the wrapper, sharing its hooks and reducer, the original kept alive beside it. Per step, torch's clip norm
+    over the model's ``.grad`` after the backward, and DDP's; params equal after every step."""
+    from accelerate.utils import compile_regions
+
+    torch.manual_seed(0)
+    ref_model = BlocksNet()
+    model = copy.deepcopy(ref_model)
+    ref, ref_opt = DDP(ref_model), torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB)
+    wrapped = compile_regions(DDP(model), backend="eager")
+    assert wrapped.__class__ is DDP and wrapped is not wrapped._orig_mod, "a copy of the wrapper, the original beside it"
+    norms = []
+    for step in range(3):
+        x, y = batch(dist.get_rank(), step)
+        for net in (ref, wrapped):
+            F.cross_entropy(net(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+        norms.append((float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)), float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5))))
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(ref_model.parameters(), model.parameters())), f"step {step}"
+    opt.close()
+    return norms
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_shallow_copy_of_the_wrapper_as_regional_compilation_makes_is_reduced_by_zeroshard(pools, stage):
+    # The original, adopted at the first backward without a forward, counted as DDP reducing it: .grad was None (stage 2) or
+    # each rank's own (stage 1) after the first backward, so the first step's clip read 0.0 or a rank's own norm, silently.
+    for norms in pools[2].run(regional_compile_worker, stage):
+        assert all(abs(ours - ddps) <= 1e-5 * ddps for ours, ddps in norms), norms

@@ -21,11 +21,18 @@ def sparse_gradient(param: nn.Parameter) -> RuntimeError:
     return RuntimeError(f"param {tuple(param.shape)} got a sparse gradient; zeroshard reduces dense gradients only (use sparse=False in nn.Embedding)")
 
 
+def read_inside_no_sync() -> RuntimeError:
+    """The error for a read of ``opt.param_groups``' gradients inside ``opt.no_sync()``, which reduces only at the block's end."""
+    return RuntimeError("a torch function on opt.param_groups' .grad inside opt.no_sync(): they hold the reduced gradient, which "
+                        "the block has not made yet (DDP's .grad there is each rank's own: read the model's params' .grad), and "
+                        "reducing now would differ between ranks that run more backward passes in the block; read them after it")
+
+
 def unfrozen_under_no_sync() -> RuntimeError:
     """The error for a read of ``opt.param_groups``' gradients that would leave out params unfrozen since the last reduction."""
-    return RuntimeError("params unfrozen since the optimizer was built got gradients under no_sync() only, so a clip over "
-                        "opt.param_groups listed its params before they were sharded into it (DDP's clip includes them); "
-                        "clip with opt.clip_grad_norm_, or run the last micro-batch's backward outside no_sync()")
+    return RuntimeError("params unfrozen inside no_sync() got gradients under it only, so a read of opt.param_groups' .grad (a "
+                        "clip, GradScaler's check) listed its params before they were sharded into it (DDP's includes them); unfreeze "
+                        "before the no_sync() block, clip with opt.clip_grad_norm_, or run the last backward outside no_sync()")
 
 
 @dataclass
@@ -75,9 +82,10 @@ class ShardGrads:
                    shard_version=shard.grad_shard._version)
 
     def note_flat_version(self) -> None:
-        """Record that zeroshard wrote :attr:`flat` and the grad shard last."""
+        """Record that zeroshard wrote :attr:`flat` and the grad shard last: no edit of either since (:attr:`edited`)."""
         self.flat_version = self.flat._version if self.flat is not None else 0
         self.shard_version = self.shard.grad_shard._version
+        self.edited = False
 
     def clear_backward(self) -> None:
         """Forget which params were taken in the current backward pass (learning how many gradients each got)."""

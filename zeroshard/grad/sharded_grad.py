@@ -209,9 +209,11 @@ class ShardedGrad(Tensor):
         """An elementwise in-place function on this rank's pieces (``zero_`` also moves the version: the reducer follows it)."""
         if name == "zero_":
             if not self.consumed:
+                clean = self.home.shard_version == self.home.shard.grad_shard._version  # no edit since zeroshard's write
                 for _, piece in self.local_pieces():
                     piece.zero_()
-                self.home.shard_version = self.home.shard.grad_shard._version  # followed, not refused
+                if clean:  # zeroing is followed, not refused
+                    self.home.shard_version = self.home.shard.grad_shard._version
             else:
                 self.zeroed_at = self.home.reductions
             _disabled(Tensor.fill_, self, math.nan)  # moves the version, which the reducer reads (settle)
@@ -265,13 +267,13 @@ class VirtualGrad(Tensor):
         if name in _METADATA_OR_GET:
             return _disabled(func, *args, **kwargs)
         grads = [g for a in args for g in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(g, VirtualGrad)]
-        for comm in {id(g.comm): g.comm for g in grads}.values():
-            comm.reduce_pending()  # what no_sync() left local: reduced first, on every rank alike
         placeholder = next((g.elsewhere for g in grads if g.elsewhere), "")
         if placeholder:
             raise RuntimeError(f"{placeholder}: a virtual param in host memory (offload='cpu') has its gradient piece on the GPU, so torch.{name} "
                                "cannot run on its .grad; clip with ShardedOptimizer(..., max_grad_norm=...) or torch.nn.utils.clip_grad_norm_ "
                                "over the model's params")
+        for comm in {id(g.comm): g.comm for g in grads}.values():
+            comm.reduce_pending()  # what no_sync() left local: reduced first, on every rank alike
         if name in NORMS and args and isinstance(args[0], VirtualGrad):
             ord, dim, dtype = norm_arguments(args[1:], kwargs)
             if dim is None and _vector_norm(name, ord, args[0]):
@@ -389,12 +391,6 @@ def bind_virtual_grads(shard: LocalShard, comm: GradComm, space: ParamSpace) -> 
     shard.idle_grads = [VirtualGrad.of(shard.grad_shard[p.shard_offset : p.shard_offset + p.numel].view(v.shape), comm, space,
                                        shard.param_indices[p.param], v, shard.buffer.names[p.param])
                         for p, v in zip(shard.pieces, shard.virtual_params)]
-    link_amp(shard, cast("GradScalerLink | None", shard.amp_link))
+    if shard.amp_link is not None:
+        cast("GradScalerLink", shard.amp_link).bind(shard)
     shard.detach_grads()
-
-
-def link_amp(shard: LocalShard, link: GradScalerLink | None) -> None:
-    """Send a ``torch.amp.GradScaler``'s unscale of ``shard``'s virtual params' gradients to ``link`` (``zeroshard/grad/amp.py``)."""
-    shard.amp_link = link
-    for idle in shard.idle_grads:
-        cast(VirtualGrad, idle).amp_link = link

@@ -257,8 +257,8 @@ class DDPWrappers:
         ignored, and its reducer is released at the wrapper's next forward or ``step()``.
 
         Returns, per wrapper adopted now, whether its last forward prepared DDP's reducer to reduce the coming backward
-        (``require_forward_param_sync``: off inside ``ddp.no_sync()``). Raises ``RuntimeError`` from :func:`check_supported`,
-        before any wrapper is changed.
+        (``require_forward_param_sync``: off inside ``ddp.no_sync()``); none for a wrapper that ran no forward yet. Raises
+        ``RuntimeError`` from :func:`check_supported`, before any wrapper is changed.
         """
         known = {id(w.ddp()) for w in self.wrapped}
         wrappers: list[Any] = list({id(ddp): ddp for ddp in candidates if id(ddp) not in known}.values())
@@ -273,7 +273,9 @@ class DDPWrappers:
         if wrappers and dist.get_rank() == 0:
             logger.info("zeroshard: the model is wrapped in DistributedDataParallel; zeroshard reduces its gradients itself, so DDP's "
                         "gradient reduction is switched off")
-        return [ddp.require_forward_param_sync for ddp in wrappers]
+        # No forward yet (_lazy_init_ran): nothing prepared its reducer, which a shallow copy sharing it may have released
+        # (accelerate's compile_regions keeps the original alive beside the copy it runs).
+        return [ddp.require_forward_param_sync for ddp in wrappers if getattr(ddp, "_lazy_init_ran", True)]
 
     def adopt_new(self) -> list[bool]:
         """At a backward's first gradient: :meth:`adopt` the wrappers built since the last backward began (what it returns; its ``RuntimeError``)."""

@@ -20,7 +20,7 @@ from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
 from zeroshard.compat import accumulates_into_grad, current_graph_task, last_post_accumulate_grad_hook_id
 from zeroshard.grad.partial_norm import GradComm, ParamSpace
-from zeroshard.grad.shard_grads import ShardGrads, sparse_gradient, unfrozen_under_no_sync
+from zeroshard.grad.shard_grads import ShardGrads, read_inside_no_sync, sparse_gradient, unfrozen_under_no_sync
 from zeroshard.grad.sharded_grad import ShardedGrad, bind_virtual_grads
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce import bucket
@@ -42,14 +42,14 @@ class GradReducer:
 
     Stage 1 overwrites the grad shard with each reduction of the flat grad buffer (the running local sum); stage 2 adds
     each reduction of its staging buckets into it, at most ``MAX_BUCKETS_IN_FLIGHT`` in flight ("One step", "Gradient
-    accumulation": ``docs/design.md``). The grad shard ends up holding ``sum over ranks / their number`` (ZeRO, §5.2).
+    accumulation": ``docs/design.md``). The grad shard ends up holding the ranks' mean (ZeRO, §5.2).
 
     Args:
         shards: the local shards whose params get hooks. stage: 1 or 2.
         groups: the shard group (reduce-scatter) and, hybrid, the replicate group (all-reduce of the reduced slice).
         reduce_dtype: dtype of the reduce-scatter; ``None``: each param's own dtype.
-        overlap_comm: launch buckets during backward as they complete (``True``) or all at its end (``False``).
-        timeout: the bound on each reduction's wait (:func:`zeroshard.comm.collectives.wait`); ``None``: the group's.
+        overlap_comm: launch buckets in backward as they complete (``True``) or all at its end.
+        timeout: the bound on each reduction's wait; ``None``: the group's.
     """
 
     def __init__(self, shards: list[LocalShard], *, stage: int, groups: ShardingGroups, reduce_dtype: torch.dtype | None, overlap_comm: bool,
@@ -75,7 +75,7 @@ class GradReducer:
         self.phase = StepPhase.LOCAL  # where this step's gradients are
         self._late = False  # a gradient arrived after its bucket was reduced in this step (_take_grad)
         self._local_since_reduced = False  # no_sync() since the last reduction (alike on every rank)
-        self._early = False  # the last reduction was reduce_pending's, with more backward passes to come maybe
+        self._early = False  # the last reduction was reduce_pending's
         self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset; None: used since
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self._followed_task = -1  # the graph task (backward pass) that last checked for moved params
@@ -142,6 +142,8 @@ class GradReducer:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, with no communication, in the block."""
+        if self.grow is not None:
+            self.grow()  # params unfrozen since: sharded into param_groups (a collective if any)
         previous = self._no_sync
         self._no_sync = True
         self._accumulate_locally()
@@ -156,7 +158,7 @@ class GradReducer:
     def before_accumulate(self, k: int, i: int, param: nn.Parameter, grad: Tensor) -> None:
         """Param ``i`` of shard ``k``'s pre-hook: take the deferred gradient, follow what user code did to ``.grad``, swap out a ShardedGrad."""
         task = current_graph_task()
-        if task != self._followed_task and not accumulates_into_grad(param, task):  # torch.autograd.grad() (a task followed accumulates)
+        if task != self._followed_task and not accumulates_into_grad(param, task):  # torch.autograd.grad()
             return
         self._reset_marks = None
         if self._deferred is not None or not self.coordinator.alone:
@@ -234,7 +236,7 @@ class GradReducer:
             grads.keep_in_flat_grad(i, param)
         if self._no_sync or self._ddp_no_sync:  # accumulating
             grads.note_local(i, param)
-            self._accumulate_locally()  # after a reduction in the block too (a clip): step() reduces again
+            self._local_since_reduced = True
             if self.coordinator.shared():  # the group's other reducers still reduce at this backward's end
                 self._queue_end_of_backward()
             return
@@ -277,7 +279,7 @@ class GradReducer:
             return False
         grad = param.grad
         if grad is not None and not isinstance(grad, ShardedGrad):
-            if grads.flat is None:  # stage 2: held until the bucket launches; a DDP reducing this backward may reduce its bucket in place before
+            if grads.flat is None:  # stage 2: held until the launch; a DDP reducing this backward may reduce it in place first
                 self._staging.add(key, i, grad.clone() if self._ddp_reduced else grad, self._reduce_dtypes[k])
                 param.grad = None if self._ddp_reduced else grads.sharded_grad(i, param)
             elif not self._ddp_reduced:  # stage 1: a later write (a node hook) would reach the flat grad's reduction unseen
@@ -306,7 +308,7 @@ class GradReducer:
         self._pending.clear()
 
     def _queue_end_of_backward(self) -> None:
-        if self.end_of_backward is EndOfBackward.NONE:  # once the backward pass is done: completes and waits for every bucket
+        if self.end_of_backward is EndOfBackward.NONE:  # at the pass's end: completes and waits for every bucket
             Variable._execution_engine.queue_callback(self._on_backward_end)
             self.end_of_backward = EndOfBackward.QUEUED
 
@@ -348,7 +350,7 @@ class GradReducer:
 
     def reduce_everything(self, rebuild_order: bool = True) -> None:
         """Complete every bucket not yet launched, launch it, add all results into the grad shards; then :meth:`rebuild_order`
-        unless the caller does it later (:meth:`ReduceCoordinator.flush`)."""
+        unless the caller does it later."""
         self._reset_marks = None
         self.take_deferred()
         for k, shard in enumerate(self.shards):
@@ -392,7 +394,7 @@ class GradReducer:
 
     def reduce_for_step(self) -> None:
         """Reduce what is still local: ``no_sync`` gradients, a late one (``_take_grad``), or a step with no reduced backward."""
-        if self._local_since_reduced and not self._ddp_reduced:  # RuntimeError if user code edited them, before settle_all follows that
+        if self._local_since_reduced and not self._ddp_reduced:  # raises if user code edited them (before settle_all follows it)
             for grads in self._grads:
                 grads.refuse_local_edits()
         self.settle_all()
@@ -403,8 +405,13 @@ class GradReducer:
                 self._ddps.check_covered(held)
 
     def reduce_pending(self) -> None:
-        """Before a virtual param's ``.grad`` is used (a clip over ``param_groups``): reduce what ``no_sync()`` left local."""
-        if self._local_since_reduced:
+        """Before a virtual param's ``.grad`` is used (a clip over ``param_groups``): reduce what is local (as ``step()``).
+
+        Raises:
+            RuntimeError: inside ``no_sync()``; params unfrozen inside it, which ``param_groups`` lacked."""
+        if self._local_since_reduced or self._late:
+            if self._no_sync:
+                raise read_inside_no_sync()
             if self.grow is not None and self.grow():
                 raise unfrozen_under_no_sync()
             self.reduce_for_step()
@@ -448,6 +455,6 @@ class GradReducer:
         return [m for g in self._grads for m in g.marks()]
 
     def grad_buffers(self) -> list[Tensor]:
-        """The gradient buffers it owns now: stage 1 flat grads, stage 2 staging buckets (pooled too)."""
+        """The gradient buffers it owns: stage 1 flat grads, stage 2 staging buckets (pooled too)."""
         in_flight = [p.input for p in self._pending] if self.stage == 2 else []
         return [g.flat for g in self._grads if g.flat is not None] + self._staging.buffers() + in_flight
