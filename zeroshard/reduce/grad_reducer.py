@@ -45,7 +45,8 @@ class GradReducer:
     accumulation": ``docs/design.md``). The grad shard ends up holding the ranks' mean (ZeRO, §5.2).
 
     Args:
-        shards: the local shards whose params get hooks. stage: 1 or 2.
+        shards: the local shards whose params get hooks.
+        stage: 1 or 2.
         groups: the shard group (reduce-scatter) and, hybrid, the replicate group (all-reduce of the reduced slice).
         reduce_dtype: dtype of the reduce-scatter; ``None``: each param's own dtype.
         overlap_comm: launch buckets in backward as they complete (``True``) or all at its end.
