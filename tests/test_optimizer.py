@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -510,3 +511,31 @@ def scheduler_on_wrapped_worker() -> list[str]:
 def test_a_scheduler_on_the_wrapped_optimizer_sees_its_steps(pools):
     # The fused update steps the wrapped optimizer's state without its step(): the scheduler warned it came first.
     assert pools[2].run(scheduler_on_wrapped_worker) == [[], []]
+
+
+def backward_after_clip_worker(no_sync: bool) -> str:
+    """``opt.clip_grad_norm_()``, then one more backward (under ``no_sync()`` or not), then ``step()``: what the step raised,
+    the params untouched."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(_adamw(model))
+    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    opt.clip_grad_norm_(0.05)
+    with opt.no_sync() if no_sync else contextlib.nullcontext():
+        loss_fn(model, *batch(dist.get_rank(), 1)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step()
+        return "no error"
+    except RuntimeError as error:
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return str(error)
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_a_backward_between_clip_and_step_raises(pools, no_sync):
+    # The step reused the clip's statistics and never reduced that backward's gradients: params 2e-2 off DDP's, silently.
+    for error in pools[2].run(backward_after_clip_worker, no_sync):
+        assert "a backward ran after opt.clip_grad_norm_() and before step()" in error, error

@@ -279,7 +279,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         if float(norm_type) not in NORM_TYPES:
             raise ValueError(f"norm_type={norm_type!r} must be 2.0 or inf")
         stats = self._gather_stats(float(norm_type), "clip_grad_norm_()", float(max_norm))
-        self._clip_norm = float(max_norm)
+        self._clip_norm, self._clip_task = float(max_norm), self._reducer.followed_task
         if self._on_device(stats):  # step() decides again: a GradScaler may step in since
             self._stats = stats
             scale = self._loss_scale_value()  # no GradScaler here (_on_device): the loss scale, maybe a device tensor
@@ -338,7 +338,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
                 shard.follow_all()
             if self._fused is not None:
                 self._fused.check_state(self._shards, self._shard_set.param_steps)
-            stats = self._stats or self._gather_stats(2.0, "step()", self._max_norm())
+            stats = self._step_stats()
             if isinstance(stats, ReducedStats) and not self._on_device(stats):  # the one host read (or a GradScaler since clip_grad_norm_)
                 stats = stats.read()
             if self._fused is not None and (placed := self._fused.place_once(self._shards, lambda: self.memory_usage().device_bytes)):

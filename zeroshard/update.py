@@ -43,6 +43,8 @@ class UpdateMixin:
     _reducer: GradReducer
     _gather: ParamGather
     _clip_norm: float | None
+    _clip_task: int  # the reducer's followed_task at clip_grad_norm_()
+    _stats: GradStats | ReducedStats | None
     _pending: PendingSkip | None
     _step_was_skipped: bool
     _skipped_steps: int
@@ -67,6 +69,19 @@ class UpdateMixin:
     def _gradient_scale(self) -> float:
         """What the gradients are multiplied by (see :meth:`GradScalerLink.gradient_scale`)."""
         return self._shard_set.amp.gradient_scale(self, None if self._unscaled_backward() else self.loss_scale)
+
+    def _step_stats(self) -> GradStats | ReducedStats:
+        """The step's gradient statistics: those of a :meth:`clip_grad_norm_` since the last step, else reduced now (a collective).
+
+        Raises:
+            RuntimeError: a backward reached the gradients after that clip, before any collective (its norm leaves them out).
+        """
+        if self._stats is None:
+            return self._gather_stats(2.0, "step()", self._max_norm())
+        if self._clip_task != self._reducer.followed_task:
+            raise RuntimeError("a backward ran after opt.clip_grad_norm_() and before step(): the clip's norm leaves out its gradients, "
+                               "which it would not reduce either; call clip_grad_norm_() after the last backward of the step")
+        return self._stats
 
     def _gather_stats(self, norm_type: float, caller: str, max_norm: float | None) -> ReducedStats:
         """The statistics, all-reduced and still on the device (:meth:`_on_device`), with the coming step's clip ``max_norm``."""

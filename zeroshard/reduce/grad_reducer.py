@@ -79,7 +79,7 @@ class GradReducer:
         self._early = False  # the last reduction was reduce_pending's
         self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset; None: used since
         self._backward_started = False  # a gradient of the current backward pass has arrived
-        self._followed_task = -1  # the graph task (backward pass) that last checked for moved params
+        self.followed_task = -1  # the graph task (backward pass) that last reached these params
         self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
         self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates locally
@@ -159,7 +159,7 @@ class GradReducer:
     def before_accumulate(self, k: int, i: int, param: nn.Parameter, grad: Tensor) -> None:
         """Param ``i`` of shard ``k``'s pre-hook: take the deferred gradient, follow what user code did to ``.grad``, swap out a ShardedGrad."""
         task = current_graph_task()
-        if task != self._followed_task and not accumulates_into_grad(param, task):  # torch.autograd.grad()
+        if task != self.followed_task and not accumulates_into_grad(param, task):  # torch.autograd.grad()
             return
         self._reset_marks = None
         if self._deferred is not None or not self.coordinator.alone:
@@ -179,8 +179,8 @@ class GradReducer:
             if self.phase is not StepPhase.LOCAL:
                 for grads in self._grads:
                     grads.refuse_edits_before_rereduction(self._early)
-        if task != self._followed_task:  # once per backward pass: did the model move?
-            self._followed_task = task
+        if task != self.followed_task:  # once per backward pass: did the model move?
+            self.followed_task = task
             for shard in self.shards:
                 shard.follow_all()
         grads = self._grads[k]
