@@ -647,3 +647,34 @@ def test_a_shallow_copy_of_the_wrapper_as_regional_compilation_makes_is_reduced_
     # each rank's own (stage 1) after the first backward, so the first step's clip read 0.0 or a rank's own norm, silently.
     for norms in pools[2].run(regional_compile_worker, stage):
         assert all(abs(ours - ddps) <= 1e-5 * ddps for ours, ddps in norms), norms
+
+
+def never_forwarded_trigger_worker(stage: int) -> float:
+    """A DDP built after the optimizer whose forwards all bypass it (``ddp.module(x)``), with accelerate's
+    ``trigger_sync_in_backward`` arming its reducer for the second of two backward passes: the largest param difference from
+    DDP alone doing the same through its own forward."""
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    model = copy.deepcopy(ref_model)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=BUCKET_MB)
+    ref, ref_opt = DDP(ref_model), torch.optim.AdamW(param_groups(ref_model), lr=1e-2, foreach=False)
+    ddp = DDP(model)
+    for step in range(3):
+        for wrapper, forward, o in ((ref, ref, ref_opt), (ddp, ddp.module, opt)):
+            with wrapper.no_sync():
+                first, second = _tiny_loss(forward, step, 0), _tiny_loss(forward, step, 1)
+            first.backward()
+            with trigger_sync_in_backward(wrapper):
+                second.backward()
+            o.step()
+            o.zero_grad()
+    opt.close()
+    return max(float((a - b).abs().max()) for a, b in zip(ref_model.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_wrapper_that_never_ran_a_forward_is_released_when_adopted(pools, stage):
+    # It gets no say in whether DDP reduced the backward (regional compilation's original); its reducer, not released until
+    # the next forward or step(), was armed by trigger_sync_in_backward and wrote into zeroshard's gradients (a crash).
+    for off in pools[2].run(never_forwarded_trigger_worker, stage):
+        assert off <= 1e-6, off

@@ -270,6 +270,8 @@ class DDPWrappers:
             self._hooks.append(ddp.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(ddp.register_forward_hook(_restore_sync, always_call=True))
             self.wrapped.append(WrappedDDP(weakref.ref(ddp)))
+            if not getattr(ddp, "_lazy_init_ran", True):  # no forward prepared its reducer: released at once, also mid-backward
+                release_reducer(self.wrapped[-1], id(self), self._sync_next_backward)
         if wrappers and dist.get_rank() == 0:
             logger.info("zeroshard: the model is wrapped in DistributedDataParallel; zeroshard reduces its gradients itself, so DDP's "
                         "gradient reduction is switched off")
