@@ -34,7 +34,7 @@ class GradComm:
 
     group: ProcessGroup
     timeout: datetime.timedelta | None
-    reduce_pending: Callable[[], object] = lambda: None  # before a virtual param's .grad is used: reduce what no_sync() left local
+    reduce_pending: Callable[[], object] = lambda: None  # before a virtual param's .grad is used: reduce what is still local
 
     @property
     def size(self) -> int:

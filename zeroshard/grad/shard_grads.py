@@ -81,7 +81,7 @@ class ShardGrads:
                    bucket_of=[slot.bucket for slot in layout.slots], bucket_sizes=[len(b.params) for b in layout.buckets],
                    shard_version=shard.grad_shard._version)
 
-    def note_flat_version(self) -> None:
+    def note_written(self) -> None:
         """Record that zeroshard wrote :attr:`flat` and the grad shard last: no edit of either since (:attr:`edited`)."""
         self.flat_version = self.flat._version if self.flat is not None else 0
         self.shard_version = self.shard.grad_shard._version
@@ -109,7 +109,7 @@ class ShardGrads:
         if self.flat is not None:
             self.flat.zero_()
             self.zeroed = [True] * len(self.zeroed)
-        self.note_flat_version()
+        self.note_written()
         self.used = [False] * len(self.used)
         self.continued = [False] * len(self.continued)
         self.landed = [False] * len(self.landed)
@@ -293,7 +293,7 @@ class ShardGrads:
     def note_local(self, i: int, param: nn.Parameter) -> None:
         """Param ``i``'s gradient was accumulated locally (``no_sync()``): note it as autograd left it (:meth:`refuse_local_edits`)."""
         if self.flat is not None:
-            self.note_flat_version()
+            self.note_written()
         elif (grad := param.grad) is not None:
             self.local[i] = (weakref.ref(grad), grad._version)
 

@@ -281,7 +281,7 @@ class VirtualGrad(Tensor):
         if name == "_foreach_norm" and args:
             return _foreach_norm(args[0], *args[1:], **kwargs)
         if name == "_amp_foreach_non_finite_check_and_unscale_" and args:
-            for link in {id(g.amp_link): g.amp_link for g in args[0] if isinstance(g, VirtualGrad) and g.amp_link is not None}.values():
+            for link in {id(g.amp_link): g.amp_link for g in grads if g.amp_link is not None}.values():
                 link.note_unscale(args[1])
         return _disabled(func, *args, **kwargs)
 

@@ -264,20 +264,22 @@ class DDPWrappers:
         wrappers: list[Any] = list({id(ddp): ddp for ddp in candidates if id(ddp) not in known}.values())
         for ddp in wrappers:
             check_supported(ddp)
+        syncs = []
         for ddp in wrappers:
             if not getattr(ddp, "_zeroshard_in_forward", False):  # for _restore_sync, if adopted inside a forward
                 ddp._zeroshard_sync = ddp.require_backward_grad_sync
             self._hooks.append(ddp.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(ddp.register_forward_hook(_restore_sync, always_call=True))
             self.wrapped.append(WrappedDDP(weakref.ref(ddp)))
-            if not getattr(ddp, "_lazy_init_ran", True):  # no forward prepared its reducer: released at once, also mid-backward
+            if getattr(ddp, "_lazy_init_ran", True):
+                syncs.append(ddp.require_forward_param_sync)
+            else:  # no forward prepared its reducer (which a shallow copy sharing it may have released: accelerate's
+                # compile_regions keeps the original beside the copy it runs): no say, and released at once, also mid-backward
                 release_reducer(self.wrapped[-1], id(self), self._sync_next_backward)
         if wrappers and dist.get_rank() == 0:
             logger.info("zeroshard: the model is wrapped in DistributedDataParallel; zeroshard reduces its gradients itself, so DDP's "
                         "gradient reduction is switched off")
-        # No forward yet (_lazy_init_ran): nothing prepared its reducer, which a shallow copy sharing it may have released
-        # (accelerate's compile_regions keeps the original alive beside the copy it runs).
-        return [ddp.require_forward_param_sync for ddp in wrappers if getattr(ddp, "_lazy_init_ran", True)]
+        return syncs
 
     def adopt_new(self) -> list[bool]:
         """At a backward's first gradient: :meth:`adopt` the wrappers built since the last backward began (what it returns; its ``RuntimeError``)."""

@@ -371,7 +371,7 @@ class GradReducer:
         self.phase = StepPhase.REDUCED
         self._local_since_reduced = self._early = False
         for grads in self._grads:
-            grads.note_flat_version()
+            grads.note_written()
 
     def rebuild_order(self) -> None:
         """Adopt rank 0's launch order of the first reduced backward (a collective, once: :class:`BucketOrder`)."""
