@@ -35,6 +35,15 @@ def unfrozen_under_no_sync() -> RuntimeError:
                         "before the no_sync() block, clip with opt.clip_grad_norm_, or run the last backward outside no_sync()")
 
 
+def edited_after_reduction() -> RuntimeError:
+    """The error for gradients edited in place between a reduction and a later backward of the same step."""
+    return RuntimeError(
+        "the gradients (the params' .grad, or opt.param_groups' .grad) were edited in place after zeroshard reduced them, "
+        "and another backward now adds to them: ZeRO stage 1 reduces the running local sum again, which would drop the "
+        "edit, and after a no_sync() micro-step DDP would have edited each rank's own gradient. Edit gradients after the "
+        "last backward of the step (accumulate micro-steps with opt.no_sync())")
+
+
 @dataclass
 class ShardGrads:
     """The gradient bookkeeping of one :class:`~zeroshard.layout.local_shard.LocalShard` (``GradReducer``'s, per shard); per param: in layout order."""
@@ -151,10 +160,10 @@ class ShardGrads:
 
     def follow_untaken(self, i: int, param: nn.Parameter, ddp_reduced: bool) -> None:
         """At a pass's end, before param ``i``'s gradient (not taken in the pass) is reduced: follow what user code did to ``.grad``
-        (:meth:`settle`; set to ``None`` at stage 2 after a ``no_sync()`` backward, by ``model.zero_grad()``: dropped, unused, as
-        under DDP), note a gradient of this rank's own as used, and keep it in :attr:`flat` (stage 1)."""
+        (:meth:`settle`, :meth:`follow_local`: ``None`` means unused), note one of this rank's own as used, keep it in :attr:`flat`."""
         if not ddp_reduced:
             self.settle(i, param)
+            self.follow_local(i, param)
         grad = param.grad
         if grad is None and self.flat is None and not ddp_reduced:
             self.used[i] = False
@@ -254,6 +263,8 @@ class ShardGrads:
             self.continued[i] = False
             self.reduced_versions.pop(i, None)
             return
+        if reduced and follow:
+            self.follow_local(i, param)
         held, left = param.grad, self.reduced.get(i)
         with DisableTorchFunctionSubclass():  # a ShardedGrad's version without a Python call
             self.continued[i] = reduced and held is not None and (
@@ -281,14 +292,9 @@ class ShardGrads:
 
     def refuse_edits_before_rereduction(self, early: bool) -> None:
         """At a backward after one that reduced this step: raise ``RuntimeError`` if a ``ShardedGrad`` or ``VirtualGrad`` was edited
-        in place since, at stage 1 (reducing the running local sums again would drop the edit) or after an ``early`` reduction (a
-        read after a ``no_sync()`` backward: DDP would have edited each rank's own gradient)."""
+        in place since, at stage 1 or after an ``early`` reduction (:func:`edited_after_reduction` says why)."""
         if (self.flat is not None or early) and (self.edited or self.shard.grad_shard._version != self.shard_version):
-            raise RuntimeError(
-                "the gradients (the params' .grad, or opt.param_groups' .grad) were edited in place after zeroshard reduced them, "
-                "and another backward now adds to them: ZeRO stage 1 reduces the running local sum again, which would drop the "
-                "edit, and after a no_sync() micro-step DDP would have edited each rank's own gradient. Edit gradients after the "
-                "last backward of the step (accumulate micro-steps with opt.no_sync())")
+            raise edited_after_reduction()
 
     def note_local(self, i: int, param: nn.Parameter) -> None:
         """Param ``i``'s gradient was accumulated locally (``no_sync()``): note it as autograd left it (:meth:`refuse_local_edits`)."""
@@ -296,6 +302,19 @@ class ShardGrads:
             self.note_written()
         elif (grad := param.grad) is not None:
             self.local[i] = (weakref.ref(grad), grad._version)
+
+    def follow_local(self, i: int, param: nn.Parameter) -> None:
+        """Stage 2, before param ``i``'s gradient from ``no_sync()`` is added to or reduced: set to ``None``, replaced or zeroed
+        since, DDP's went with an earlier reduction's part: its pieces are dropped. Raises ``RuntimeError`` if edited after one."""
+        if (noted := self.local.pop(i, None)) is None:
+            return
+        grad = param.grad
+        if grad is not None and grad is noted[0]():
+            if grad._version == noted[1]:
+                return
+            if self.live and grad.any():
+                raise edited_after_reduction()
+        self.drop_pieces(i)
 
     def refuse_local_edits(self) -> None:
         """Before gradients accumulated under ``no_sync()`` are reduced for a step: raise ``RuntimeError`` if user code wrote them
@@ -305,8 +324,7 @@ class ShardGrads:
         else:
             params = self.shard.buffer.params
             grads = [grad for i, (held, version) in self.local.items() if (grad := held()) is not None and grad is params[i].grad and grad._version != version]
-            edited = any(bool(grad.any()) for grad in grads)  # all zero: followed, as at stage 1
-        self.local.clear()
+            edited = any(bool(grad.any()) for grad in grads)  # all zero: followed (follow_local), as at stage 1
         if edited:
             raise RuntimeError(
                 "the params' .grad were modified in place after a backward under no_sync() and before they were reduced "
@@ -345,7 +363,7 @@ class ShardGrads:
         else:
             self.shard.grad_shard.zero_()
             self.used[:] = [param.grad is not None for param in self.shard.buffer.params]
-        self.flat_version = self.flat._version
+        self.note_written()
 
     def settle_all(self) -> None:
         """Before a step: follow what was done to every param's gradient (:meth:`settle`; stage 1 also: a flat view set to ``None``)."""

@@ -53,6 +53,7 @@ class Reducer(Protocol):
     def take_deferred(self) -> None: ...  # take the gradient it deferred (see ArrivedGrad)
     def launch_complete_buckets(self) -> None: ...
     def local_used(self) -> list[list[bool]]: ...  # per shard, per param: got a gradient on this rank since the last reset
+    def end_pass(self) -> None: ...  # forget the pass (under no_sync: at its end)
     def settle_all(self) -> None: ...  # follow what user code did to its params' .grad
     def reduce_everything(self, rebuild_order: bool = True) -> None: ...  # reduce every bucket of this pass (zeros where no gradient came)
     def rebuild_order(self) -> None: ...  # adopt the first reduced backward's launch order (a collective, once)
@@ -147,10 +148,10 @@ class ReduceCoordinator:
             reduced = []
             for r in self._live():
                 if r.accumulating:  # accumulates locally (its callback, if queued, has nothing to do)
-                    if r is reducer:
-                        r.end_of_backward = EndOfBackward.NONE  # the callback running now
-                    elif r.end_of_backward is EndOfBackward.QUEUED:
-                        r.end_of_backward = EndOfBackward.DONE
+                    queued = r is not reducer and r.end_of_backward is EndOfBackward.QUEUED
+                    r.end_pass()  # its end_of_backward NONE: the callback running now is its, or ...
+                    if queued:
+                        r.end_of_backward = EndOfBackward.DONE  # ... its callback, still queued, is to return at once
                     continue
                 if r is reducer:
                     r.reduce_everything(rebuild_order=False)

@@ -209,7 +209,7 @@ class GradReducer:
         """Stage 1: follow in-place writes to the params' ``.grad`` (:meth:`ShardGrads.follow_flat_writes`, which raises)."""
         if not self._ddp_reduced:
             for grads in self._grads:
-                grads.follow_flat_writes(reduced=self.phase is StepPhase.REDUCED)
+                grads.follow_flat_writes(reduced=self.phase is not StepPhase.LOCAL)
 
     def settle_all(self) -> None:
         """Before a step: follow what was done to every param's gradient."""
@@ -235,11 +235,10 @@ class GradReducer:
         grads.used[i] = True
         if grads.flat is not None:
             grads.keep_in_flat_grad(i, param)
-        if self._no_sync or self._ddp_no_sync:  # accumulating
+        if self._no_sync or self._ddp_no_sync:  # accumulating: at the pass's end the next begins anew (and others in the group reduce)
             grads.note_local(i, param)
             self._local_since_reduced = True
-            if self.coordinator.shared():  # the group's other reducers still reduce at this backward's end
-                self._queue_end_of_backward()
+            self._queue_end_of_backward()
             return
         if grads.continued[i]:
             grads.refuse_partial_write(i, grads.hooked_before(i, param))
@@ -367,7 +366,7 @@ class GradReducer:
         if not self._ddp_reduced:  # else a DDP reduced this backward itself: its .grad stay (ignored)
             for grads in self._grads:
                 grads.leave_sharded_grads()
-        self._clear_backward_state()
+        self.end_pass()
         self.phase = StepPhase.REDUCED
         self._local_since_reduced = self._early = False
         for grads in self._grads:
@@ -382,8 +381,8 @@ class GradReducer:
         for grads, flags in zip(self._grads, used):
             grads.drop_unused(flags)
 
-    def _clear_backward_state(self) -> None:
-        """Forget which params were taken in this backward pass."""
+    def end_pass(self) -> None:
+        """Forget which params were taken in this backward pass (also after one under ``no_sync``: the next pass's start checks run)."""
         self._next_launch = 0
         if self.end_of_backward is EndOfBackward.QUEUED:  # DONE stays: its callback is to return at once
             self.end_of_backward = EndOfBackward.NONE
@@ -445,7 +444,7 @@ class GradReducer:
         for k, shard in enumerate(self.shards):
             shard.grad_shard.zero_()
             self._grads[k].reset()
-        self._clear_backward_state()
+        self.end_pass()
         self._staging.clear()  # stage 2 holds no gradient buffers between steps
         self.phase = StepPhase.LOCAL
         self._late = self._local_since_reduced = self._early = False
