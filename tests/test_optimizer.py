@@ -419,7 +419,7 @@ def staging_bound_worker() -> tuple[int, int, int]:
 
 
 def test_stage2_gradient_buffers_stay_bounded_during_backward(pools):
-    from zeroshard.reduce.grad_reducer import MAX_BUCKETS_IN_FLIGHT
+    from zeroshard.reduce.bucket import MAX_BUCKETS_IN_FLIGHT
 
     for peak, bucket, everything in pools[2].run(staging_bound_worker):
         assert peak <= (MAX_BUCKETS_IN_FLIGHT + 1) * bucket < everything, (peak, bucket, everything)

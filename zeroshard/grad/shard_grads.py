@@ -11,37 +11,10 @@ from torch import Tensor, nn
 
 from zeroshard.compat import DisableTorchFunctionSubclass, post_accumulate_grad_hook_ids
 from zeroshard.grad.partial_norm import GradComm
+from zeroshard.grad.refusals import edited_after_reduction
 from zeroshard.grad.sharded_grad import ShardedGrad, make_sharded_grad
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.layout.partition import ShardPiece
-
-
-def sparse_gradient(param: nn.Parameter) -> RuntimeError:
-    """The error for a sparse gradient of ``param`` (``nn.Embedding(sparse=True)``), which zeroshard does not reduce."""
-    return RuntimeError(f"param {tuple(param.shape)} got a sparse gradient; zeroshard reduces dense gradients only (use sparse=False in nn.Embedding)")
-
-
-def read_inside_no_sync() -> RuntimeError:
-    """The error for a read of ``opt.param_groups``' gradients inside ``opt.no_sync()``, which reduces only at the block's end."""
-    return RuntimeError("a torch function on opt.param_groups' .grad inside opt.no_sync(): they hold the reduced gradient, which "
-                        "the block has not made yet (DDP's .grad there is each rank's own: read the model's params' .grad), and "
-                        "reducing now would differ between ranks that run more backward passes in the block; read them after it")
-
-
-def unfrozen_under_no_sync() -> RuntimeError:
-    """The error for a read of ``opt.param_groups``' gradients that would leave out params unfrozen since the last reduction."""
-    return RuntimeError("params unfrozen inside no_sync() got gradients under it only, so a read of opt.param_groups' .grad (a "
-                        "clip, GradScaler's check) listed its params before they were sharded into it (DDP's includes them); unfreeze "
-                        "before the no_sync() block, clip with opt.clip_grad_norm_, or run the last backward outside no_sync()")
-
-
-def edited_after_reduction() -> RuntimeError:
-    """The error for gradients edited in place between a reduction and a later backward of the same step."""
-    return RuntimeError(
-        "the gradients (the params' .grad, or opt.param_groups' .grad) were edited in place after zeroshard reduced them, "
-        "and another backward now adds to them: ZeRO stage 1 reduces the running local sum again, which would drop the "
-        "edit, and after a no_sync() micro-step DDP would have edited each rank's own gradient. Edit gradients after the "
-        "last backward of the step (accumulate micro-steps with opt.no_sync())")
 
 
 @dataclass
@@ -124,6 +97,35 @@ class ShardGrads:
         self.landed = [False] * len(self.landed)
         self.live = self.edited = False
         self.local.clear()
+
+    @torch.no_grad()
+    def unshard(self, full: Tensor, used: list[bool]) -> None:
+        """After a reduction, before a ``no_sync()`` backward: each param's ``.grad`` that is still the ``ShardedGrad`` left (edited
+        in place or not) becomes DDP's averaged gradient, a local tensor autograd accumulates into, taken from ``full`` (1-D, the
+        grad shard's dtype, the flat layout: every rank's slices, :func:`~zeroshard.reduce.bucket.gather_grad_shards`), or ``None``
+        where no rank gave the param a gradient (``used``, per param). What user code set ``.grad`` to stays (``None``: dropped,
+        a tensor of its own). The grad shard is zeroed: the step's gradients are all local again, as under DDP."""
+        params = self.shard.buffer.params
+        if self.flat is not None:
+            self.flat.copy_(full)
+        grads = full if self.flat is None else self.flat
+        for i, param in enumerate(params):
+            if self.reduced_versions.pop(i, None) is not None and param.grad is self.reduced[i]:
+                self.used[i] = used[i]
+                # stage 2: a tensor of its own, as autograd's (views of one would share its version counter: note_local)
+                view = self.shard.buffer.param_view(i, of=grads).view_as(param)
+                param.grad = (view if self.flat is not None else view.to(param.dtype, copy=True)) if used[i] else None
+            else:
+                self.used[i] = param.grad is not None
+            if self.flat is not None:
+                self.keep_in_flat_grad(i, param)  # None: zeroed; a tensor of the user's: copied in, the view its .grad
+                self.zeroed[i] = param.grad is None
+        self.shard.grad_shard.zero_()
+        self.landed = [False] * len(self.landed)
+        self.continued = [False] * len(self.continued)
+        self.live = False
+        self.local.clear()
+        self.note_written()
 
     def sharded_grad(self, i: int, param: nn.Parameter) -> ShardedGrad:
         """The ShardedGrad to leave in param ``i``'s ``.grad`` once reduced (made once), its version noted as left."""
@@ -304,16 +306,15 @@ class ShardGrads:
             self.local[i] = (weakref.ref(grad), grad._version)
 
     def follow_local(self, i: int, param: nn.Parameter) -> None:
-        """Stage 2, before param ``i``'s gradient from ``no_sync()`` is added to or reduced: set to ``None``, replaced or zeroed
-        since, DDP's went with an earlier reduction's part: its pieces are dropped. Raises ``RuntimeError`` if edited after one."""
+        """Stage 2, before param ``i``'s gradient from ``no_sync()`` is added to or reduced: set to ``None`` or zeroed since, DDP's
+        went with an earlier reduction's part: its pieces are dropped. Raises ``RuntimeError`` if edited or replaced after one."""
         if (noted := self.local.pop(i, None)) is None:
             return
         grad = param.grad
-        if grad is not None and grad is noted[0]():
-            if grad._version == noted[1]:
-                return
-            if self.live and grad.any():
-                raise edited_after_reduction()
+        if grad is not None and grad is noted[0]() and grad._version == noted[1]:
+            return
+        if grad is not None and self.live and grad.any():  # a new tensor may hold values read from this rank's own alone
+            raise edited_after_reduction()
         self.drop_pieces(i)
 
     def refuse_local_edits(self) -> None:

@@ -30,11 +30,15 @@ from torch import Tensor
 
 from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
+from zeroshard.grad.shard_grads import ShardGrads
 from zeroshard.layout.partition import FlatLayout
 
 logger = logging.getLogger("zeroshard")
 
 Key = tuple[int, int]  # (shard, bucket)
+
+# Stage 2's bucket reductions in flight at most (DeepSpeed ZeRO-2's double buffering): staging memory ~ this + 1 buckets.
+MAX_BUCKETS_IN_FLIGHT = 2
 
 
 class BucketOrder:
@@ -222,3 +226,38 @@ def complete(pending: PendingReduce, groups: ShardingGroups, wait: Callable[[col
         reduced.div_(groups.data_parallel_size)
     if reduced is not pending.target:  # else the reduce-scatter wrote the slice itself
         (pending.target.copy_ if overwrite else pending.target.add_)(reduced)
+
+
+def wait(work: collectives.AsyncWork | None, timeout: datetime.timedelta | None, what: str) -> None:
+    """Wait for a reducer's collective ``what`` (``None``: a shard group of one, nothing was sent), raising ``RuntimeError``
+    after ``timeout`` (``None``: the group's), naming it and what every rank must run alike."""
+    if work is not None:
+        collectives.wait(work, timeout, f"backward, step() or a read of opt.param_groups' .grad after no_sync(): {what}",
+                         "run the same backward passes (outside no_sync()), gradient reads and step() calls, with the same params used")
+
+
+def unshard(grads: list[ShardGrads], groups: ShardingGroups, wait: Callable[[collectives.AsyncWork, str], None], early: bool) -> None:
+    """Make the reduced gradients whole again on every rank (``GradReducer``, before a ``no_sync()`` backward that follows a
+    reduction): per shard, an all-gather per bucket over the shard group into a 1-D tensor in the grad shard's dtype and the
+    flat buffer's layout, and where any rank gave each param a gradient (one all-reduce MAX over each reducing group), then
+    :meth:`~zeroshard.grad.shard_grads.ShardGrads.unshard`. ``wait``: waits for one collective (its timeout names it).
+
+    Raises:
+        RuntimeError: after an ``early`` reduction (a read after ``no_sync()`` backward passes), its gradients were edited,
+            where DDP would have edited each rank's own (:meth:`~zeroshard.grad.shard_grads.ShardGrads.refuse_edits_before_rereduction`).
+    """
+    for g in grads if early else ():
+        g.refuse_edits_before_rereduction(early=True)
+    fulls, works = [], []
+    for g in grads:
+        full = torch.zeros_like(g.shard.buffer.data, dtype=g.shard.grad_shard.dtype)
+        works += [collectives.all_gather(g.shard.buffer.bucket_view(chunk.bucket, of=full), chunk.grad, groups.shard) for chunk in g.shard.chunks]
+        fulls.append(full)
+    used = torch.tensor([u for g in grads for u in g.used], dtype=torch.uint8, device=collectives.collective_device(groups.shard))
+    works += [collectives.all_reduce(used, group, dist.ReduceOp.MAX) for group in groups.reducing]
+    for work in works:
+        wait(work, "the all-gather of the reduced gradients before no_sync() (unshard)")
+    flags = [bool(u) for u in used.tolist()]
+    for g, full in zip(grads, fulls):
+        g.unshard(full, flags[: len(g.used)])
+        flags = flags[len(g.used) :]

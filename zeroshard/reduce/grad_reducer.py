@@ -20,19 +20,16 @@ from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
 from zeroshard.compat import accumulates_into_grad, current_graph_task, last_post_accumulate_grad_hook_id
 from zeroshard.grad.partial_norm import GradComm, ParamSpace
-from zeroshard.grad.shard_grads import ShardGrads, read_inside_no_sync, sparse_gradient, unfrozen_under_no_sync
+from zeroshard.grad.refusals import read_inside_no_sync, sparse_gradient, unfrozen_under_no_sync
+from zeroshard.grad.shard_grads import ShardGrads
 from zeroshard.grad.sharded_grad import ShardedGrad, bind_virtual_grads
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce import bucket
-from zeroshard.reduce.bucket import BucketOrder, PendingReduce, StagingBuckets
+from zeroshard.reduce.bucket import MAX_BUCKETS_IN_FLIGHT, BucketOrder, PendingReduce, StagingBuckets
 from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrappers_of_owners, held
 from zeroshard.reduce.ddp import DDPWrappers, find_wrappers, release, watch_new_wrappers
 from zeroshard.reduce.nested_backward import OutermostBackward
 from zeroshard.reduce.records import ArrivedGrad, StepPhase, param_hooks, weak_method
-
-# Stage 2's bucket reductions in flight at most (DeepSpeed ZeRO-2's double buffering): staging memory ~ this + 1 buckets.
-MAX_BUCKETS_IN_FLIGHT = 2
-
 
 _LOCAL = StepPhase.LOCAL  # for the per-param pre-hook: a global reads in 1/6 of an Enum member's time
 
@@ -74,9 +71,9 @@ class GradReducer:
         self._outermost = OutermostBackward(weak_method(self._queue_end_of_backward))  # reentrant checkpoints
         self._no_sync = False
         self.phase = StepPhase.LOCAL  # where this step's gradients are
-        self._late = False  # a gradient arrived after its bucket was reduced in this step (_take_grad)
+        self._late = False  # a gradient came after its bucket was reduced this step (_take_grad)
         self._local_since_reduced = False  # no_sync() since the last reduction (alike on every rank)
-        self._early = False  # the last reduction was reduce_pending's
+        self._early = False  # the last reduction: reduce_pending
         self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset; None: used since
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self.followed_task = -1  # the graph task (backward pass) that last reached these params
@@ -147,12 +144,13 @@ class GradReducer:
             self.grow()  # params unfrozen since: sharded into param_groups (a collective if any)
         previous = self._no_sync
         self._no_sync = True
-        self._accumulate_locally()
+        self._accumulate_locally(unshard=True)
         self._reset_marks = None
         try:
             yield
         finally:
             self._no_sync = previous
+            self.end_pass()  # the block's passes are over (even one that raised)
 
     # -- what user code did to the gradients --
 
@@ -167,7 +165,7 @@ class GradReducer:
         if not self._backward_started:
             syncs = self._ddps.adopt_new()  # may raise: nothing changed yet
             self._backward_started = True
-            self._ddp_no_sync, self._ddp_forward = self._ddp_forward and self._ddp_no_sync, False
+            self._ddp_no_sync = self._ddp_forward = self._ddp_forward and self._ddp_no_sync  # ddp.no_sync(): every pass of its forward
             if any(syncs):
                 self._ddp_reduced = True
                 for grads in self._grads:  # before DDP's reducer reads or writes .grad
@@ -190,16 +188,22 @@ class GradReducer:
 
     def _on_ddp_forward(self, no_sync: bool) -> None:
         """Before an adopted DDP wrapper's forward: under ``ddp.no_sync()`` its backward accumulates locally."""
+        if self._ddp_no_sync:
+            self.end_pass()  # the last forward's (local) passes are over
         self._ddp_forward = True
         self._ddp_no_sync = no_sync
         if no_sync:
-            self._accumulate_locally()
+            self._accumulate_locally(unshard=True)
 
-    def _accumulate_locally(self) -> None:
-        """This backward accumulates locally (``no_sync``): what a reduction left becomes :attr:`StepPhase.REDUCED_THEN_LOCAL`."""
-        self._local_since_reduced = True
-        if self.phase is StepPhase.REDUCED:
+    def _accumulate_locally(self, unshard: bool = False) -> None:
+        """This backward accumulates locally (``no_sync``): a reduction's gradients are made whole with ``unshard`` (collectives, as
+        every rank enters ``no_sync``; :func:`bucket.unshard`), else become :attr:`StepPhase.REDUCED_THEN_LOCAL`."""
+        if self.phase is StepPhase.REDUCED and unshard and not self._ddp_reduced:
+            bucket.unshard(self._grads, self.groups, self._wait, self._early)
+            self.phase, self._early = StepPhase.LOCAL, False
+        elif self.phase is StepPhase.REDUCED:
             self.phase = StepPhase.REDUCED_THEN_LOCAL
+        self._local_since_reduced = True
 
     def _sync_next_backward(self) -> None:
         """A framework asked DDP's released reducer to reduce the coming backward (``prepare_for_backward``)."""
@@ -235,10 +239,11 @@ class GradReducer:
         grads.used[i] = True
         if grads.flat is not None:
             grads.keep_in_flat_grad(i, param)
-        if self._no_sync or self._ddp_no_sync:  # accumulating: at the pass's end the next begins anew (and others in the group reduce)
+        if self._no_sync or self._ddp_no_sync:  # accumulating
             grads.note_local(i, param)
             self._local_since_reduced = True
-            self._queue_end_of_backward()
+            if self.coordinator.shared():  # the group's others reduce at the pass's end
+                self._queue_end_of_backward()
             return
         if grads.continued[i]:
             grads.refuse_partial_write(i, grads.hooked_before(i, param))
@@ -252,7 +257,7 @@ class GradReducer:
             self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this pre-hook
 
     def take_deferred(self) -> None:
-        """Take the gradient deferred last, now that the hooks after zeroshard's have run (:meth:`ShardGrads.refuse_partial_write` raises)."""
+        """Take the gradient deferred last, now that the hooks after zeroshard's have run (may raise: ``refuse_partial_write``)."""
         if self._deferred is None:
             return
         arrived, self._deferred = self._deferred, None
@@ -268,7 +273,7 @@ class GradReducer:
             self.launch_complete_buckets()
 
     def _take_grad(self, k: int, i: int, param: nn.Parameter, last: bool = False) -> bool:
-        """Count a gradient of param ``i`` of shard ``k`` (``last``: at the end of the pass), stage 2 staging it; whether its bucket completed."""
+        """Count a gradient of param ``i`` of shard ``k`` (``last``: at the pass's end), stage 2 staging it; whether its bucket completed."""
         grads = self._grads[k]
         key = (k, grads.bucket_of[i])
         if self._order.position[key] < self._next_launch:
@@ -344,9 +349,7 @@ class GradReducer:
             self._staging.recycle(pending.input)
 
     def _wait(self, work: collectives.AsyncWork | None, what: str) -> None:
-        if work is not None:  # None: a shard group of one, nothing was sent
-            collectives.wait(work, self.timeout, f"backward, step() or a read of opt.param_groups' .grad after no_sync(): {what}",
-                             "run the same backward passes (outside no_sync()), gradient reads and step() calls, with the same params used")
+        bucket.wait(work, self.timeout, what)
 
     def reduce_everything(self, rebuild_order: bool = True) -> None:
         """Complete every bucket not yet launched, launch it, add all results into the grad shards; then :meth:`rebuild_order`
@@ -382,7 +385,7 @@ class GradReducer:
             grads.drop_unused(flags)
 
     def end_pass(self) -> None:
-        """Forget which params were taken in this backward pass (also after one under ``no_sync``: the next pass's start checks run)."""
+        """Forget this backward pass (also one under ``no_sync``: the next pass's start checks run)."""
         self._next_launch = 0
         if self.end_of_backward is EndOfBackward.QUEUED:  # DONE stays: its callback is to return at once
             self.end_of_backward = EndOfBackward.NONE
@@ -418,8 +421,7 @@ class GradReducer:
             self._early = True
 
     def reduce_again(self) -> None:
-        """Have the next :meth:`reduce_for_step` reduce every bucket again (shards were added mid-step): nothing is reduced twice, as
-        stage 2's ``ShardedGrad`` s add nothing and stage 1 overwrites each slice with the same sum."""
+        """Have the next :meth:`reduce_for_step` reduce every bucket again (shards were added mid-step; nothing is summed twice)."""
         self._accumulate_locally()
 
     def local_used(self) -> list[list[bool]]:
@@ -429,7 +431,7 @@ class GradReducer:
     @torch.no_grad()
     def reset(self) -> None:
         """Zero the grad shards (and stage 1's flat grad buffers), forget which params were used, and what a backward that raised
-        or a DDP wrapper's reduction left; at once when nothing happened since the last reset (``zero_grad()`` after ``step()``)."""
+        or a DDP wrapper's reduction left; at once when nothing happened since the last reset (``zero_grad()`` after it)."""
         if self._reset_marks is not None and self._reset_marks == self._marks():
             return
         if self._ddp_reduced:
