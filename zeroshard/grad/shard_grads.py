@@ -102,7 +102,7 @@ class ShardGrads:
     def unshard(self, full: Tensor, used: list[bool]) -> None:
         """After a reduction, before a ``no_sync()`` backward: each param's ``.grad`` that is still the ``ShardedGrad`` left (edited
         in place or not) becomes DDP's averaged gradient, a local tensor autograd accumulates into, taken from ``full`` (1-D, the
-        grad shard's dtype, the flat layout: every rank's slices, :func:`~zeroshard.reduce.bucket.gather_grad_shards`), or ``None``
+        grad shard's dtype, the flat layout: every rank's slices, :func:`~zeroshard.reduce.bucket.unshard`), or ``None``
         where no rank gave the param a gradient (``used``, per param). What user code set ``.grad`` to stays (``None``: dropped,
         a tensor of its own). The grad shard is zeroed: the step's gradients are all local again, as under DDP."""
         params = self.shard.buffer.params
