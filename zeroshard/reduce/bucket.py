@@ -236,27 +236,23 @@ def wait(work: collectives.AsyncWork | None, timeout: datetime.timedelta | None,
                          "run the same backward passes (outside no_sync()), gradient reads and step() calls, with the same params used")
 
 
-def unshard(grads: list[ShardGrads], groups: ShardingGroups, wait_for: Callable[[collectives.AsyncWork, str], None], early: bool) -> None:
+def unshard(grads: list[ShardGrads], groups: ShardingGroups, wait_for: Callable[[collectives.AsyncWork, str], None]) -> None:
     """Make the reduced gradients whole again on every rank (``GradReducer``, before a ``no_sync()`` backward that follows a
-    reduction): per shard, an all-gather per bucket over the shard group into a 1-D tensor in the grad shard's dtype and the
-    flat buffer's layout, and where any rank gave each param a gradient (one all-reduce MAX over each reducing group), then
-    :meth:`~zeroshard.grad.shard_grads.ShardGrads.unshard`. ``wait_for``: waits for one collective (its timeout names it).
-
-    Raises:
-        RuntimeError: after an ``early`` reduction (a read after ``no_sync()`` backward passes), its gradients were edited,
-            where DDP would have edited each rank's own (:meth:`~zeroshard.grad.shard_grads.ShardGrads.refuse_edits_before_rereduction`).
-    """
-    for g in grads if early else ():
-        g.refuse_edits_before_rereduction(early=True)
+    backward that reduced): per shard, an all-gather per bucket over the shard group into a 1-D tensor in the grad shard's
+    dtype and the flat buffer's layout, and where any rank gave each param a gradient (an all-reduce MAX over each reducing
+    group in turn), then :meth:`~zeroshard.grad.shard_grads.ShardGrads.unshard`. ``wait_for``: waits for one collective (its
+    timeout names it)."""
+    what = "the all-gather of the reduced gradients before no_sync() (unshard)"
     fulls, works = [], []
     for g in grads:
         full = torch.zeros_like(g.shard.buffer.data, dtype=g.shard.grad_shard.dtype)
         works += [collectives.all_gather(g.shard.buffer.bucket_view(chunk.bucket, of=full), chunk.grad, groups.shard) for chunk in g.shard.chunks]
         fulls.append(full)
     used = torch.tensor([u for g in grads for u in g.used], dtype=torch.uint8, device=collectives.collective_device(groups.shard))
-    works += [collectives.all_reduce(used, group, dist.ReduceOp.MAX) for group in groups.reducing]
+    for group in groups.reducing:  # one after the other: each reads what the last wrote
+        wait_for(collectives.all_reduce(used, group, dist.ReduceOp.MAX), what)
     for work in works:
-        wait_for(work, "the all-gather of the reduced gradients before no_sync() (unshard)")
+        wait_for(work, what)
     flags = [bool(u) for u in used.tolist()]
     for g, full in zip(grads, fulls):
         g.unshard(full, flags[: len(g.used)])

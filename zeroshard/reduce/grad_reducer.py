@@ -198,9 +198,9 @@ class GradReducer:
     def _accumulate_locally(self, unshard: bool = False) -> None:
         """This backward accumulates locally (``no_sync``): a reduction's gradients are made whole with ``unshard`` (collectives, as
         every rank enters ``no_sync``; :func:`bucket.unshard`), else become :attr:`StepPhase.REDUCED_THEN_LOCAL`."""
-        if self.phase is StepPhase.REDUCED and unshard and not self._ddp_reduced:
-            bucket.unshard(self._grads, self.groups, self._wait, self._early)
-            self.phase, self._early = StepPhase.LOCAL, False
+        if self.phase is StepPhase.REDUCED and unshard and not (self._ddp_reduced or self._early):  # early: DDP's .grad was local
+            bucket.unshard(self._grads, self.groups, self._wait)
+            self.phase = StepPhase.LOCAL
         elif self.phase is StepPhase.REDUCED:
             self.phase = StepPhase.REDUCED_THEN_LOCAL
         self._local_since_reduced = True
