@@ -202,6 +202,27 @@ def test_zeroed_unused_params_are_stepped_like_torch(pools, stage):
     pools[2].run(unused_zeroed_worker, stage)
 
 
+def zeroed_mid_step_worker(stage: int) -> None:
+    # Step 0: a micro-step leaving the branch unused on every rank (DDP's .grad stays None: never had one), the model's gradients
+    # zeroed in place, another such micro-step: torch.optim skips the branch. Then steps that use it, zeroed the same way.
+    ref, ref_opt, model, opt = _pair(stage)
+    for step in range(3):
+        for net, o in ((ref, ref_opt), (model, opt)):
+            for micro in range(2):
+                loss_fn(net, *batch(dist.get_rank(), step, micro), use_branch=step > 0).backward()
+                if micro == 0:
+                    net.zero_grad(set_to_none=False)
+            o.step()
+            o.zero_grad()
+        assert _same(ref.module, model), f"step {step}: params differ from DDP after zero_grad(set_to_none=False) mid-step"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_param_no_rank_used_keeps_no_gradient_when_zeroed_mid_step(pools, stage):
+    # Before, zeroing the zero ShardedGrad zeroshard leaves such a param counted it as used: weight decay moved it by 2.8e-4.
+    pools[2].run(zeroed_mid_step_worker, stage)
+
+
 # -- 9. torch.nn.utils.clip_grad_norm_ and other gradient code: tests/grad/test_torch_grads.py ------------------
 
 

@@ -47,6 +47,7 @@ class ShardGrads:
     zeroed: list[bool] = field(default_factory=list)  # stage 1, per param: its view of flat holds zeros since the last reset and was not taken since
     bucket_of: list[int] = field(default_factory=list)  # per param, its bucket (the layout's, read per gradient)
     bucket_sizes: list[int] = field(default_factory=list)  # per bucket, how many params it has
+    kept: list[bool] = field(default_factory=list)  # per param: it had a .grad as the step began (DDP's: a zeroing keeps it)
 
     @classmethod
     def for_shard(cls, shard: LocalShard, flat: bool, comm: GradComm) -> ShardGrads:
@@ -60,6 +61,7 @@ class ShardGrads:
         version = flat_grad._version if flat_grad is not None else 0
         return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n, comm,
                    [layout.within_one_slice(i) for i in range(n)], landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n, zeroed=[flat] * n,
+                   kept=[False] * n,
                    bucket_of=[slot.bucket for slot in layout.slots], bucket_sizes=[len(b.params) for b in layout.buckets],
                    shard_version=shard.grad_shard._version)
 
@@ -137,11 +139,8 @@ class ShardGrads:
         return left
 
     def flat_view(self, i: int) -> Tensor:
-        """Stage 1: param ``i``'s view of the flat grad buffer, shaped like the param (its running local gradient).
-
-        Made again if its storage was replaced (``.grad.data = t`` in a hook, or ``model.to(...)``'s ``Module._apply``): the old
-        object holds the gradient elsewhere, and callers finding it in ``.grad`` copy it into the new view (:meth:`keep_in_flat_grad`).
-        """
+        """Stage 1: param ``i``'s view of the flat grad buffer, shaped like the param (its running local gradient); made again
+        if its storage was replaced (``.grad.data = t``, ``Module._apply``): callers copy the old into it (:meth:`keep_in_flat_grad`)."""
         if self.flat is None:
             raise RuntimeError("internal error: stage 2 keeps no flat grad buffer")
         if not self.flat_views:
@@ -185,8 +184,8 @@ class ShardGrads:
             param.grad = view
 
     def hand_flat_view(self, i: int, param: nn.Parameter) -> None:
-        """Stage 1, before autograd accumulates into param ``i``: with no ``.grad`` yet, make it the param's zeroed view of :attr:`flat`,
-        so autograd adds straight into the flat grad buffer: no copy, the same ``.grad`` every step (DDP's ``gradient_as_bucket_view``)."""
+        """Stage 1, before autograd accumulates into param ``i`` with no ``.grad``: hand it its zeroed view of :attr:`flat` (no copy,
+        the same ``.grad`` every step: DDP's ``gradient_as_bucket_view``)."""
         if self.zeroed[i] and param.grad is None:
             param.grad = self.flat_view(i)
 
@@ -214,7 +213,7 @@ class ShardGrads:
                 self.reduced_versions.pop(i, None)
 
     def drop_pieces(self, i: int) -> None:
-        """Zero this rank's pieces of param ``i`` in the grad shard (if it holds any)."""
+        """Zero this rank's pieces of param ``i`` in the grad shard (if any)."""
         if self.used[i]:
             for piece in self.pieces_of[i]:
                 self.shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
@@ -222,10 +221,9 @@ class ShardGrads:
     def settle(self, i: int, param: nn.Parameter, take: bool = False) -> None:
         """Follow what user code did to param ``i``'s ``.grad`` since its gradient was reduced (docs/design.md, "What user code does").
 
-        Set to ``None``: the gradient is dropped (the param counts as unused); zeroed in place: a zero gradient, still
-        stepped. Replaced by a full tensor: with ``take`` (at ``step()``) its elements become this rank's pieces and ``.grad``
-        the ``ShardedGrad`` again; otherwise (another reduction follows, which reduces the new tensor) the old pieces are dropped.
-        """
+        Set to ``None``: dropped (unused); zeroed in place: a zero gradient, stepped if DDP's ``.grad`` exists. Replaced by a full
+        tensor: with ``take`` (at ``step()``) its elements become this rank's pieces and ``.grad`` the ``ShardedGrad`` again;
+        else (a reduction of the new tensor follows) the old pieces are dropped."""
         version = self.reduced_versions.get(i)
         if version is None:
             return
@@ -250,7 +248,7 @@ class ShardGrads:
         if self.flat is not None and self.used[i]:  # else untouched since the reset zeroed it
             self.flat_view(i).zero_()
         self.drop_pieces(i)
-        self.used[i] = grad is left
+        self.used[i] = grad is left and (self.used[i] or self.kept[i])
         if grad is left:
             self.reduced_versions[i] = grad._version
         else:
@@ -292,6 +290,10 @@ class ShardGrads:
         param.grad = self.flat_view(i) if self.flat is not None else None
         self.reduced_versions.pop(i, None)
 
+    def note_kept(self) -> None:
+        """As the step's first backward begins: note which params have a ``.grad`` (:attr:`kept`)."""
+        self.kept = [param.grad is not None for param in self.shard.buffer.params]
+
     def refuse_edits_before_rereduction(self, early: bool) -> None:
         """At a backward after one that reduced this step: raise ``RuntimeError`` if a ``ShardedGrad`` or ``VirtualGrad`` was edited
         in place since, at stage 1 or after an ``early`` reduction (:func:`edited_after_reduction` says why)."""
@@ -306,8 +308,8 @@ class ShardGrads:
             self.local[i] = (weakref.ref(grad), grad._version)
 
     def follow_local(self, i: int, param: nn.Parameter) -> None:
-        """Stage 2, before param ``i``'s gradient from ``no_sync()`` is added to or reduced: set to ``None`` or zeroed since, DDP's
-        went with an earlier reduction's part: its pieces are dropped. Raises ``RuntimeError`` if edited or replaced after one."""
+        """Stage 2, before param ``i``'s gradient from ``no_sync()`` is added to or reduced: set to ``None`` or zeroed, DDP's went
+        with an earlier reduction's part: its pieces are dropped. Raises ``RuntimeError`` if edited or replaced after one."""
         if (noted := self.local.pop(i, None)) is None:
             return
         grad = param.grad
@@ -367,7 +369,7 @@ class ShardGrads:
         self.note_written()
 
     def settle_all(self) -> None:
-        """Before a step: follow what was done to every param's gradient (:meth:`settle`; stage 1 also: a flat view set to ``None``)."""
+        """Before a step: follow what was done to every param's gradient (:meth:`settle`; stage 1: a flat view set to ``None``)."""
         params = self.shard.buffer.params
         if len(self.reduced_versions) == len(params):  # the common case: every .grad still the ShardedGrad left, unedited
             with DisableTorchFunctionSubclass():  # checked over lists, without a Python call per param (#27)

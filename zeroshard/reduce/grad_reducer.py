@@ -71,10 +71,10 @@ class GradReducer:
         self._outermost = OutermostBackward(weak_method(self._queue_end_of_backward))  # reentrant checkpoints
         self._no_sync = False
         self.phase = StepPhase.LOCAL  # where this step's gradients are
-        self._late = False  # a gradient came after its bucket was reduced this step (_take_grad)
+        self._late = False  # a gradient came after its bucket's reduction (_take_grad)
         self._local_since_reduced = False  # no_sync() since the last reduction (alike on every rank)
         self._early = False  # the last reduction: reduce_pending
-        self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset; None: used since
+        self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset (None: used since)
         self._backward_started = False  # a gradient of the current backward pass has arrived
         self.followed_task = -1  # the graph task (backward pass) that last reached these params
         self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
@@ -155,7 +155,7 @@ class GradReducer:
     # -- what user code did to the gradients --
 
     def before_accumulate(self, k: int, i: int, param: nn.Parameter, grad: Tensor) -> None:
-        """Param ``i`` of shard ``k``'s pre-hook: take the deferred gradient, follow what user code did to ``.grad``, swap out a ShardedGrad."""
+        """Param ``i`` of shard ``k``'s pre-hook: take the deferred gradient, follow what user code did to ``.grad``, swap a ShardedGrad out."""
         task = current_graph_task()
         if task != self.followed_task and not accumulates_into_grad(param, task):  # torch.autograd.grad()
             return
@@ -165,7 +165,9 @@ class GradReducer:
         if not self._backward_started:
             syncs = self._ddps.adopt_new()  # may raise: nothing changed yet
             self._backward_started = True
-            self._ddp_no_sync = self._ddp_forward = self._ddp_forward and self._ddp_no_sync  # ddp.no_sync(): every pass of its forward
+            for grads in self._grads if self.phase is _LOCAL and not self._local_since_reduced else ():
+                grads.note_kept()
+            self._ddp_no_sync = self._ddp_forward = self._ddp_forward and self._ddp_no_sync  # ddp.no_sync(): all passes of its forward
             if any(syncs):
                 self._ddp_reduced = True
                 for grads in self._grads:  # before DDP's reducer reads or writes .grad
@@ -174,9 +176,8 @@ class GradReducer:
                 self._ddp_no_sync = True
                 self._accumulate_locally()
             self._check_flat_grads()
-            if self.phase is not StepPhase.LOCAL:
-                for grads in self._grads:
-                    grads.refuse_edits_before_rereduction(self._early)
+            for grads in self._grads if self.phase is not _LOCAL else ():
+                grads.refuse_edits_before_rereduction(self._early)
         if task != self.followed_task:  # once per backward pass: did the model move?
             self.followed_task = task
             for shard in self.shards:
@@ -196,8 +197,7 @@ class GradReducer:
             self._accumulate_locally(unshard=True)
 
     def _accumulate_locally(self, unshard: bool = False) -> None:
-        """This backward accumulates locally (``no_sync``): a reduction's gradients are made whole with ``unshard`` (collectives, as
-        every rank enters ``no_sync``; :func:`bucket.unshard`), else become :attr:`StepPhase.REDUCED_THEN_LOCAL`."""
+        """Accumulate locally (``no_sync``): a reduction's gradients made whole with ``unshard`` (:func:`bucket.unshard`), or kept."""
         if self.phase is StepPhase.REDUCED and unshard and not (self._ddp_reduced or self._early):  # early: DDP's .grad was local
             bucket.unshard(self._grads, self.groups, self._wait)
             self.phase = StepPhase.LOCAL
@@ -210,7 +210,7 @@ class GradReducer:
         self._ddp_no_sync = False
 
     def _check_flat_grads(self) -> None:
-        """Stage 1: follow in-place writes to the params' ``.grad`` (:meth:`ShardGrads.follow_flat_writes`, which raises)."""
+        """Stage 1: follow in-place writes to the params' ``.grad`` (may raise: :meth:`ShardGrads.follow_flat_writes`)."""
         if not self._ddp_reduced:
             for grads in self._grads:
                 grads.follow_flat_writes(reduced=self.phase is not StepPhase.LOCAL)
@@ -242,7 +242,7 @@ class GradReducer:
         if self._no_sync or self._ddp_no_sync:  # accumulating
             grads.note_local(i, param)
             self._local_since_reduced = True
-            if self.coordinator.shared():  # the group's others reduce at the pass's end
+            if self.coordinator.shared():  # the others reduce at the pass's end
                 self._queue_end_of_backward()
             return
         if grads.continued[i]:
@@ -318,7 +318,7 @@ class GradReducer:
             self.end_of_backward = EndOfBackward.QUEUED
 
     def _on_backward_end(self) -> None:
-        """At the end of backward: the group's reducers reduce this pass, this one included (ReduceCoordinator.flush)."""
+        """At the end of backward: the group's reducers, this one included, reduce this pass (ReduceCoordinator.flush)."""
         # Not yet the end of a reentrant checkpoint's nested backward; or another reducer's flush ran.
         if self._outermost.defer() or self.end_of_backward is EndOfBackward.DONE:
             self.end_of_backward = EndOfBackward.NONE
@@ -396,7 +396,7 @@ class GradReducer:
             grads.clear_backward()
 
     def reduce_for_step(self) -> None:
-        """Reduce what is still local: ``no_sync`` gradients, a late one (``_take_grad``), or a step with no reduced backward."""
+        """Reduce what is still local: ``no_sync`` gradients, a late one (``_take_grad``), or those of no reduced backward."""
         if self._local_since_reduced and not self._ddp_reduced:  # raises if user code edited them (before settle_all follows it)
             for grads in self._grads:
                 grads.refuse_local_edits()
