@@ -161,12 +161,13 @@ class UpdateMixin:
         """The step on the statistics read back: skip on overflow (backing off a dynamic loss scale), else update."""
         self.grad_norm = torch.tensor(stats.pre_clip_norm / scale, dtype=stats.dtype)
         self._step_was_skipped = stats.found_inf
+        grad_scaler = self._shard_set.amp.unscaled or getattr(self, "grad_scale", None) is not None  # before finish_step forgets it
         self._shard_set.amp.finish_step(stats.found_inf)
         if self._scaler is not None and not self._unscaled_backward():
             self._scaler.update(stats.found_inf)
         if stats.found_inf:
             self._skipped_steps += 1
-            log_skip(self._skipped_steps, lambda: self.loss_scale, self.rank)
+            log_skip(self._skipped_steps, lambda: self.loss_scale, self.rank, grad_scaler)
             if self._fused is not None:  # a rank that kept the decision on the device all-gathers (unchanged params): join it
                 self._gather.launch(self._shards)
         elif any(any(flags) for flags in stats.used):

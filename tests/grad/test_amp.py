@@ -9,6 +9,7 @@ as the reference's (grows every ``GROWTH_INTERVAL`` clean steps, halves on the s
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -22,6 +23,15 @@ STEPS = 10
 INF_STEP = 6
 GROWTH_INTERVAL = 2
 CLIP = 0.5
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def _amp_step(model, opt, scaler: torch.amp.GradScaler, step: int, clip) -> None:
@@ -52,6 +62,8 @@ def amp_worker(stage: int, clipped: bool) -> tuple[float, list[float], list[floa
     ref_clip = (lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)) if clipped else None
     clip = (lambda m, o: o.clip_grad_norm_(CLIP)) if clipped else None
     worst, ref_scales, scales, skipped = 0.0, [], [], []
+    logged = _Records()
+    logging.getLogger("zeroshard").addHandler(logged)
     for step in range(STEPS):
         _amp_step(ref, ref_opt, scalers[0], step, ref_clip)
         _amp_step(model, opt, scalers[1], step, clip)
@@ -59,6 +71,8 @@ def amp_worker(stage: int, clipped: bool) -> tuple[float, list[float], list[floa
         ref_scales.append(scalers[0].get_scale())
         scales.append(scalers[1].get_scale())
         skipped.append(opt.step_was_skipped)
+    logging.getLogger("zeroshard").removeHandler(logged)
+    assert not any("no loss scale active" in m for m in logged.messages), logged.messages  # the GradScaler's skip: no warning
     return worst, ref_scales, scales, skipped
 
 

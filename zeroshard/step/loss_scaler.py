@@ -155,13 +155,16 @@ def choose_loss_scale(loss_scale: str | float | DynamicLossScaler | None, fp16: 
     return None, float(loss_scale) if isinstance(loss_scale, (int, float)) else None
 
 
-def log_skip(skipped_steps: int, loss_scale: Callable[[], float | None], rank: int) -> None:
+def log_skip(skipped_steps: int, loss_scale: Callable[[], float | None], rank: int, grad_scaler: bool = False) -> None:
     """Log (rank 0) that ``skipped_steps`` steps were skipped for inf/NaN so far, at 1, 2, 4, 8, ... of them: INFO with a loss
-    scale (``loss_scale()``, called only then: it may wait for the device), WARNING without one (the model made inf/NaN gradients)."""
+    scale (``loss_scale()``, called only then: it may wait for the device) or a ``torch.amp.GradScaler``'s (``grad_scaler``),
+    WARNING without one (the model made inf/NaN gradients)."""
     if rank != 0 or skipped_steps & (skipped_steps - 1):
         return
     scale = loss_scale()
-    if scale is None:
+    if scale is None and grad_scaler:
+        logger.info("zeroshard: %d steps skipped so far for inf/NaN gradients; the GradScaler lowers its scale", skipped_steps)
+    elif scale is None:
         logger.warning("zeroshard: %d steps skipped so far for inf/NaN gradients with no loss scale active (the params and state are "
                        "unchanged; DDP + the optimizer would have written the inf/NaN into them): check the model and the data",
                        skipped_steps)
