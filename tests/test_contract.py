@@ -3,6 +3,7 @@ same numbers as DDP + torch.optim.AdamW, or a clear error (never a silent differ
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import subprocess
@@ -202,25 +203,36 @@ def test_zeroed_unused_params_are_stepped_like_torch(pools, stage):
     pools[2].run(unused_zeroed_worker, stage)
 
 
-def zeroed_mid_step_worker(stage: int) -> None:
-    # Step 0: a micro-step leaving the branch unused on every rank (DDP's .grad stays None: never had one), the model's gradients
-    # zeroed in place, another such micro-step: torch.optim skips the branch. Then steps that use it, zeroed the same way.
+def zeroed_gradients_worker(stage: int, case: str) -> None:
+    """Steps that leave the branch unused on every rank, with gradients zeroed in place or dropped at odd places; torch.optim
+    steps a param exactly when its ``.grad`` exists (some rank's gradient, or one kept since, zeroed)."""
     ref, ref_opt, model, opt = _pair(stage)
-    for step in range(3):
+    for step in range(5):
+        use_branch = step in (1, 4) if case != "zeroed mid-step" else step > 0
         for net, o in ((ref, ref_opt), (model, opt)):
+            if case == "step() with no backward" and step == 2:
+                o.step()
+                o.zero_grad(set_to_none=False)
+                continue
             for micro in range(2):
-                loss_fn(net, *batch(dist.get_rank(), step, micro), use_branch=step > 0).backward()
-                if micro == 0:
+                with (net if net is ref else o).no_sync() if case == "no_sync() micro-steps" and micro == 0 else contextlib.nullcontext():
+                    loss_fn(net, *batch(dist.get_rank(), step, micro), use_branch=use_branch).backward()
+                if micro == 0 and case != "no_sync() micro-steps":
+                    if case == "set to None, then zeroed" and step == 2:
+                        (net.module if net is ref else net).branch.weight.grad = None
                     net.zero_grad(set_to_none=False)
             o.step()
-            o.zero_grad()
-        assert _same(ref.module, model), f"step {step}: params differ from DDP after zero_grad(set_to_none=False) mid-step"
+            o.zero_grad(set_to_none=case != "zeroed mid-step" and step == 2)
+        assert _same(ref.module, model), f"{case}, step {step}: params differ from DDP + AdamW"
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_a_param_no_rank_used_keeps_no_gradient_when_zeroed_mid_step(pools, stage):
-    # Before, zeroing the zero ShardedGrad zeroshard leaves such a param counted it as used: weight decay moved it by 2.8e-4.
-    pools[2].run(zeroed_mid_step_worker, stage)
+def test_a_param_no_rank_used_is_stepped_exactly_when_ddps_grad_exists(pools, stage):
+    # "zeroed mid-step": zeroing the zero ShardedGrad zeroshard leaves a param no rank used (DDP's .grad: None, never had one)
+    # counted it as used: weight decay moved it by 2.8e-4. The other cases broke a first version of the fix, which noted the
+    # .grad that exist only at a step's first backward: missed before no_sync() or a step with no backward (7e-3 off).
+    for case in ("zeroed mid-step", "no_sync() micro-steps", "step() with no backward", "set to None, then zeroed"):
+        pools[2].run(zeroed_gradients_worker, stage, case)
 
 
 # -- 9. torch.nn.utils.clip_grad_norm_ and other gradient code: tests/grad/test_torch_grads.py ------------------

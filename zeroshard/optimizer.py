@@ -225,7 +225,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         shards = self._shard_set.add_param_group(param_group)
         self._hook_up(shards)
         if shards and self._reducer.phase is StepPhase.REDUCED:  # the step's gradients are reduced already: the new ones too
-            self._reducer.reduce_again()
+            self._reducer.accumulate_locally()
             self._reducer.reduce_for_step()
 
     # -- training ----------------------------------------------------------------------------

@@ -86,7 +86,7 @@ class UpdateMixin:
     def _gather_stats(self, norm_type: float, caller: str, max_norm: float | None) -> ReducedStats:
         """The statistics, all-reduced and still on the device (:meth:`_on_device`), with the coming step's clip ``max_norm``."""
         if self._shard_unfrozen():
-            self._reducer.reduce_again()  # their gradients are still local
+            self._reducer.accumulate_locally()  # their gradients are still local
         self._reducer.reduce_for_step()
         return reduce_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._timeout, caller, max_norm or 0.0)
 

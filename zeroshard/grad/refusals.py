@@ -32,3 +32,12 @@ def edited_after_reduction() -> RuntimeError:
         "and another backward now adds to them: ZeRO stage 1 reduces the running local sum again, which would drop the "
         "edit, and after a no_sync() micro-step DDP would have edited each rank's own gradient. Edit gradients after the "
         "last backward of the step (accumulate micro-steps with opt.no_sync())")
+
+
+def edited_before_reduction() -> RuntimeError:
+    """The error for gradients accumulated under ``no_sync()`` and edited in place before the ``step()`` that reduces them."""
+    return RuntimeError(
+        "the params' .grad were modified in place after a backward under no_sync() and before they were reduced "
+        "(torch.nn.utils.clip_grad_norm_ or a framework's clipping?): they hold this rank's own gradient, so each rank "
+        "changed its own where DDP changes the average. Run the last micro-batch's backward outside no_sync() (its end "
+        "reduces: .grad then holds DDP's averaged gradient), or clip with opt.clip_grad_norm_(...) or max_grad_norm")

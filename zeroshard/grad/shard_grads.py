@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from zeroshard.compat import DisableTorchFunctionSubclass, post_accumulate_grad_hook_ids
 from zeroshard.grad.partial_norm import GradComm
-from zeroshard.grad.refusals import edited_after_reduction
+from zeroshard.grad.refusals import edited_after_reduction, edited_before_reduction
 from zeroshard.grad.sharded_grad import ShardedGrad, make_sharded_grad
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.layout.partition import ShardPiece
@@ -47,7 +47,7 @@ class ShardGrads:
     zeroed: list[bool] = field(default_factory=list)  # stage 1, per param: its view of flat holds zeros since the last reset and was not taken since
     bucket_of: list[int] = field(default_factory=list)  # per param, its bucket (the layout's, read per gradient)
     bucket_sizes: list[int] = field(default_factory=list)  # per bucket, how many params it has
-    kept: list[bool] = field(default_factory=list)  # per param: it had a .grad as the step began (DDP's: a zeroing keeps it)
+    kept: list[bool] = field(default_factory=list)  # per param: it had a .grad as the step began (DDP's: zeroing keeps it)
 
     @classmethod
     def for_shard(cls, shard: LocalShard, flat: bool, comm: GradComm) -> ShardGrads:
@@ -245,10 +245,11 @@ class ShardGrads:
             param.grad = left
             self.reduced_versions[i] = left._version
             return
-        if self.flat is not None and self.used[i]:  # else untouched since the reset zeroed it
+        if self.flat is not None and self.used[i]:  # else zero since the reset
             self.flat_view(i).zero_()
         self.drop_pieces(i)
         self.used[i] = grad is left and (self.used[i] or self.kept[i])
+        self.kept[i] = self.kept[i] and grad is not None  # None: DDP's .grad is gone
         if grad is left:
             self.reduced_versions[i] = grad._version
         else:
@@ -291,7 +292,7 @@ class ShardGrads:
         self.reduced_versions.pop(i, None)
 
     def note_kept(self) -> None:
-        """As the step's first backward begins: note which params have a ``.grad`` (:attr:`kept`)."""
+        """As the step's first backward, ``no_sync()`` or ``step()`` begins: note which params have a ``.grad`` (:attr:`kept`)."""
         self.kept = [param.grad is not None for param in self.shard.buffer.params]
 
     def refuse_edits_before_rereduction(self, early: bool) -> None:
@@ -329,11 +330,7 @@ class ShardGrads:
             grads = [grad for i, (held, version) in self.local.items() if (grad := held()) is not None and grad is params[i].grad and grad._version != version]
             edited = any(bool(grad.any()) for grad in grads)  # all zero: followed (follow_local), as at stage 1
         if edited:
-            raise RuntimeError(
-                "the params' .grad were modified in place after a backward under no_sync() and before they were reduced "
-                "(torch.nn.utils.clip_grad_norm_ or a framework's clipping?): they hold this rank's own gradient, so each rank "
-                "changed its own where DDP changes the average. Run the last micro-batch's backward outside no_sync() (its end "
-                "reduces: .grad then holds DDP's averaged gradient), or clip with opt.clip_grad_norm_(...) or max_grad_norm")
+            raise edited_before_reduction()
 
     def refuse_partial_write(self, i: int, changed: bool) -> None:
         """Raise ``RuntimeError`` if a hook ``changed`` param ``i``'s gradient in a backward after one that reduced it in this step:

@@ -59,26 +59,27 @@ class GradReducer:
         self.overlap_comm = overlap_comm
         self.shards: list[LocalShard] = []
         self._comm = GradComm(groups.shard, timeout, weak_method(self.reduce_pending))
-        self._space = ParamSpace()  # the params as torch.optim numbers them (VirtualGrad norms)
+        self._space = ParamSpace()  # the params as torch.optim numbers them
         self._grads: list[ShardGrads] = []  # per shard: its gradient bookkeeping
-        self._reduce_dtypes: list[torch.dtype] = []  # per shard: the dtype its gradients are reduced in
-        self._order = BucketOrder()  # rebuilt once, from the first reduced backward
+        self._reduce_dtypes: list[torch.dtype] = []  # per shard
+        self._order = BucketOrder()
         self._staging = StagingBuckets()  # stage 2
         self._pending: list[PendingReduce] = []  # launched reductions
-        self._deferred: ArrivedGrad | None = None  # the last gradient, not taken yet
+        self._deferred: ArrivedGrad | None = None  # the last gradient, untaken
         self._next_launch = 0
         self.end_of_backward = EndOfBackward.NONE  # see coordinator.py
         self._outermost = OutermostBackward(weak_method(self._queue_end_of_backward))  # reentrant checkpoints
         self._no_sync = False
         self.phase = StepPhase.LOCAL  # where this step's gradients are
-        self._late = False  # a gradient came after its bucket's reduction (_take_grad)
+        self._late = False  # a gradient came late (_take_grad)
         self._local_since_reduced = False  # no_sync() since the last reduction (alike on every rank)
         self._early = False  # the last reduction: reduce_pending
-        self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset (None: used since)
-        self._backward_started = False  # a gradient of the current backward pass has arrived
+        self._kept_noted = False  # since the last reset
+        self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset (None: used)
+        self._backward_started = False  # a gradient of this backward pass arrived
         self.followed_task = -1  # the graph task (backward pass) that last reached these params
         self._ddp_reduced = False  # DDP reduced a backward of this step too: its writes to .grad are ignored
-        self._ddp_forward = False  # a DDP wrapper ran a forward since the last backward began
+        self._ddp_forward = False  # a DDP wrapper's forward ran (its no_sync holds for its passes)
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates locally
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.grow: Callable[[], object] | None = None  # the optimizer's: shard params unfrozen since; whether it did (flush)
@@ -144,7 +145,7 @@ class GradReducer:
             self.grow()  # params unfrozen since: sharded into param_groups (a collective if any)
         previous = self._no_sync
         self._no_sync = True
-        self._accumulate_locally(unshard=True)
+        self.accumulate_locally(unshard=True)
         self._reset_marks = None
         try:
             yield
@@ -165,8 +166,7 @@ class GradReducer:
         if not self._backward_started:
             syncs = self._ddps.adopt_new()  # may raise: nothing changed yet
             self._backward_started = True
-            for grads in self._grads if self.phase is _LOCAL and not self._local_since_reduced else ():
-                grads.note_kept()
+            self._note_kept()
             self._ddp_no_sync = self._ddp_forward = self._ddp_forward and self._ddp_no_sync  # ddp.no_sync(): all passes of its forward
             if any(syncs):
                 self._ddp_reduced = True
@@ -174,7 +174,7 @@ class GradReducer:
                     grads.swap_out_sharded_grads()
             elif syncs:  # inside ``ddp.no_sync()`` (HF Trainer's, accelerate's first micro-step): accumulate locally
                 self._ddp_no_sync = True
-                self._accumulate_locally()
+                self.accumulate_locally()
             self._check_flat_grads()
             for grads in self._grads if self.phase is not _LOCAL else ():
                 grads.refuse_edits_before_rereduction(self._early)
@@ -194,10 +194,12 @@ class GradReducer:
         self._ddp_forward = True
         self._ddp_no_sync = no_sync
         if no_sync:
-            self._accumulate_locally(unshard=True)
+            self.accumulate_locally(unshard=True)
 
-    def _accumulate_locally(self, unshard: bool = False) -> None:
-        """Accumulate locally (``no_sync``): a reduction's gradients made whole with ``unshard`` (:func:`bucket.unshard`), or kept."""
+    def accumulate_locally(self, unshard: bool = False) -> None:
+        """Accumulate locally (``no_sync``; shards added mid-step): a reduction's gradients made whole with ``unshard``
+        (:func:`bucket.unshard`), or kept and the next reduction reduces all again (nothing summed twice)."""
+        self._note_kept()
         if self.phase is StepPhase.REDUCED and unshard and not (self._ddp_reduced or self._early):  # early: DDP's .grad was local
             bucket.unshard(self._grads, self.groups, self._wait)
             self.phase = StepPhase.LOCAL
@@ -215,8 +217,16 @@ class GradReducer:
             for grads in self._grads:
                 grads.follow_flat_writes(reduced=self.phase is not StepPhase.LOCAL)
 
+    def _note_kept(self) -> None:
+        """Once per reset, at the first backward, ``no_sync`` or step: which params have a ``.grad`` (``ShardGrads.kept``)."""
+        if not self._kept_noted:
+            self._kept_noted = True
+            for grads in self._grads:
+                grads.note_kept()
+
     def settle_all(self) -> None:
         """Before a step: follow what was done to every param's gradient."""
+        self._note_kept()
         self._check_flat_grads()
         if not self._ddp_reduced:
             for grads in self._grads:
@@ -420,18 +430,14 @@ class GradReducer:
             self.reduce_for_step()
             self._early = True
 
-    def reduce_again(self) -> None:
-        """Have the next :meth:`reduce_for_step` reduce every bucket again (shards were added mid-step; nothing is summed twice)."""
-        self._accumulate_locally()
-
     def local_used(self) -> list[list[bool]]:
         """Per shard, per param: whether it got a gradient on this rank since the last reset."""
         return [list(grads.used) for grads in self._grads]
 
     @torch.no_grad()
     def reset(self) -> None:
-        """Zero the grad shards (and stage 1's flat grad buffers), forget which params were used, and what a backward that raised
-        or a DDP wrapper's reduction left; at once when nothing happened since the last reset (``zero_grad()`` after it)."""
+        """Zero the grad shards (and flat grad buffers), forget which params were used and what a backward that raised or a DDP
+        wrapper left; at once when nothing happened since the last reset."""
         if self._reset_marks is not None and self._reset_marks == self._marks():
             return
         if self._ddp_reduced:
@@ -449,7 +455,7 @@ class GradReducer:
         self.end_pass()
         self._staging.clear()  # stage 2 holds no gradient buffers between steps
         self.phase = StepPhase.LOCAL
-        self._late = self._local_since_reduced = self._early = False
+        self._late = self._local_since_reduced = self._early = self._kept_noted = False
         self.end_of_backward = EndOfBackward.NONE
         self._reset_marks = self._marks()
 
