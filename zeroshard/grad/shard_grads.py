@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from zeroshard.compat import DisableTorchFunctionSubclass, post_accumulate_grad_hook_ids
+from zeroshard.compat import DisableTorchFunction, DisableTorchFunctionSubclass, post_accumulate_grad_hook_ids
 from zeroshard.grad.partial_norm import GradComm
 from zeroshard.grad.refusals import edited_after_reduction, edited_before_reduction
 from zeroshard.grad.sharded_grad import ShardedGrad, make_sharded_grad
@@ -293,7 +293,8 @@ class ShardGrads:
 
     def note_kept(self) -> None:
         """As the step's first backward, ``no_sync()`` or ``step()`` begins: note which params have a ``.grad`` (:attr:`kept`)."""
-        self.kept = [param.grad is not None for param in self.shard.buffer.params]
+        with DisableTorchFunction():  # no Python call per param while a gather's guard is on
+            self.kept = [param.grad is not None for param in self.shard.buffer.params]
 
     def refuse_edits_before_rereduction(self, early: bool) -> None:
         """At a backward after one that reduced this step: raise ``RuntimeError`` if a ``ShardedGrad`` or ``VirtualGrad`` was edited
