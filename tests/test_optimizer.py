@@ -352,25 +352,25 @@ def test_device_mesh_and_sgd(pools):
 
 def overlap_worker(stage: int, overlap_comm: bool) -> tuple[list[str], list[int | None]]:
     """Order of bucket reduce-scatters against the last gradient hook of backward; bytes of each .grad after backward."""
-    from zeroshard.reduce import grad_reducer
+    from zeroshard.comm import collectives
 
     model = TinyNet()
     opt = zeroshard.ShardedOptimizer(_adamw(model), stage=stage, overlap_comm=overlap_comm, bucket_size_mb=100 * 4 / 2**20)
     events: list[str] = []
-    original = grad_reducer.collectives.reduce_scatter
+    original = collectives.reduce_scatter
 
     def recording(*args, **kwargs):
         events.append("reduce_scatter")
         return original(*args, **kwargs)
 
-    grad_reducer.collectives.reduce_scatter = recording
+    collectives.reduce_scatter = recording
     try:
         # The tied embedding's gradient is the last one ready (its hook runs after zeroshard's).
         model.embed.weight.register_post_accumulate_grad_hook(lambda p: events.append("last hook"))
         x, y = batch(dist.get_rank(), 0)
         loss_fn(model, x, y).backward()
     finally:
-        grad_reducer.collectives.reduce_scatter = original
+        collectives.reduce_scatter = original
     with compat.DisableTorchFunctionSubclass():  # a ShardedGrad's own storage, not the gradient it stands for
         grad_bytes = [p.grad.untyped_storage().nbytes() if p.grad is not None else None for p in model.parameters() if p.requires_grad]
     flat_kept = all(grads.flat is not None for grads in opt._reducer._grads)  # the flat grad buffer: stage 1's full local gradients

@@ -181,21 +181,21 @@ def test_bf16_error_at_most_twice_ddp(pools, stage):
 
 def reduce_dtype_worker(stage: int) -> tuple[float, float, set]:
     """bf16 params reduced in fp32: the collective's dtype, and the error against fp32 DDP + AdamW."""
-    from zeroshard.reduce import grad_reducer
+    from zeroshard.comm import collectives
 
     dtypes = set()
-    original = grad_reducer.collectives.reduce_scatter
+    original = collectives.reduce_scatter
 
     def recording(output, input, group, **kwargs):
         dtypes.add(input.dtype)
         return original(output, input, group, **kwargs)
 
     fp32 = list(_train_pair(stage, "none", True, torch.float32))[-1][0]
-    grad_reducer.collectives.reduce_scatter = recording
+    collectives.reduce_scatter = recording
     try:
         ddp_bf16, sharded = list(_train_pair(stage, "none", True, torch.bfloat16, None, torch.float32))[-1][:2]
     finally:
-        grad_reducer.collectives.reduce_scatter = original
+        collectives.reduce_scatter = original
     return relative_error(sharded, fp32), relative_error(ddp_bf16, fp32), dtypes
 
 
@@ -216,24 +216,24 @@ def bf16_communication_worker(stage: int, accumulation: str) -> tuple[float, flo
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import _compress_hook
 
-    from zeroshard.reduce import grad_reducer
+    from zeroshard.comm import collectives
 
     def bf16_hook(process_group, bucket):  # DDP checks for NCCL by the hook's name
         return _compress_hook(torch.bfloat16, process_group, bucket)
 
     dtypes = set()
-    original = grad_reducer.collectives.reduce_scatter
+    original = collectives.reduce_scatter
 
     def recording(output, input, group, **kwargs):
         dtypes.add(input.dtype)
         return original(output, input, group, **kwargs)
 
     fp32 = list(_train_pair(stage, accumulation, True))[-1][0]
-    grad_reducer.collectives.reduce_scatter = recording
+    collectives.reduce_scatter = recording
     try:
         ddp_bf16, sharded, opt = list(_train_pair(stage, accumulation, True, torch.float32, None, torch.bfloat16, ddp_hook=bf16_hook))[-1]
     finally:
-        grad_reducer.collectives.reduce_scatter = original
+        collectives.reduce_scatter = original
     assert all(s.grad_shard.dtype == torch.float32 for s in opt._shards)  # reduced micro-steps accumulate in fp32
     return relative_error(sharded, fp32), relative_error(ddp_bf16, fp32), dtypes
 

@@ -60,7 +60,7 @@ OPTIMIZER_HOOK_DICTS = (
 def current_autograd_node() -> Any:
     """The autograd node whose task is running on this thread, or ``None`` outside one.
 
-    nested_backward.py: a backward started inside another's hook ends before the enclosing one; this
+    OutermostBackward (reduce/records.py): a backward started inside another's hook ends before the enclosing one; this
     node is how its end is handed to the enclosing pass (``torch._C._current_autograd_node``).
     """
     return torch._C._current_autograd_node()

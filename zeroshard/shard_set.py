@@ -269,7 +269,7 @@ class ShardSet:
             optimizer.param_groups[g]["params"] = (optimizer.param_groups[g]["params"] if already_sharded else []) + virtual
         shard_initial_state(optimizer, shards)
         for shard in shards:
-            self.amp.bind(shard)
+            shard.amp_link = self.amp  # handed to its VirtualGrads (bind_virtual_grads)
         self.shards.extend(shards)
         return shards
 

@@ -1,7 +1,7 @@
 """Activation checkpointing (``torch.utils.checkpoint``) under ShardedOptimizer, against DDP + AdamW.
 
 A reentrant checkpoint (``use_reentrant=True``) runs a nested backward per checkpointed segment
-(``zeroshard/reduce/nested_backward.py``). Each config below trains a few steps on 2 gloo ranks and
+(``OutermostBackward`` in ``zeroshard/reduce/records.py``). Each config below trains a few steps on 2 gloo ranks and
 compares every param after every step with DDP + ``AdamW(foreach=False)``, and counts the
 gradient reduce-scatters: one per bucket per reduced backward, however many segments ran a
 backward of their own.

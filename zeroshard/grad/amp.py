@@ -20,12 +20,6 @@ class GradScalerLink:
         self.found_infs: list[Tensor] = []  # 1-element fp32, the GradScaler's per-device flags, read by its update()
         self.unscaled = False  # a GradScaler's unscale_ (or its check in step()) ran on the gradients since the last step
 
-    def bind(self, shard: Any) -> None:
-        """Have the ``VirtualGrad`` s of ``shard`` (a ``LocalShard``) send a GradScaler's unscale of them here (:meth:`note_unscale`)."""
-        shard.amp_link = self
-        for idle in shard.idle_grads:
-            idle.amp_link = self
-
     def note_unscale(self, found_inf: Tensor) -> None:
         """``torch._amp_foreach_non_finite_check_and_unscale_`` ran on the virtual params' gradients: keep its flag for :meth:`finish_step`."""
         self.found_infs.append(found_inf)

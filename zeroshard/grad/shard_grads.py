@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import operator
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -14,56 +13,52 @@ from zeroshard.grad.partial_norm import GradComm
 from zeroshard.grad.refusals import edited_after_reduction, edited_before_reduction
 from zeroshard.grad.sharded_grad import ShardedGrad, make_sharded_grad
 from zeroshard.layout.local_shard import LocalShard
-from zeroshard.layout.partition import ShardPiece
 
 
-@dataclass
 class ShardGrads:
-    """The gradient bookkeeping of one :class:`~zeroshard.layout.local_shard.LocalShard` (``GradReducer``'s, per shard); per param: in layout order."""
+    """The gradient bookkeeping of one :class:`~zeroshard.layout.local_shard.LocalShard` (``GradReducer``'s, per shard); per param: in layout order.
 
-    shard: LocalShard  # its params, grad shard and names
-    flat: Tensor | None  # stage 1: 1-D, param dtype, the flat param buffer's layout: the params' .grad are views of it; None under stage 2
-    flat_version: int  # flat._version when zeroshard last wrote it (a later version: user code wrote the gradients)
-    pieces_of: list[list[ShardPiece]]  # per param, this rank's pieces of it
-    ready: list[bool]  # per param: its gradients of the current backward pass were taken (all that are expected)
-    ready_count: list[int]  # per bucket: how many of its params are ready
-    used: list[bool]  # per param: it got a gradient on this rank since the last reset
-    continued: list[bool]  # per param: an earlier backward of this step reduced the gradient it holds (refuse_partial_write)
-    comm: GradComm  # the shard group the grad shard's pieces are spread over (for the ShardedGrads' reads)
-    whole: list[bool] = field(default_factory=list)  # per param: it lies whole in one rank's slice, whose norm of it is torch's of DDP's
-    live: bool = False  # a reduction left gradients in the grad shard that no step() has consumed yet (reset)
-    edited: bool = False  # a ShardedGrad of this shard was edited in place (not zeroed) since the last reset
-    shard_version: int = 0  # the grad shard's _version when zeroshard last wrote it (a later one: a VirtualGrad was edited)
-    reductions: int = 0  # how many times a reduction left gradients here (ShardedGrad.zeroed)
-    reduced: dict[int, ShardedGrad] = field(default_factory=dict)  # per param, the ShardedGrad left in its .grad once reduced (made once)
-    flat_views: list[Tensor] = field(default_factory=list)  # stage 1, per param: its view of ``flat`` (flat_view)
-    flat_addresses: list[int] = field(default_factory=list)  # their data pointers: where each view must point
-    reduced_versions: dict[int, int] = field(default_factory=dict)  # per param, that ShardedGrad's version when left (absent: none left since)
-    hook_ids: dict[int, int] = field(default_factory=dict)  # per param, the handle id of zeroshard's post-accumulate-grad hook on it
-    local: dict[int, tuple[weakref.ref[Tensor], int]] = field(default_factory=dict)  # stage 2, per param: .grad (weakly), version after no_sync()
-    landed: list[bool] = field(default_factory=list)  # per bucket: reduced into its grad shard slice since the reset (stage 2 adds next)
-    arrivals: list[int] = field(default_factory=list)  # per param: gradients taken in this backward pass (reentrant checkpoints: several)
-    expected: list[int] = field(default_factory=list)  # per param: the most gradients taken in one pass so far: ready once that many arrived
-    zeroed: list[bool] = field(default_factory=list)  # stage 1, per param: its view of flat holds zeros since the last reset and was not taken since
-    bucket_of: list[int] = field(default_factory=list)  # per param, its bucket (the layout's, read per gradient)
-    bucket_sizes: list[int] = field(default_factory=list)  # per bucket, how many params it has
-    kept: list[bool] = field(default_factory=list)  # per param: it had a .grad as the step began (DDP's: zeroing keeps it)
+    Args:
+        shard: its params, grad shard and names.
+        flat: allocate the stage-1 flat grad buffer (zeros).
+        comm: the shard group the grad shard's pieces are spread over (for the ShardedGrads' reads).
+    """
 
-    @classmethod
-    def for_shard(cls, shard: LocalShard, flat: bool, comm: GradComm) -> ShardGrads:
-        """Fresh bookkeeping for ``shard``; ``flat``: allocate the stage-1 flat grad buffer (zeros); ``comm``: the shard group."""
+    def __init__(self, shard: LocalShard, flat: bool, comm: GradComm) -> None:
         layout = shard.buffer.layout
-        flat_grad = torch.zeros_like(shard.buffer.data) if flat else None
-        pieces_of: list[list[ShardPiece]] = [[] for _ in layout.slots]
-        for piece in shard.pieces:
-            pieces_of[piece.param].append(piece)
-        n = len(layout.slots)
-        version = flat_grad._version if flat_grad is not None else 0
-        return cls(shard, flat_grad, version, pieces_of, [False] * n, [0] * len(layout.buckets), [False] * n, [False] * n, comm,
-                   [layout.within_one_slice(i) for i in range(n)], landed=[False] * len(layout.buckets), arrivals=[0] * n, expected=[1] * n, zeroed=[flat] * n,
-                   kept=[False] * n,
-                   bucket_of=[slot.bucket for slot in layout.slots], bucket_sizes=[len(b.params) for b in layout.buckets],
-                   shard_version=shard.grad_shard._version)
+        n, buckets = len(layout.slots), len(layout.buckets)
+        self.shard = shard
+        self.comm = comm
+        # stage 1: 1-D, param dtype, the flat param buffer's layout: the params' .grad are views of it; None under stage 2
+        self.flat: Tensor | None = torch.zeros_like(shard.buffer.data) if flat else None
+        self.flat_version = 0  # flat._version when zeroshard last wrote it (a later version: user code wrote the gradients)
+        self.shard_version = 0  # the grad shard's _version when zeroshard last wrote it (a later one: a VirtualGrad was edited)
+        self.edited = False  # a ShardedGrad of this shard was edited in place (not zeroed) since the last reset
+        self.note_written()
+        # per param, this rank's pieces of it: (offset in the flattened param, 1-D view of the grad shard) each
+        self.pieces_of: list[list[tuple[int, Tensor]]] = [[] for _ in range(n)]
+        for p in shard.pieces:
+            self.pieces_of[p.param].append((p.param_offset, shard.grad_shard[p.shard_offset : p.shard_offset + p.numel]))
+        self.whole = [layout.within_one_slice(i) for i in range(n)]  # per param: it lies whole in one rank's slice, whose norm of it is torch's of DDP's
+        self.bucket_of = [slot.bucket for slot in layout.slots]  # per param, its bucket (the layout's, read per gradient)
+        self.bucket_sizes = [len(b.params) for b in layout.buckets]  # per bucket, how many params it has
+        self.ready = [False] * n  # per param: its gradients of the current backward pass were taken (all that are expected)
+        self.ready_count = [0] * buckets  # per bucket: how many of its params are ready
+        self.used = [False] * n  # per param: it got a gradient on this rank since the last reset
+        self.continued = [False] * n  # per param: an earlier backward of this step reduced the gradient it holds (refuse_partial_write)
+        self.kept = [False] * n  # per param: it had a .grad as the step began (DDP's: zeroing keeps it)
+        self.arrivals = [0] * n  # per param: gradients taken in this backward pass (reentrant checkpoints: several)
+        self.expected = [1] * n  # per param: the most gradients taken in one pass so far: ready once that many arrived
+        self.zeroed = [flat] * n  # stage 1, per param: its view of flat holds zeros since the last reset and was not taken since
+        self.landed = [False] * buckets  # per bucket: reduced into its grad shard slice since the reset (stage 2 adds next)
+        self.live = False  # a reduction left gradients in the grad shard that no step() has consumed yet (reset)
+        self.reductions = 0  # how many times a reduction left gradients here (ShardedGrad.zeroed)
+        self.reduced: dict[int, ShardedGrad] = {}  # per param, the ShardedGrad left in its .grad once reduced (made once)
+        self.reduced_versions: dict[int, int] = {}  # per param, that ShardedGrad's version when left (absent: none left since)
+        self.flat_views: list[Tensor] = []  # stage 1, per param: its view of ``flat`` (flat_view)
+        self.flat_addresses: list[int] = []  # their data pointers: where each view must point
+        self.hook_ids: dict[int, int] = {}  # per param, the handle id of zeroshard's post-accumulate-grad hook on it
+        self.local: dict[int, tuple[weakref.ref[Tensor], int]] = {}  # stage 2, per param: .grad (weakly), version after no_sync()
 
     def note_written(self) -> None:
         """Record that zeroshard wrote :attr:`flat` and the grad shard last: no edit of either since (:attr:`edited`)."""
@@ -89,16 +84,21 @@ class ShardGrads:
         return self.ready_count[bucket] == self.bucket_sizes[bucket]
 
     def reset(self) -> None:
-        """Between steps: zero the flat grad buffer (noting its version) and forget which params were used and which slices were reduced into."""
+        """Between steps: zero the grad shard and flat grad buffer and forget which params were used (:meth:`_forget_reduced`)."""
         if self.flat is not None:
             self.flat.zero_()
             self.zeroed = [True] * len(self.zeroed)
-        self.note_written()
         self.used = [False] * len(self.used)
+        self._forget_reduced()
+
+    def _forget_reduced(self) -> None:
+        """Zero the grad shard, forget which slices were reduced into and what no_sync() left; note zeroshard's writes."""
+        self.shard.grad_shard.zero_()
         self.continued = [False] * len(self.continued)
         self.landed = [False] * len(self.landed)
-        self.live = self.edited = False
+        self.live = False
         self.local.clear()
+        self.note_written()
 
     @torch.no_grad()
     def unshard(self, full: Tensor, used: list[bool]) -> None:
@@ -122,12 +122,7 @@ class ShardGrads:
             if self.flat is not None:
                 self.keep_in_flat_grad(i, param)  # None: zeroed; a tensor of the user's: copied in, the view its .grad
                 self.zeroed[i] = param.grad is None
-        self.shard.grad_shard.zero_()
-        self.landed = [False] * len(self.landed)
-        self.continued = [False] * len(self.continued)
-        self.live = False
-        self.local.clear()
-        self.note_written()
+        self._forget_reduced()
 
     def sharded_grad(self, i: int, param: nn.Parameter) -> ShardedGrad:
         """The ShardedGrad to leave in param ``i``'s ``.grad`` once reduced (made once), its version noted as left."""
@@ -215,8 +210,8 @@ class ShardGrads:
     def drop_pieces(self, i: int) -> None:
         """Zero this rank's pieces of param ``i`` in the grad shard (if any)."""
         if self.used[i]:
-            for piece in self.pieces_of[i]:
-                self.shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
+            for _, piece in self.pieces_of[i]:
+                piece.zero_()
 
     def settle(self, i: int, param: nn.Parameter, take: bool = False) -> None:
         """Follow what user code did to param ``i``'s ``.grad`` since its gradient was reduced (docs/design.md, "What user code does").
@@ -236,9 +231,8 @@ class ShardGrads:
                                    "zeroshard cannot follow; assign a new gradient instead (p.grad = t)")
         if take and grad is not None and grad is not left and not isinstance(grad, ShardedGrad):
             values = grad.detach().reshape(-1).to(self.shard.grad_shard.dtype)
-            for piece in self.pieces_of[i]:
-                start, end = piece.param_offset, piece.param_offset + piece.numel
-                self.shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(values[start:end])
+            for offset, piece in self.pieces_of[i]:
+                piece.copy_(values[offset : offset + piece.numel()])
             if self.flat is not None:
                 self.flat_view(i).copy_(grad)
             self.used[i] = True

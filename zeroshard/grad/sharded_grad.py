@@ -22,19 +22,19 @@ if TYPE_CHECKING:
     from zeroshard.layout.local_shard import LocalShard
     from zeroshard.layout.partition import ShardPiece
 
+
 class GradHome(Protocol):
     """What a ``ShardedGrad`` reads of the record that made it (:class:`~zeroshard.grad.shard_grads.ShardGrads`)."""
 
     shard: LocalShard  # whose grad shard holds the reduced gradient
     live: bool  # False once the optimizer stepped (or was closed): the gradient is stale
-    pieces_of: list[list[ShardPiece]]  # per param, its pieces on this rank
+    pieces_of: list[list[tuple[int, Tensor]]]  # per param, its pieces on this rank: (offset in the flattened param, grad shard view)
     whole: list[bool]  # per param, whether this rank holds it whole
     comm: GradComm  # where the other ranks' pieces are
     edited: bool  # set when user code writes a ShardedGrad in place
     reductions: int  # how many reductions left gradients here (a ShardedGrad zeroed after the last one reads as zeros)
     shard_version: int  # the grad shard's version when zeroshard last wrote it
     arrivals: list[int]  # per param, the gradients taken in the running backward pass
-
 
 # Torch functions that read only metadata, or that nn.Module.zero_grad and printing call.
 _METADATA = frozenset({
@@ -96,8 +96,7 @@ class ShardedGrad(Tensor):
 
     def local_pieces(self) -> list[tuple[int, Tensor]]:
         """This rank's pieces: ``(offset in the flattened param, 1-D view of the grad shard)`` each (master dtype)."""
-        grad_shard = self.home.shard.grad_shard
-        return [(p.param_offset, grad_shard[p.shard_offset : p.shard_offset + p.numel]) for p in self.home.pieces_of[self.param_index]]
+        return self.home.pieces_of[self.param_index]
 
     def _check_live(self, what: str) -> None:
         if not self.consumed:
@@ -247,17 +246,19 @@ class VirtualGrad(Tensor):
     elsewhere: str = ""  # the param's name when the piece is on another device (offload on CUDA)
 
     @staticmethod
-    def of(piece: Tensor, comm: GradComm, space: ParamSpace, slot: int, vparam: Tensor, name: str) -> VirtualGrad:
-        """A ``VirtualGrad`` sharing ``piece`` 's storage, for ``vparam`` (param ``name``, index ``slot`` of the optimizer's ``space``).
+    def of(shard: LocalShard, piece: ShardPiece, vparam: Tensor, comm: GradComm, space: ParamSpace) -> VirtualGrad:
+        """A ``VirtualGrad`` for ``vparam``, sharing the storage of ``piece`` of ``shard``'s grad shard.
 
         A ``vparam`` in host memory (offload) with its piece on the GPU gets instead a placeholder on its own device (``.grad``
         must be on the param's) that refuses every torch function but metadata."""
-        if piece.device == vparam.device:
-            grad = make_subclass(VirtualGrad, piece)
+        values = shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape)
+        if values.device == vparam.device:
+            grad = make_subclass(VirtualGrad, values)
         else:
-            grad = make_subclass(VirtualGrad, torch.zeros((), dtype=piece.dtype, device=vparam.device).expand(piece.shape))
-            grad.elsewhere = name
-        grad.comm, grad.space, grad.slot = comm, space, slot
+            grad = make_subclass(VirtualGrad, torch.zeros((), dtype=values.dtype, device=vparam.device).expand(values.shape))
+            grad.elsewhere = shard.buffer.names[piece.param]
+        grad.comm, grad.space, grad.slot = comm, space, shard.param_indices[piece.param]
+        grad.amp_link = cast("GradScalerLink | None", shard.amp_link)
         return grad
 
     @classmethod
@@ -388,9 +389,5 @@ def bind_virtual_grads(shard: LocalShard, comm: GradComm, space: ParamSpace) -> 
 
     ``space`` numbers the optimizer's params (the shard's ``param_indices``); it grows to hold them."""
     space.size = max([space.size, *(i + 1 for i in shard.param_indices)])
-    shard.idle_grads = [VirtualGrad.of(shard.grad_shard[p.shard_offset : p.shard_offset + p.numel].view(v.shape), comm, space,
-                                       shard.param_indices[p.param], v, shard.buffer.names[p.param])
-                        for p, v in zip(shard.pieces, shard.virtual_params)]
-    if shard.amp_link is not None:
-        cast("GradScalerLink", shard.amp_link).bind(shard)
+    shard.idle_grads = [VirtualGrad.of(shard, p, v, comm, space) for p, v in zip(shard.pieces, shard.virtual_params)]
     shard.detach_grads()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +56,7 @@ class BucketOrder:
 
     def completed(self, key: Key) -> None:
         """Note that every gradient of bucket ``key`` arrived (in the first reduced backward only); noted again when one more
-        arrives after that (reentrant checkpoints, ``nested_backward.py``), the last note counts: later passes wait for it too."""
+        arrives after that (reentrant checkpoints, ``OutermostBackward``), the last note counts: later passes wait for it too."""
         if self.recording is not None:
             self.recording.append(key)
 
@@ -211,16 +210,15 @@ def launch(grads: Tensor, target: Tensor, groups: ShardingGroups, shard: int, bu
     return PendingReduce(work, grads, output, target, shard, bucket)
 
 
-def complete(pending: PendingReduce, groups: ShardingGroups, wait: Callable[[collectives.AsyncWork | None, str], None], *, overwrite: bool) -> None:
-    """Wait for one reduction and leave ``sum over data-parallel ranks / their number`` in its slice of the grad shard.
-
-    ``wait`` waits for a work handle (``None``: nothing to wait for), naming it in its ``RuntimeError`` for a collective some
-    rank did not join in time. ``overwrite``: the sum replaces what the slice holds (stage 1) or is added to it (stage 2).
+def complete(pending: PendingReduce, groups: ShardingGroups, timeout: datetime.timedelta | None, *, overwrite: bool) -> None:
+    """Wait for one reduction (:func:`wait`) and leave ``sum over data-parallel ranks / their number`` in its slice of the grad
+    shard. ``overwrite``: the sum replaces what the slice holds (stage 1) or is added to it (stage 2).
     """
-    wait(pending.work, pending.what)  # the summed slice must have arrived before it is read
+    wait(pending.work, timeout, pending.what)  # the summed slice must have arrived before it is read
     if groups.replicate is not None:
         # Hybrid: the same slice on every replica, summed across them (MiCS, §3).
-        wait(collectives.all_reduce(pending.output, groups.replicate), f"the all-reduce across replicas of gradient bucket {pending.shard}.{pending.bucket}")
+        wait(collectives.all_reduce(pending.output, groups.replicate), timeout,
+             f"the all-reduce across replicas of gradient bucket {pending.shard}.{pending.bucket}")
     reduced = pending.output.to(pending.target.dtype)
     if not divides_first(pending.output.dtype) and groups.data_parallel_size > 1:
         reduced.div_(groups.data_parallel_size)
@@ -236,12 +234,11 @@ def wait(work: collectives.AsyncWork | None, timeout: datetime.timedelta | None,
                          "run the same backward passes (outside no_sync()), gradient reads and step() calls, with the same params used")
 
 
-def unshard(grads: list[ShardGrads], groups: ShardingGroups, wait_for: Callable[[collectives.AsyncWork, str], None]) -> None:
+def unshard(grads: list[ShardGrads], groups: ShardingGroups, timeout: datetime.timedelta | None) -> None:
     """Make the reduced gradients whole again on every rank (``GradReducer``, before a ``no_sync()`` backward that follows a
     backward that reduced): per shard, an all-gather per bucket over the shard group into a 1-D tensor in the grad shard's
     dtype and the flat buffer's layout, and where any rank gave each param a gradient (an all-reduce MAX over each reducing
-    group in turn), then :meth:`~zeroshard.grad.shard_grads.ShardGrads.unshard`. ``wait_for``: waits for one collective (its
-    timeout names it)."""
+    group in turn), then :meth:`~zeroshard.grad.shard_grads.ShardGrads.unshard`."""
     what = "the all-gather of the reduced gradients before no_sync() (unshard)"
     fulls, works = [], []
     for g in grads:
@@ -250,9 +247,9 @@ def unshard(grads: list[ShardGrads], groups: ShardingGroups, wait_for: Callable[
         fulls.append(full)
     used = torch.tensor([u for g in grads for u in g.used], dtype=torch.uint8, device=collectives.collective_device(groups.shard))
     for group in groups.reducing:  # one after the other: each reads what the last wrote
-        wait_for(collectives.all_reduce(used, group, dist.ReduceOp.MAX), what)
+        wait(collectives.all_reduce(used, group, dist.ReduceOp.MAX), timeout, what)
     for work in works:
-        wait_for(work, what)
+        wait(work, timeout, what)
     flags = [bool(u) for u in used.tolist()]
     for g, full in zip(grads, fulls):
         g.unshard(full, flags[: len(g.used)])

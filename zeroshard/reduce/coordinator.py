@@ -38,6 +38,7 @@ class Reducer(Protocol):
 
     end_of_backward: EndOfBackward  # its end-of-backward callback in the running pass
     grow: Callable[[], object] | None  # its optimizer's: shard the params unfrozen since (collectives); whether there were some
+    ddp_wrappers: DDPWrappers  # the DistributedDataParallel wrappers around its params
 
     @property
     def closed(self) -> bool: ...  # taken over or closed: its hooks do nothing
@@ -45,17 +46,15 @@ class Reducer(Protocol):
     def accumulating(self) -> bool: ...  # under no_sync (its own, or DDP's): this backward reduces nothing
     @property
     def launched_all(self) -> bool: ...  # it launches nothing more in this backward pass
-    @property
-    def ddp_wrappers(self) -> DDPWrappers: ...
 
     def close(self, reason: str) -> None: ...
     def drain(self) -> None: ...  # complete its reductions in flight
-    def take_deferred(self) -> None: ...  # take the gradient it deferred (see ArrivedGrad)
+    def take_deferred(self) -> None: ...  # take the gradient it deferred (GradReducer._deferred)
     def launch_complete_buckets(self) -> None: ...
     def local_used(self) -> list[list[bool]]: ...  # per shard, per param: got a gradient on this rank since the last reset
     def end_pass(self) -> None: ...  # forget the pass (under no_sync: at its end)
     def settle_all(self) -> None: ...  # follow what user code did to its params' .grad
-    def reduce_everything(self, rebuild_order: bool = True) -> None: ...  # reduce every bucket of this pass (zeros where no gradient came)
+    def reduce_everything(self) -> None: ...  # reduce every bucket of this pass (zeros where no gradient came)
     def rebuild_order(self) -> None: ...  # adopt the first reduced backward's launch order (a collective, once)
 
 
@@ -119,11 +118,8 @@ class ReduceCoordinator:
                 r.drain()
 
     def take_deferred(self, reducer: Reducer) -> None:
-        """A gradient is about to be accumulated into a param of ``reducer``: every reducer takes the one it deferred (see ``ArrivedGrad``)."""
-        if self.alone:
-            reducer.take_deferred()
-            return
-        for r in self._live():
+        """A gradient is about to be accumulated into a param of ``reducer``: every reducer takes the one it deferred (``GradReducer._deferred``)."""
+        for r in [reducer] if self.alone else self._live():
             r.take_deferred()
 
     def let_later_launch(self, reducer: Reducer) -> None:
@@ -147,23 +143,16 @@ class ReduceCoordinator:
         try:
             reduced = []
             for r in self._live():
-                if r.accumulating:  # accumulates locally (its callback, if queued, has nothing to do)
-                    queued = r is not reducer and r.end_of_backward is EndOfBackward.QUEUED
-                    r.end_pass()  # its end_of_backward NONE: the callback running now is its, or ...
-                    if queued:
-                        r.end_of_backward = EndOfBackward.DONE  # ... its callback, still queued, is to return at once
-                    continue
-                if r is reducer:
-                    r.reduce_everything(rebuild_order=False)
-                elif r.end_of_backward is EndOfBackward.QUEUED:
-                    r.reduce_everything(rebuild_order=False)
+                queued = r is not reducer and r.end_of_backward is EndOfBackward.QUEUED  # its callback, still to run, returns at once (DONE)
+                if r.accumulating:  # accumulates locally: its callback has nothing to do
+                    r.end_pass()
+                elif r is reducer or queued or r.end_of_backward is EndOfBackward.NONE:
+                    if r is not reducer and not queued:  # got no gradient here: reduce zeros, after following what was done to its gradients
+                        r.settle_all()
+                    r.reduce_everything()
+                    reduced.append(r)
+                if queued:
                     r.end_of_backward = EndOfBackward.DONE
-                elif r.end_of_backward is EndOfBackward.NONE:  # got no gradient here: reduce zeros, after following what was done to its gradients
-                    r.settle_all()
-                    r.reduce_everything(rebuild_order=False)
-                else:
-                    continue
-                reduced.append(r)
             for r in reduced:
                 r.rebuild_order()
             # Params unfrozen since: sharded, then every bucket reduced again with them. Only now, after the pass's last collective

@@ -11,12 +11,12 @@ import contextlib
 import datetime
 import weakref
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
 
-from zeroshard.comm import collectives
 from zeroshard.comm.groups import ShardingGroups
 from zeroshard.compat import accumulates_into_grad, current_graph_task, last_post_accumulate_grad_hook_id
 from zeroshard.grad.partial_norm import GradComm, ParamSpace
@@ -28,10 +28,12 @@ from zeroshard.reduce import bucket
 from zeroshard.reduce.bucket import MAX_BUCKETS_IN_FLIGHT, BucketOrder, PendingReduce, StagingBuckets
 from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrappers_of_owners, held
 from zeroshard.reduce.ddp import DDPWrappers, find_wrappers, release, watch_new_wrappers
-from zeroshard.reduce.nested_backward import OutermostBackward
-from zeroshard.reduce.records import ArrivedGrad, StepPhase, param_hooks, weak_method
+from zeroshard.reduce.records import OutermostBackward, StepPhase, param_hooks, weak_method
 
-_LOCAL = StepPhase.LOCAL  # for the per-param pre-hook: a global reads in 1/6 of an Enum member's time
+# For the per-param hooks (a global reads in 1/6 of an Enum member's time):
+_CLEAN, _LOCAL, _REDUCED, _REDUCED_THEN_LOCAL = StepPhase
+_REDUCED_ONCE = (_REDUCED, _REDUCED_THEN_LOCAL)  # a backward of this step was reduced
+_HAS_LOCAL = (_LOCAL, _REDUCED_THEN_LOCAL)  # accumulated locally since the last reduction (alike on every rank): step() reduces again
 
 
 class GradReducer:
@@ -57,22 +59,21 @@ class GradReducer:
         self.groups = groups
         self.reduce_dtype = reduce_dtype
         self.overlap_comm = overlap_comm
-        self.shards: list[LocalShard] = []
         self._comm = GradComm(groups.shard, timeout, weak_method(self.reduce_pending))
         self._space = ParamSpace()  # the params as torch.optim numbers them
         self._grads: list[ShardGrads] = []  # per shard: its gradient bookkeeping
-        self._reduce_dtypes: list[torch.dtype] = []  # per shard
         self._order = BucketOrder()
         self._staging = StagingBuckets()  # stage 2
         self._pending: list[PendingReduce] = []  # launched reductions
-        self._deferred: ArrivedGrad | None = None  # the last gradient, untaken
+        # The last gradient, untaken while a hook registered after zeroshard's is to run (taken before the next accumulation or
+        # at the pass's end, as DDP sees it): (shard, index, param, .grad as left, its version).
+        self._deferred: tuple[int, int, nn.Parameter, Tensor, int] | None = None
         self._next_launch = 0
         self.end_of_backward = EndOfBackward.NONE  # see coordinator.py
         self._outermost = OutermostBackward(weak_method(self._queue_end_of_backward))  # reentrant checkpoints
         self._no_sync = False
-        self.phase = StepPhase.LOCAL  # where this step's gradients are
+        self.phase = _CLEAN  # where this step's gradients are
         self._late = False  # a gradient came late (_take_grad)
-        self._local_since_reduced = False  # no_sync() since the last reduction (alike on every rank)
         self._early = False  # the last reduction: reduce_pending
         self._kept_noted = False  # since the last reset
         self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset (None: used)
@@ -83,10 +84,10 @@ class GradReducer:
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates locally
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.grow: Callable[[], object] | None = None  # the optimizer's: shard params unfrozen since; whether it did (flush)
-        # DDP wrappers around these params: switched off, their reducers released (DDPWrappers.adopt).
-        self._ddps = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))
+        # The DistributedDataParallel wrappers around these params: switched off, their reducers released (DDPWrappers.adopt).
+        self.ddp_wrappers = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))
         # The hooks hold it weakly and go with it (or close()); not at exit (DDP's process group may be gone).
-        self._remove_hooks = weakref.finalize(self, release, self._hooks, self._ddps)
+        self._remove_hooks = weakref.finalize(self, release, self._hooks, self.ddp_wrappers)
         self._remove_hooks.atexit = False
         self.closed_because = ""
         self.coordinator = coordinator_of(groups.shard)  # the turns of this group's reducers, who owns which param
@@ -94,13 +95,8 @@ class GradReducer:
             self.add_shard(shard)
         self.coordinator.register(self)
         watch_new_wrappers(ddp_wrappers_of_owners)
-        self._ddps.adopt(find_wrappers(p for shard in self.shards for p in shard.buffer.params))
-        self._ddps.release()  # a model wrapped before the optimizer was built: not in a backward now
-
-    @property
-    def ddp_wrappers(self) -> DDPWrappers:
-        """The ``DistributedDataParallel`` wrappers around these params, their reduction switched off."""
-        return self._ddps
+        self.ddp_wrappers.adopt(find_wrappers(p for shard in shards for p in shard.buffer.params))
+        self.ddp_wrappers.release()  # a model wrapped before the optimizer was built: not in a backward now
 
     @property
     def closed(self) -> bool:
@@ -125,10 +121,8 @@ class GradReducer:
 
     def add_shard(self, shard: LocalShard) -> None:
         """Register ``shard``'s params: hooks, launch order, and (stage 1) a flat grad buffer."""
-        k = len(self.shards)
-        self.shards.append(shard)
-        self._reduce_dtypes.append(self.reduce_dtype or shard.buffer.dtype)
-        self._grads.append(ShardGrads.for_shard(shard, flat=self.stage == 1, comm=self._comm))
+        k = len(self._grads)
+        self._grads.append(ShardGrads(shard, flat=self.stage == 1, comm=self._comm))
         bind_virtual_grads(shard, self._comm, self._space)
         self._order.append(k, len(shard.buffer.layout.buckets))
         for i, param in enumerate(shard.buffer.params):
@@ -164,7 +158,7 @@ class GradReducer:
         if self._deferred is not None or not self.coordinator.alone:
             self.coordinator.take_deferred(self)  # before this accumulation bumps the flat grad's version (stage 1)
         if not self._backward_started:
-            syncs = self._ddps.adopt_new()  # may raise: nothing changed yet
+            syncs = self.ddp_wrappers.adopt_new()  # may raise: nothing changed yet
             self._backward_started = True
             self._note_kept()
             self._ddp_no_sync = self._ddp_forward = self._ddp_forward and self._ddp_no_sync  # ddp.no_sync(): all passes of its forward
@@ -176,14 +170,14 @@ class GradReducer:
                 self._ddp_no_sync = True
                 self.accumulate_locally()
             self._check_flat_grads()
-            for grads in self._grads if self.phase is not _LOCAL else ():
+            for grads in self._grads if self.phase in _REDUCED_ONCE else ():
                 grads.refuse_edits_before_rereduction(self._early)
         if task != self.followed_task:  # once per backward pass: did the model move?
             self.followed_task = task
-            for shard in self.shards:
-                shard.follow_all()
+            for grads in self._grads:
+                grads.shard.follow_all()
         grads = self._grads[k]
-        grads.before_accumulate(i, param, reduced=self.phase is not _LOCAL, follow=not self._ddp_reduced)
+        grads.before_accumulate(i, param, reduced=self.phase in _REDUCED_ONCE, follow=not self._ddp_reduced)
         if grads.flat is not None and not self._ddp_reduced and not grad.is_sparse:
             grads.hand_flat_view(i, param)
 
@@ -200,12 +194,10 @@ class GradReducer:
         """Accumulate locally (``no_sync``; shards added mid-step): a reduction's gradients made whole with ``unshard``
         (:func:`bucket.unshard`), or kept and the next reduction reduces all again (nothing summed twice)."""
         self._note_kept()
-        if self.phase is StepPhase.REDUCED and unshard and not (self._ddp_reduced or self._early):  # early: DDP's .grad was local
-            bucket.unshard(self._grads, self.groups, self._wait)
-            self.phase = StepPhase.LOCAL
-        elif self.phase is StepPhase.REDUCED:
-            self.phase = StepPhase.REDUCED_THEN_LOCAL
-        self._local_since_reduced = True
+        if self.phase is _REDUCED and unshard and not (self._ddp_reduced or self._early):  # early: DDP's .grad was local
+            bucket.unshard(self._grads, self.groups, self.timeout)
+            self.phase = _LOCAL
+        self.phase = self.phase.after_local
 
     def _sync_next_backward(self) -> None:
         """A framework asked DDP's released reducer to reduce the coming backward (``prepare_for_backward``)."""
@@ -215,7 +207,7 @@ class GradReducer:
         """Stage 1: follow in-place writes to the params' ``.grad`` (may raise: :meth:`ShardGrads.follow_flat_writes`)."""
         if not self._ddp_reduced:
             for grads in self._grads:
-                grads.follow_flat_writes(reduced=self.phase is not StepPhase.LOCAL)
+                grads.follow_flat_writes(reduced=self.phase in _REDUCED_ONCE)
 
     def _note_kept(self) -> None:
         """Once per reset, at the first backward, ``no_sync`` or step: which params have a ``.grad`` (``ShardGrads.kept``)."""
@@ -235,7 +227,7 @@ class GradReducer:
     # -- backward --
 
     def on_grad_ready(self, k: int, i: int, param: nn.Parameter) -> None:
-        """Param ``i`` of shard ``k``'s post-accumulate-grad hook: take its gradient, or defer it while a later hook is to run (``ArrivedGrad``).
+        """Param ``i`` of shard ``k``'s post-accumulate-grad hook: take its gradient, or defer it while a later hook is to run (``_deferred``).
 
         Raises:
             RuntimeError: a sparse gradient; see :meth:`ShardGrads.refuse_partial_write`.
@@ -251,7 +243,8 @@ class GradReducer:
             grads.keep_in_flat_grad(i, param)
         if self._no_sync or self._ddp_no_sync:  # accumulating
             grads.note_local(i, param)
-            self._local_since_reduced = True
+            if self.phase not in _HAS_LOCAL:  # after a zero_grad() or a read of param_groups' .grad in the block
+                self.phase = self.phase.after_local
             if self.coordinator.shared():  # the others reduce at the pass's end
                 self._queue_end_of_backward()
             return
@@ -264,17 +257,17 @@ class GradReducer:
             if (self._take_grad(k, i, param) or not self.coordinator.alone) and self.overlap_comm:
                 self.launch_complete_buckets()
         else:
-            self._deferred = ArrivedGrad.of(k, i, param)  # the last one was taken in this pre-hook
+            held = cast(Tensor, param.grad)  # stage 1: its flat view now; the last deferred was taken in this pre-hook
+            self._deferred = (k, i, param, held, held._version)
 
     def take_deferred(self) -> None:
         """Take the gradient deferred last, now that the hooks after zeroshard's have run (may raise: ``refuse_partial_write``)."""
         if self._deferred is None:
             return
-        arrived, self._deferred = self._deferred, None
-        k, i, param = arrived.shard, arrived.index, arrived.param
+        (k, i, param, held, version), self._deferred = self._deferred, None
         grads = self._grads[k]
-        if grads.continued[i]:  # else nothing to refuse
-            grads.refuse_partial_write(i, arrived.changed())
+        if grads.continued[i]:  # else nothing to refuse; changed: written in place or replaced by a hook
+            grads.refuse_partial_write(i, param.grad is not held or held._version != version)
         if param.grad is None:  # a hook dropped it: as in DDP, the param is unused on this rank
             grads.used[i] = False
         if grads.flat is not None:
@@ -287,7 +280,7 @@ class GradReducer:
         grads = self._grads[k]
         key = (k, grads.bucket_of[i])
         if self._order.position[key] < self._next_launch:
-            # More gradients than any pass had, its bucket reduced (nested_backward.py): kept local until step().
+            # More gradients than any pass had, its bucket reduced (OutermostBackward): kept local until step().
             grads.arrivals[i] += 1
             self._late = True
             self._order.completed(key)  # it completes now in the next passes
@@ -295,7 +288,7 @@ class GradReducer:
         grad = param.grad
         if grad is not None and not isinstance(grad, ShardedGrad):
             if grads.flat is None:  # stage 2: held until the launch; a DDP reducing this backward may reduce it in place first
-                self._staging.add(key, i, grad.clone() if self._ddp_reduced else grad, self._reduce_dtypes[k])
+                self._staging.add(key, i, grad.clone() if self._ddp_reduced else grad, self.reduce_dtype or grads.shard.buffer.dtype)
                 param.grad = None if self._ddp_reduced else grads.sharded_grad(i, param)
             elif not self._ddp_reduced:  # stage 1: a later write (a node hook) would reach the flat grad's reduction unseen
                 param.grad = grads.sharded_grad(i, param)
@@ -336,8 +329,9 @@ class GradReducer:
             self.coordinator.flush(self)
 
     def _launch(self, k: int, b: int) -> None:
-        buffer, grads_of = self.shards[k].buffer, self._grads[k]
-        dtype = self._reduce_dtypes[k]
+        grads_of = self._grads[k]
+        buffer = grads_of.shard.buffer
+        dtype = self.reduce_dtype or buffer.dtype
         if self.stage == 1:
             grads, frozen = bucket.stage1_input(buffer.bucket_view(b, of=grads_of.flat), dtype, self.groups.shard_size)
         else:
@@ -347,41 +341,34 @@ class GradReducer:
             frozen = True  # a staging bucket: written again only once recycled, after the reduction
         fresh = self.stage == 1 or not grads_of.landed[b]
         grads_of.landed[b] = True
-        self._pending.append(bucket.launch(grads, self.shards[k].grad_slice(b), self.groups, k, b, fresh=fresh, input_frozen=frozen))
+        self._pending.append(bucket.launch(grads, grads_of.shard.grad_slice(b), self.groups, k, b, fresh=fresh, input_frozen=frozen))
         if self.stage == 2 and len(self._pending) > MAX_BUCKETS_IN_FLIGHT:
             # bound stage 2's gradient memory
             self._complete(self._pending.pop(0))
 
     def _complete(self, pending: PendingReduce) -> None:
         """Wait for one reduction, leave it in the grad shard, recycle its staging buffer."""
-        bucket.complete(pending, self.groups, self._wait, overwrite=self.stage == 1)
+        bucket.complete(pending, self.groups, self.timeout, overwrite=self.stage == 1)
         if self.stage == 2:
             self._staging.recycle(pending.input)
 
-    def _wait(self, work: collectives.AsyncWork | None, what: str) -> None:
-        bucket.wait(work, self.timeout, what)
-
-    def reduce_everything(self, rebuild_order: bool = True) -> None:
-        """Complete every bucket not yet launched, launch it, add all results into the grad shards; then :meth:`rebuild_order`
-        unless the caller does it later."""
+    def reduce_everything(self) -> None:
+        """Complete every bucket not yet launched, launch it, add all results into the grad shards (:meth:`rebuild_order` follows)."""
         self._reset_marks = None
         self.take_deferred()
-        for k, shard in enumerate(self.shards):
-            grads = self._grads[k]
-            for i, param in enumerate(shard.buffer.params):
+        for k, grads in enumerate(self._grads):
+            for i, param in enumerate(grads.shard.buffer.params):
                 if not grads.ready[i]:
                     grads.follow_untaken(i, param, self._ddp_reduced)
                     self._take_grad(k, i, param, last=True)
         self.launch_complete_buckets(in_turn=False)
         self.drain()
-        if rebuild_order:
-            self.rebuild_order()
         if not self._ddp_reduced:  # else a DDP reduced this backward itself: its .grad stay (ignored)
             for grads in self._grads:
                 grads.leave_sharded_grads()
         self.end_pass()
-        self.phase = StepPhase.REDUCED
-        self._local_since_reduced = self._early = False
+        self.phase = _REDUCED
+        self._early = False
         for grads in self._grads:
             grads.note_written()
 
@@ -407,22 +394,23 @@ class GradReducer:
 
     def reduce_for_step(self) -> None:
         """Reduce what is still local: ``no_sync`` gradients, a late one (``_take_grad``), or those of no reduced backward."""
-        if self._local_since_reduced and not self._ddp_reduced:  # raises if user code edited them (before settle_all follows it)
+        if self.phase in _HAS_LOCAL and not self._ddp_reduced:  # raises if user code edited them (before settle_all follows it)
             for grads in self._grads:
                 grads.refuse_local_edits()
         self.settle_all()
-        if self.phase is not StepPhase.REDUCED or self._late:
+        if self.phase is not _REDUCED or self._late:
             self._late = False
             self.reduce_everything()
+            self.rebuild_order()
             if self.coordinator.alone:  # else the group's flush checks, once every optimizer has grown
-                self._ddps.check_covered(held)
+                self.ddp_wrappers.check_covered(held)
 
     def reduce_pending(self) -> None:
         """Before a virtual param's ``.grad`` is used (a clip over ``param_groups``): reduce what is local (as ``step()``).
 
         Raises:
             RuntimeError: inside ``no_sync()``; params unfrozen inside it, which ``param_groups`` lacked."""
-        if self._local_since_reduced or self._late:
+        if self.phase in _HAS_LOCAL or self._late:
             if self._no_sync:
                 raise read_inside_no_sync()
             if self.grow is not None and self.grow():
@@ -442,20 +430,19 @@ class GradReducer:
             return
         if self._ddp_reduced:
             self._ddp_reduced = False
-            for shard in self.shards:
-                for param in shard.buffer.params:
+            for grads in self._grads:
+                for param in grads.shard.buffer.params:
                     param.grad = None
-        self._ddps.release()  # between backward passes: a backward a DDP wrapper reduced is over
+        self.ddp_wrappers.release()  # between backward passes: a backward a DDP wrapper reduced is over
         for pending in self._pending:  # left behind by a backward pass that raised (some write into the grad shard: first)
-            self._wait(pending.work, pending.what)
+            bucket.wait(pending.work, self.timeout, pending.what)
         self._pending.clear()
-        for k, shard in enumerate(self.shards):
-            shard.grad_shard.zero_()
-            self._grads[k].reset()
+        for grads in self._grads:
+            grads.reset()
         self.end_pass()
         self._staging.clear()  # stage 2 holds no gradient buffers between steps
-        self.phase = StepPhase.LOCAL
-        self._late = self._local_since_reduced = self._early = self._kept_noted = False
+        self.phase = _CLEAN
+        self._late = self._early = self._kept_noted = False
         self.end_of_backward = EndOfBackward.NONE
         self._reset_marks = self._marks()
 
