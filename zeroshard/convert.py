@@ -10,7 +10,6 @@ import argparse
 import importlib
 import math
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,11 +19,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from zeroshard.checkpoint.dirs import METADATA, verify_checkpoint
 from zeroshard.checkpoint.sharded import FULL_FORMAT, FULL_FORMAT_VERSION, SHARDED_FORMAT, _check_version
-from zeroshard.checkpoint.whole_param import rebuild
 from zeroshard.compat import load_checkpoint_without_process_group
+from zeroshard.layout.flat_buffer import param_name
+from zeroshard.step.wrapped import rebuild
 
 __all__ = ["convert", "load_checkpoint", "main", "optimizer_to_torch"]
-_PARAM_NAME = re.compile(r"param_groups\[(\d+)\]\['params'\]\[(\d+)\]")
 
 
 def load_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
@@ -100,6 +99,7 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
             if steps[index]:
                 state[index] = {**({"step": torch.tensor(float(steps[index]))} if keeps_step[index] else {}),
                                 **_with_subclasses(entry, (meta.get("subclasses") or {}).get(name, {}), source)}
+    place = {param_name(g, j): (g, index) for g, group in enumerate(groups) for j, index in enumerate(group["params"])}
     for k, (_, params, per_bucket) in enumerate(meta["layout"] if meta.get("partition") != "param" else []):
         first = 0
         for b, count in enumerate(per_bucket):
@@ -107,11 +107,9 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
             entry = sharded["buckets"].get(name_of_bucket, {})  # none when the optimizer keeps no per-element state
             offset = 0
             for name, shape in params[first : first + count]:
-                match = _PARAM_NAME.fullmatch(name)
-                if match is None:
-                    raise ValueError(f"{source}: its layout names a param {name!r}, not param_groups[g]['params'][j]")
-                g, j = int(match[1]), int(match[2])
-                index, numel = groups[g]["params"][j], math.prod(shape)
+                if name not in place:
+                    raise ValueError(f"{source}: its layout names a param {name!r}, not one of its param_groups[g]['params'][j]")
+                (g, index), numel = place[name], math.prod(shape)
                 for key, value in entry.items():
                     if value.numel() < offset + numel:
                         raise ValueError(f"{source}: bucket {name_of_bucket} {key!r} has {value.numel()} elements, too few for its params ({name} "

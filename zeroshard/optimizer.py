@@ -19,9 +19,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from zeroshard.delegating import DelegatingOptimizer
+from zeroshard.compat import DelegatingOptimizer
 from zeroshard.gather.param_gather import ParamGather, pop_guard_if_done
-from zeroshard.layout.local_shard import LocalShard
 from zeroshard.memory import MemoryUsage, owned_memory
 from zeroshard.offload.placement import Placement
 from zeroshard.reduce.coordinator import coordinator_of
@@ -34,12 +33,12 @@ from zeroshard.step.grad_norm import NORM_TYPES, GradStats, ReducedStats
 from zeroshard.step.loss_scaler import DynamicLossScaler, choose_loss_scale
 from zeroshard.step.pending_skip import PendingSkip, unscale
 from zeroshard.step.wrapped import refuse_direct_steps
-from zeroshard.update import SCALED_LOSSES, UpdateMixin
+from zeroshard.update import SCALED_LOSSES
 from zeroshard.validation import check_construction
 
 logger = logging.getLogger("zeroshard")
 
-class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
+class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
     """ZeRO stage 1/2 data parallelism around an already-built ``torch.optim`` optimizer.
 
     Each param group's trainable params are copied into one flat buffer per dtype and become
@@ -188,11 +187,10 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
             overlap_comm=overlap_comm, timeout=self._timeout,
         )
         self._reducer.grow = weak_method(self._shard_unfrozen)
-        self._device = self._shards[0].buffer.device  # every param on one device (checked)
         self._fused = FusedAdam(optimizer, kind) if master_weights and (kind := fused_adam_kind(optimizer)) else None
         self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
         if gpu_margin_mem_ratio > 0 and self._fused is not None:  # with offload (checked): the fused update
-            self._fused.start_margin_trace(self._device, self.gpu_margin_mem_ratio)
+            self._fused.start_margin_trace(self._shards[0].buffer.device, self.gpu_margin_mem_ratio)
         self._note_scaled_losses()
         self._scaler, self._static_scale = choose_loss_scale(loss_scale, fp16=any(s.buffer.dtype == torch.float16 for s in self._shards))
         if self._scaler is not None:
@@ -202,10 +200,6 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
             logger.info("%s", self._shard_set.layout_summary(stage))
 
     # -- partitioning ------------------------------------------------------------------------
-
-    def _hook_up(self, shards: list[LocalShard]) -> None:  # shards added after construction
-        for shard in shards:
-            self._reducer.add_shard(shard)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the wrapped optimizer and shard it (a collective: call on every rank).
@@ -223,7 +217,8 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
         """
         self.wait_params()
         shards = self._shard_set.add_param_group(param_group)
-        self._hook_up(shards)
+        for shard in shards:
+            self._reducer.add_shard(shard)
         if shards and self._reducer.phase is StepPhase.REDUCED:  # the step's gradients are reduced already: the new ones too
             self._reducer.accumulate_locally()
             self._reducer.reduce_for_step()
@@ -403,7 +398,7 @@ class ShardedOptimizer(UpdateMixin, StateDictMixin, DelegatingOptimizer):
 
     def memory_usage(self) -> MemoryUsage:
         """Bytes this optimizer owns on this rank: flat params, gradient buffers, shards, optimizer state."""
-        return owned_memory(self._shards, self._reducer.grad_buffers(), self.optimizer, self._device)
+        return owned_memory(self._shards, self._reducer.grad_buffers(), self.optimizer, self._shards[0].buffer.device)
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(stage={self.stage}, world_size={self.world_size}, rank={self.rank}, optimizer={self.optimizer!r})"

@@ -32,16 +32,8 @@ logger = logging.getLogger("zeroshard")
 
 
 class ShardSet:
-    """This rank's :class:`~zeroshard.layout.local_shard.LocalShard` s of every sharded param group.
-
-    Args:
-        optimizer: the wrapped optimizer.
-        groups: the shard (and replicate) groups.
-        bucket_size_mb: bucket size in MiB of the param dtype.
-        host_master: keep master weights in host memory (CPU offload).
-        partition: ``"flat"`` (each rank owns ``1/N`` of every bucket) or ``"param"`` (each param owned whole by one rank,
-            chosen by :func:`~zeroshard.layout.ownership.assign_owners`).
-        master_weights: keep fp32 master weights for 16-bit params (``ShardedOptimizer``'s option).
+    """This rank's :class:`~zeroshard.layout.local_shard.LocalShard` s of every sharded param group (arguments: ``ShardedOptimizer``'s;
+    ``host_master``: CPU offload).
 
     Attributes:
         shards: in the order they were built: each param group's (one per dtype of its
@@ -182,28 +174,12 @@ class ShardSet:
 
     def _shard(self, indices: range, params_of: list[list[nn.Parameter]], first_param_index: int, caller: str,
                already_sharded: frozenset[int] = frozenset(), agree: bool = True) -> list[LocalShard]:
-        """Flatten, broadcast and shard param groups ``indices``; append the new shards to :attr:`shards` and return them.
+        """Flatten, broadcast and shard param groups ``indices`` (``params_of``: their params, frozen ones included;
+        ``first_param_index``: the ``torch.optim`` index of the first); append the new shards to :attr:`shards` and return them.
 
-        Local checks first (with ``agree``, agreed by every rank: one all-reduce per group); then, per group of ranks, the
-        fingerprint check (settings, shapes) and the order check, before any size-dependent collective (a mismatch raises on
-        every rank: see :meth:`ShardingGroups.check_each`); then the broadcast from rank 0; finally each group's ``"params"``
-        is replaced by this rank's virtual parameters (or, when ``already_sharded`` is given, the new virtual parameters are
-        appended to them).
-
-        Args:
-            indices: the param groups to shard.
-            params_of: per group, its original params in the user's order (frozen ones included).
-            first_param_index: how many params the groups before ``indices`` hold (``torch.optim``
-                numbers params across groups in order).
-            caller: what the user called, for errors.
-            already_sharded: ids of params in flat buffers already: left out (params frozen at
-                construction and trainable now are sharded this way, see :meth:`add_unfrozen`).
-            agree: whether every rank calls it at once (the constructor, ``add_param_group``), so that
-                the local checks' errors can be agreed.
-
-        Raises:
-            ValueError: from :func:`~zeroshard.validation.check_params` (with ``agree``, on every rank
-                where it raised on one), or params that differ between ranks.
+        Local checks (agreed by every rank with ``agree``), then per group of ranks the fingerprint and order checks before any
+        size-dependent collective, the broadcast from rank 0, and each group's ``"params"`` replaced by (``already_sharded``:
+        the ids of params left out, as already in flat buffers; then appended to) this rank's virtual parameters.
         """
         optimizer, groups, partition = self.optimizer, self.groups, self.partition
         # Bounded by collective_timeout_s after construction (add_param_group, unfreezing): a rank that skipped it is named. The

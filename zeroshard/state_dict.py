@@ -4,7 +4,6 @@ mode, live in ``zeroshard/checkpoint/``."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -17,11 +16,8 @@ from torch import Tensor
 
 from zeroshard.checkpoint import full, sharded, whole_param
 from zeroshard.comm import collectives
-from zeroshard.comm.groups import ShardingGroups
-from zeroshard.layout.local_shard import LocalShard
-from zeroshard.shard_set import ShardSet
-from zeroshard.step.fused_adam import FusedAdam, fused_refusal
-from zeroshard.step.loss_scaler import DynamicLossScaler
+from zeroshard.step.fused_adam import fused_refusal
+from zeroshard.update import UpdateMixin
 
 
 @dataclass(frozen=True)
@@ -31,33 +27,23 @@ class CheckpointFormat:
     sharded_state_dict: Callable[[sharded.CheckpointView], dict[str, Any]]  # this rank's shard (the per-rank state_dict(), DCP's)
     load_sharded: Callable[[sharded.CheckpointView, dict[str, Any], bool], sharded.Loaded]  # (view, state_dict, filled_in_place)
     consolidate: Callable[[sharded.CheckpointView, int], dict[str, Any] | None]  # the full format on rank `to` (None elsewhere); a collective
-    load_full: Callable[[sharded.CheckpointView, dict[str, Any]], sharded.Loaded]  # a full-format dict from any world size or an unsharded optimizer
 
 
-FORMATS = {  # by ShardedOptimizer.partition
-    "flat": CheckpointFormat(sharded.sharded_state_dict, sharded.load_sharded, full.consolidate, full.load_full),
-    "param": CheckpointFormat(whole_param.sharded_state_dict, whole_param.load_sharded, whole_param.consolidate, whole_param.load_full),
+FORMATS = {  # by ShardedOptimizer.partition; the full format loads through full.load_full for both
+    "flat": CheckpointFormat(sharded.sharded_state_dict, sharded.load_sharded, full.consolidate),
+    "param": CheckpointFormat(whole_param.sharded_state_dict, whole_param.load_sharded, whole_param.consolidate),
 }
 
 
-class StateDictMixin:
+class StateDictMixin(UpdateMixin):
     """Checkpoint methods of :class:`~zeroshard.ShardedOptimizer` (see ``docs/checkpoint.md``)."""
 
-    # What the host (ShardedOptimizer) provides.
-    optimizer: torch.optim.Optimizer
-    groups: ShardingGroups
-    process_group: dist.ProcessGroup
+    # What the host (ShardedOptimizer) provides, beyond what UpdateMixin declares.
     partition: str
-    _shard_set: ShardSet
-    _shards: list[LocalShard]
-    _scaler: DynamicLossScaler | None
-    _timeout: datetime.timedelta | None  # collective_timeout_s
-    _fused: FusedAdam | None
     _consolidated: dict[str, Any] | None  # the full state, on the rank that ran consolidate_state_dict
     _since_consolidation: bool  # every rank: a consolidate_state_dict() since the last step
     _issued: dict[int, weakref.ref]  # id -> tensor, for those the last state_dict() returned
     wait_params: Callable[[], None]
-    _settle: Callable[[], None]  # reads a step's overflow flag still on the device (zeroshard/update.py)
     _optimizer_state_dict_pre_hooks: OrderedDict
     _optimizer_state_dict_post_hooks: OrderedDict
     _optimizer_load_state_dict_pre_hooks: OrderedDict
@@ -67,7 +53,7 @@ class StateDictMixin:
         """What this optimizer's checkpoints record of it (layout, param groups, steps, mesh, loss scaler), for the checks of a load."""
         self._settle()
         return sharded.CheckpointView(self.optimizer, self._shards, self._shard_set.group_params, self._shard_set.param_steps,
-                                      self.groups.mesh, self.process_group, self._scaler, self._timeout)
+                                      self.groups.mesh, self.process_group, self.partition, self._scaler, self._timeout)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state: this rank's shard, or the full state right after consolidation.
@@ -162,7 +148,7 @@ class StateDictMixin:
             inner, steps, masters = FORMATS[self.partition].load_sharded(view, state_dict, filled_in_place)
         elif isinstance(state_dict, dict) and (meta is None or (isinstance(meta, dict) and meta.get("format") == sharded.FULL_FORMAT)):
             state_dict = full.unnested(self.optimizer, state_dict)  # bitsandbytes' own state_dict() nests its state
-            inner, steps, masters = FORMATS[self.partition].load_full(view, state_dict)
+            inner, steps, masters = full.load_full(view, state_dict)
         else:
             raise ValueError(f"state_dict is neither a zeroshard state dict nor a torch.optim one (zeroshard entry: {meta!r})")
         if self._fused is not None and (refused := fused_refusal(inner["param_groups"])) is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -52,7 +51,6 @@ class UpdateMixin:
     _scaled_losses_seen: int  # SCALED_LOSSES at the last step() or zero_grad()
     groups: ShardingGroups
     _timeout: datetime.timedelta | None
-    _hook_up: Callable[[list[LocalShard]], None]
     process_group: ProcessGroup
 
     @property
@@ -97,7 +95,8 @@ class UpdateMixin:
         others: a clip before ``step()`` reads DDP's average."""
         with torch.no_grad():
             unfrozen = self._shard_set.add_unfrozen()
-            self._hook_up(unfrozen)
+            for shard in unfrozen:
+                self._reducer.add_shard(shard)
         return bool(unfrozen)
 
     def _note_scaled_losses(self) -> None:

@@ -11,8 +11,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.checkpoint.sharded import check_saved
-from zeroshard.checkpoint.whole_param import check_saved_entries
+from zeroshard.checkpoint.whole_param import check_saved
 
 METADATA = ".metadata"
 
@@ -20,7 +19,7 @@ METADATA = ".metadata"
 def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, key: str = "optim") -> None:
     """Check that a DCP checkpoint directory is complete, every entry in it can be read, and (given ``optimizer``) that its
     optimizer state was saved for the same params, shapes, partition, dtype, buckets, masters, state and param group settings
-    (:func:`~zeroshard.checkpoint.sharded.check_saved`, :func:`~zeroshard.checkpoint.whole_param.check_saved_entries`).
+    (:func:`~zeroshard.checkpoint.whole_param.check_saved`).
 
     Reads the whole checkpoint once (each entry is deserialized and dropped), so it costs about as much as a load.
     ``dcp.load`` refuses a param saved with another shape with DCP's own "Size mismatch" at the param's shape entry (see
@@ -76,11 +75,7 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
         if "layout" not in meta:
             raise ValueError(f"{path} holds no zeroshard optimizer state under {key!r} (no {key}.zeroshard.layout entry)")
         try:
-            saved_master = any(fqn.startswith(f"{key}.") and fqn.endswith(".master") for fqn in metadata.state_dict_metadata)
-            view = optimizer.checkpoint_view()
-            check_saved(view, meta, optimizer.partition, saved_master)
-            saved = {fqn.removeprefix(f"{key}.") for fqn in metadata.state_dict_metadata if fqn.startswith(f"{key}.")}
-            check_saved_entries(view, saved, optimizer.partition)
+            check_saved(optimizer.checkpoint_view(), meta, {fqn.removeprefix(f"{key}.") for fqn in metadata.state_dict_metadata if fqn.startswith(f"{key}.")})
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
 

@@ -1,4 +1,5 @@
-"""The full checkpoint format of ``partition="flat"``: the whole state gathered onto one rank, plain ``torch.optim`` (see ``sharded.py``)."""
+"""The full checkpoint format: the whole state gathered onto one rank, plain ``torch.optim`` (see ``sharded.py``); its
+consolidation for ``partition="flat"`` (``whole_param.py`` has that of ``partition="param"``), its load for both."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from zeroshard.checkpoint.sharded import (
     saves_master,
 )
 from zeroshard.comm import collectives
+from zeroshard.step.wrapped import StateSpec, copy_state_value, state_spec
 
 
 def consolidate(view: CheckpointView, to: int) -> dict[str, Any] | None:
@@ -102,7 +104,7 @@ def full_envelope(view: CheckpointView, state: dict[int, dict[str, Any]], master
         "state": state,
         "param_groups": groups_without_params(view.optimizer, view.group_params),
         "zeroshard": {"format": FULL_FORMAT, "version": FULL_FORMAT_VERSION, "params": [(tuple(p.shape), str(p.dtype)) for p in view.flat_params],
-                      "master": masters, "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None},
+                      "master": masters, "loss_scaler": view.scaler_state},
     }
 
 
@@ -123,47 +125,57 @@ def unnested(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> di
 
 
 def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> Loaded:
-    """Check a full ``torch.optim``-format state dict and cut this rank's shard out of it; nothing is written here.
+    """Check a full ``torch.optim``-format state dict and cut this rank's shard out of it (with ``partition="param"``, its params'
+    state whole); nothing is written here, and every param's entry is checked on every rank, so a bad dict raises alike everywhere.
 
-    Accepts dicts from :func:`consolidate` and from an unsharded ``torch.optim`` optimizer of the same class over the same
+    Accepts dicts from a consolidation and from an unsharded ``torch.optim`` optimizer of the same class over the same
     params: each param must hold the state its saved param group's hyperparameters keep. A 16-bit param whose fp32 master
     the dict lacks (a plain ``torch.optim`` dict) gets its current value as master, as in a freshly built optimizer.
 
     Raises:
-        ValueError: another group count, param count, param shape or dtype (named), or state keys that the saved
-            hyperparameters do not keep (named).
+        ValueError: as :func:`check_full`, or a param's state with other keys, types or shapes than the saved
+            hyperparameters keep (named).
     """
     order, meta = check_full(view, state_dict)
-    names, flat_params = param_names(view), view.flat_params
-    saved_groups = state_dict["param_groups"]
-    group_of_param = [g for g, params in enumerate(view.group_params) for _ in params]
-    group_keys = group_state_keys(view, saved_groups)
-    steps = [0] * len(flat_params)
-    for ours, saved_index in enumerate(order):
-        entry = state_dict["state"].get(saved_index)
-        if not entry:
-            continue
-        g = group_of_param[ours]
-        keys, has_step = group_keys[g]
-        if sorted(k for k in entry if k != "step") != keys:
-            raise ValueError(f"state_dict state of {names[ours]} has {sorted(entry)}, {type(view.optimizer).__name__} keeps "
-                             f"{keys + (['step'] if has_step else [])} with the state_dict's hyperparameters of param_groups[{g}]")
-        for key in keys:
-            if tuple(entry[key].shape) != tuple(flat_params[ours].shape):
-                raise ValueError(f"state_dict {key!r} of {names[ours]} has shape {tuple(entry[key].shape)}, the param {tuple(flat_params[ours].shape)}")
-        steps[ours] = int(float(entry["step"])) if "step" in entry else 1
+    names, saved_groups, whole = param_names(view), state_dict["param_groups"], view.partition == "param"
+    group_keys = [] if whole else group_state_keys(view, saved_groups)
+    name = type(view.optimizer).__name__
+    specs: dict[int, StateSpec] = {}
+    steps = [0] * len(order)
+    for shard in view.shards:
+        for i, param in enumerate(shard.buffer.params):
+            ours = shard.param_indices[i]
+            if not (entry := state_dict["state"].get(order[ours])):
+                continue
+            if whole:
+                spec = state_spec(view.optimizer, saved_groups[shard.group], param.shape, shard.master_dtype, ("meta", "cpu", param.device))
+            else:  # per-element state, shaped as the param
+                keys, has_step = group_keys[shard.group]
+                spec = StateSpec(dict.fromkeys(keys, tuple(param.shape)), dict.fromkeys(keys, shard.master_dtype), has_step)
+            specs[ours] = spec
+            kinds = {key: type(value) for key, value in entry.items() if key in spec.subclasses and type(value) is not spec.subclasses[key].cls}
+            if kinds:
+                raise ValueError(f"state_dict state of {names[ours]} holds {sorted((k, t.__name__) for k, t in kinds.items())} (key, type) where "
+                                 f"{name} keeps {sorted((k, sub.cls.__name__) for k, sub in spec.subclasses.items())}")
+            found = {key: tuple(value.shape) for key, value in entry.items() if key != "step"}
+            if sorted(found) != list(spec.shapes):
+                raise ValueError(f"state_dict state of {names[ours]} has {sorted(entry)}, {name} keeps {[*spec.shapes, *(['step'] if spec.has_step else [])]} "
+                                 f"with the state_dict's hyperparameters of param_groups[{shard.group}]")
+            if bad := [key for key, shape in found.items() if shape != spec.shapes[key]]:
+                raise ValueError(f"state_dict state of {names[ours]} has {found} (key: shape), {name} keeps {spec.shapes} for it with the "
+                                 f"state_dict's hyperparameters of param_groups[{shard.group}] ({bad[0]!r} of {names[ours]} has shape {found[bad[0]]})")
+            steps[ours] = int(float(entry["step"])) if "step" in entry else 1
     state: dict[Tensor, dict[str, Any]] = {}
     masters = []
     saved_masters = meta.get("master") or {}
     for k, shard in enumerate(view.shards):
-        keys, has_step = group_keys[shard.group]
         for piece, vparam in zip(shard.pieces, shard.virtual_params):
             ours = shard.param_indices[piece.param]
             span = slice(piece.param_offset, piece.param_offset + piece.numel)  # the piece within its param
             if steps[ours]:
                 entry = state_dict["state"][order[ours]]
-                state[vparam] = {key: entry[key].reshape(-1)[span].clone() for key in keys}
-                if has_step:
+                state[vparam] = {key: copy_state_value(entry[key]) if whole else entry[key].reshape(-1)[span].clone() for key in specs[ours].shapes}
+                if specs[ours].has_step:
                     state[vparam]["step"] = torch.tensor(float(steps[ours]))
             if saves_master(shard):
                 master = saved_masters.get(order[ours])

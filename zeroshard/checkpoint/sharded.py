@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zeroshard.layout.flat_buffer import param_name
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.step.loss_scaler import DynamicLossScaler
-from zeroshard.step.wrapped import throwaway_state
+from zeroshard.step.wrapped import state_keys
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -49,6 +49,7 @@ class CheckpointView:
     param_steps: list[int]  # per param (torch.optim numbering): how many updates it has had; replicated
     mesh: DeviceMesh  # the DTensors' mesh (1-D shard, or 2-D replicate x shard)
     shard_group: dist.ProcessGroup  # the ranks that share one copy of the state
+    partition: str = "flat"  # ShardedOptimizer.partition: "flat" or "param" (each param owned whole)
     loss_scaler: DynamicLossScaler | None = None  # its state travels in both formats
     timeout: datetime.timedelta | None = None  # collective_timeout_s: the bound on a consolidation's collectives
 
@@ -60,33 +61,14 @@ class CheckpointView:
     def world_size(self) -> int:
         return dist.get_world_size(self.shard_group)
 
+    @property
+    def scaler_state(self) -> dict[str, Any] | None:
+        return self.loss_scaler.state_dict() if self.loss_scaler is not None else None
+
     @cached_property
     def flat_params(self) -> list[nn.Parameter]:
         """The user's params in ``torch.optim`` order."""
         return [p for params in self.group_params for p in params]
-
-
-def state_keys(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], dtype: torch.dtype,
-               device: torch.device) -> tuple[list[str], bool]:
-    """The per-element state keys (e.g. ``exp_avg``) that ``optimizer``'s class keeps for a param group with
-    ``hyperparameters`` (``SGD`` keeps ``momentum_buffer`` only with ``momentum != 0``), and whether it keeps ``step``: from
-    one step of a throwaway instance of the class on a 2-element param of ``dtype`` on ``device``.
-
-    Raises:
-        ValueError: the class cannot be built or stepped with these hyperparameters, or it keeps scalar state other than
-            ``step`` (e.g. NAdam's ``mu_product``), which zeroshard checkpoints do not carry.
-    """
-    name = type(optimizer).__name__
-    try:
-        sample = throwaway_state(type(optimizer), hyperparameters, (2,), dtype, device)
-    except (TypeError, ValueError, RuntimeError) as error:
-        shown = {k: v for k, v in hyperparameters.items() if k != "params"}
-        raise ValueError(f"{name} cannot be built with the hyperparameters {shown}: {error}") from error
-    per_element = sorted(k for k, v in sample.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == 2)
-    scalars = sorted(k for k in sample if k not in per_element and k != "step")
-    if scalars:
-        raise ValueError(f"{name} keeps scalar state {scalars}; zeroshard checkpoints carry per-element state and 'step' only")
-    return per_element, "step" in sample
 
 
 def group_state_keys(view: CheckpointView, groups: Sequence[dict[str, Any]]) -> list[tuple[list[str], bool]]:
@@ -253,16 +235,17 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
             if saves_master(shard):  # this rank's slice starts the bucket's part of the master shard
                 entry["master"] = _dtensor(view, shard.master_view(bucket.shard_offset, hi - lo).to(shard.buffer.device, copy=True), bucket.numel)
             buckets[f"{k}.{bucket.index}"] = entry
+    return sharded_envelope(view, {"state_keys": [keys for keys, _ in group_keys]}, shapes=param_shapes(view), buckets=buckets)
+
+
+def sharded_envelope(view: CheckpointView, meta: dict[str, Any], **entries: Any) -> dict[str, Any]:
+    """Both partitions' sharded format around ``entries``: the ``"zeroshard"`` entry (with ``meta``), param groups and steps."""
     return {
-        "zeroshard": {
-            "format": SHARDED_FORMAT, "version": SHARDED_FORMAT_VERSION, "partition": "flat", "layout": layout_signature(view),
-            "state_keys": [keys for keys, _ in group_keys], "rank": view.rank, "world_size": view.world_size,
-            "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
-        },
-        "shapes": param_shapes(view),
+        "zeroshard": {"format": SHARDED_FORMAT, "version": SHARDED_FORMAT_VERSION, "partition": view.partition, "layout": layout_signature(view),
+                      "rank": view.rank, "world_size": view.world_size, "loss_scaler": view.scaler_state, **meta},
         "param_groups": groups_without_params(view.optimizer, view.group_params),
         "param_steps": torch.tensor(view.param_steps, dtype=torch.int64),
-        "buckets": buckets,
+        **entries,
     }
 
 
@@ -283,67 +266,40 @@ def _check_version(meta: dict[str, Any]) -> None:
         raise ValueError(f"state_dict has zeroshard sharded format version {version!r}; this version reads {SHARDED_FORMAT_VERSION}")
 
 
-def check_saver(view: CheckpointView, meta: dict[str, Any], filled_in_place: bool, partition: str) -> None:
-    """Raise ``ValueError`` unless a sharded checkpoint's ``meta`` was saved with ``partition`` (else naming the way out: the
-    full format) and, unless ``filled_in_place``, by this rank at this world size (DCP overwrites plain entries such as the
-    saver's rank with one rank's copy, so they only mean something in a file saved by one rank)."""
-    saved = meta.get("partition", "flat")  # checkpoints from before partition="param" are flat
+def check_meta(view: CheckpointView, meta: dict[str, Any], filled_in_place: bool) -> None:
+    """Raise ``ValueError`` unless a sharded checkpoint's ``meta`` has this format version, was saved with this ``partition`` (else
+    naming the way out: the full format), unless ``filled_in_place`` by this rank at this world size (DCP overwrites plain
+    entries such as the saver's rank with one rank's copy, so they only mean something in a file saved by one rank), and
+    with this layout (:func:`check_layout`)."""
+    _check_version(meta)
+    saved, partition = meta.get("partition", "flat"), view.partition  # checkpoints from before partition="param" are flat
     if saved != partition:
         raise ValueError(f"state_dict is a sharded checkpoint of partition={saved!r}, this optimizer has partition={partition!r}: call "
                          "consolidate_state_dict(to=0) where it was saved and load that full torch.optim-format state dict, which loads in either mode")
     if not filled_in_place and (meta.get("rank"), meta.get("world_size")) != (view.rank, view.world_size):
         raise ValueError(f"state_dict is the shard of rank {meta.get('rank')} of {meta.get('world_size')}, this is rank {view.rank} of "
                          f"{view.world_size}: load each rank's own shard, or reshard with torch.distributed.checkpoint (dcp.load)")
-
-
-def check_saved(view: CheckpointView, meta: dict[str, Any], partition: str, saved_master: bool) -> None:
-    """:func:`~zeroshard.verify_checkpoint`'s checks of a sharded checkpoint's ``"zeroshard"`` entry ``meta`` against this optimizer,
-    before any load: format version, ``partition``, layout, masters (``saved_master``: the checkpoint holds some) and (flat)
-    the state each param group keeps.
-
-    Raises:
-        ValueError: see :func:`check_saver`, :func:`check_layout` and :func:`_check_state_keys`.
-    """
-    _check_version(meta)
-    check_saver(view, meta, True, partition)
     check_layout(view, meta.get("layout", []))
-    if not saved_master and any(saves_master(shard) for shard in view.shards):  # the other way round loads: the masters are dropped
-        raise ValueError(f"the checkpoint holds no fp32 masters of 16-bit params, this optimizer keeps them.{master_hint([], ['master'])}")
-    if "state_keys" in meta:
-        _check_state_keys(view, meta, group_state_keys(view, view.optimizer.param_groups), "this optimizer's hyperparameters")
 
 
-def _check_state_keys(view: CheckpointView, meta: dict[str, Any], group_keys: list[tuple[list[str], bool]], whose: str) -> None:
+def check_envelope(view: CheckpointView, state_dict: dict[str, Any], filled_in_place: bool) -> tuple[list[dict[str, Any]], list[int]]:
+    """:func:`check_meta`, then the saved param groups and per-param steps (returned) against this optimizer's."""
+    check_meta(view, state_dict["zeroshard"], filled_in_place)
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(view.optimizer.param_groups):
+        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(view.optimizer.param_groups)}")
+    steps = [int(s) for s in state_dict["param_steps"].tolist()]
+    if len(steps) != len(view.param_steps):
+        raise ValueError(f"state_dict has steps for {len(steps)} params, this optimizer has {len(view.param_steps)}")
+    return saved_groups, steps
+
+
+def check_state_keys(view: CheckpointView, meta: dict[str, Any], group_keys: list[tuple[list[str], bool]], whose: str) -> None:
     """Raise ``ValueError`` unless ``meta`` saved the state keys ``group_keys`` holds, per param group."""
     saved_keys = [list(keys) for keys in meta.get("state_keys", [])]
     if saved_keys != [keys for keys, _ in group_keys]:
         raise ValueError(f"state_dict holds optimizer state {saved_keys} per param group; {type(view.optimizer).__name__} with {whose} "
                          f"keeps {[keys for keys, _ in group_keys]}")
-
-
-def _check_sharded(view: CheckpointView, state_dict: dict[str, Any], group_keys: list[tuple[list[str], bool]], filled_in_place: bool) -> None:
-    meta = state_dict["zeroshard"]
-    check_layout(view, meta.get("layout", []))
-    _check_state_keys(view, meta, group_keys, "the state_dict's hyperparameters")
-    for k, shard in enumerate(view.shards):
-        keys, _ = group_keys[shard.group]
-        for bucket in shard.buffer.layout.buckets:
-            entry = state_dict["buckets"].get(f"{k}.{bucket.index}")
-            wanted = keys + (["master"] if saves_master(shard) else [])
-            if entry is None or sorted(entry) != sorted(wanted):
-                found = None if entry is None else sorted(entry)
-                if filled_in_place:
-                    raise ValueError(f"the checkpoint holds optimizer state {sorted(wanted)} for bucket {k}.{bucket.index}, but this optimizer's "
-                                     f"state_dict() gave dcp.load {found} to fill: its hyperparameters keep other state than the checkpoint's. "
-                                     "Build the optimizer with the checkpoint's hyperparameters, or load a full or per-rank state dict")
-                raise ValueError(f"state_dict bucket {k}.{bucket.index} holds {found}, expected {sorted(wanted)}.{master_hint(found, wanted)}")
-            lo, hi = _local_range(view, k, bucket.index)
-            for key, value in entry.items():
-                local = _to_local(value)
-                if tuple(value.shape) != (bucket.numel,) or local.numel() != hi - lo:
-                    raise ValueError(f"state_dict bucket {k}.{bucket.index} {key!r} has shape {tuple(value.shape)} with {local.numel()} local elements; "
-                                     f"this rank expects ({bucket.numel},) with {hi - lo}: a sharded state dict saved at another world size loads through "
-                                     "torch.distributed.checkpoint (dcp.load), which reshards it")
 
 
 def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_place: bool) -> Loaded:
@@ -356,22 +312,30 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
             shard, a param saved with another shape (named, with both shapes), another layout, optimizer state that the
             saved hyperparameters do not keep, or local shard geometry.
     """
-    _check_version(state_dict["zeroshard"])
-    check_saver(view, state_dict["zeroshard"], filled_in_place, "flat")
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(view.optimizer.param_groups):
-        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(view.optimizer.param_groups)}")
+    saved_groups, steps = check_envelope(view, state_dict, filled_in_place)
     group_keys = group_state_keys(view, saved_groups)
-    _check_sharded(view, state_dict, group_keys, filled_in_place)
-    steps = [int(s) for s in state_dict["param_steps"].tolist()]
-    if len(steps) != len(view.param_steps):
-        raise ValueError(f"state_dict has steps for {len(steps)} params, this optimizer has {len(view.param_steps)}")
+    check_state_keys(view, state_dict["zeroshard"], group_keys, "the state_dict's hyperparameters")
     state: dict[Tensor, dict[str, Any]] = {}
     masters = []
     for k, shard in enumerate(view.shards):
         keys, has_step = group_keys[shard.group]
         for bucket in shard.buffer.layout.buckets:
-            entry = {key: _to_local(v) for key, v in state_dict["buckets"][f"{k}.{bucket.index}"].items()}
+            saved = state_dict["buckets"].get(f"{k}.{bucket.index}")
+            wanted = keys + (["master"] if saves_master(shard) else [])
+            if saved is None or sorted(saved) != sorted(wanted):
+                found = None if saved is None else sorted(saved)
+                if filled_in_place:
+                    raise ValueError(f"the checkpoint holds optimizer state {sorted(wanted)} for bucket {k}.{bucket.index}, but this optimizer's "
+                                     f"state_dict() gave dcp.load {found} to fill: its hyperparameters keep other state than the checkpoint's. "
+                                     "Build the optimizer with the checkpoint's hyperparameters, or load a full or per-rank state dict")
+                raise ValueError(f"state_dict bucket {k}.{bucket.index} holds {found}, expected {sorted(wanted)}.{master_hint(found, wanted)}")
+            lo, hi = _local_range(view, k, bucket.index)
+            entry = {key: _to_local(value) for key, value in saved.items()}
+            for key, value in saved.items():
+                if tuple(value.shape) != (bucket.numel,) or entry[key].numel() != hi - lo:
+                    raise ValueError(f"state_dict bucket {k}.{bucket.index} {key!r} has shape {tuple(value.shape)} with {entry[key].numel()} local "
+                                     f"elements; this rank expects ({bucket.numel},) with {hi - lo}: a sharded state dict saved at another world size "
+                                     "loads through torch.distributed.checkpoint (dcp.load), which reshards it")
             for piece, vparam, offset in bucket_pieces(view, k, bucket.index):
                 step = steps[shard.param_indices[piece.param]]
                 if step:

@@ -13,172 +13,30 @@ zero param of that shape (:func:`state_spec`): on the meta device where the opti
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zeroshard.checkpoint.full import check_full, full_envelope
+from zeroshard.checkpoint.full import full_envelope
 from zeroshard.checkpoint.sharded import (
-    SHARDED_FORMAT,
-    SHARDED_FORMAT_VERSION,
     CheckpointView,
     Loaded,
-    _check_version,
-    check_layout,
-    check_saver,
-    groups_without_params,
+    check_envelope,
+    check_meta,
+    check_state_keys,
+    group_state_keys,
     inner_state_dict,
-    layout_signature,
     master_hint,
     param_names,
     saves_master,
+    sharded_envelope,
 )
 from zeroshard.comm import collectives
 from zeroshard.layout.local_shard import LocalShard
-from zeroshard.step.wrapped import constructor_kwargs, is_subclass_state, throwaway_state
-
-
-class Subclass(NamedTuple):
-    """A state tensor kept as a tensor subclass (torchao's ``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``): how to
-    rebuild it from its plain inner tensors (``codes``, ``scale``, ``qmap``), which the sharded format carries as
-    ``"<key>.<inner>"`` entries, and the context ``__tensor_flatten__`` gives."""
-
-    cls: type
-    context: Any
-    inner: dict[str, tuple[tuple[int, ...], torch.dtype]]  # inner tensor name -> (shape, dtype)
-    size: torch.Size
-    stride: tuple[int, ...]
-
-
-class StateSpec(NamedTuple):
-    """What an optimizer keeps for one param: each state tensor's shape and dtype (``step`` aside), whether it keeps ``step``,
-    and (``subclasses``, by key) which state tensors are tensor subclasses."""
-
-    shapes: dict[str, tuple[int, ...]]
-    dtypes: dict[str, torch.dtype]
-    has_step: bool
-    subclasses: dict[str, Subclass] = {}
-
-    def entries(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """The plain tensors a sharded checkpoint holds for the param: each state tensor, a subclass as its inner tensors."""
-        found: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        for key, shape in self.shapes.items():
-            sub = self.subclasses.get(key)
-            found.update({key: (shape, self.dtypes[key])} if sub is None else {f"{key}.{name}": inner for name, inner in sub.inner.items()})
-        return found
-
-    def flatten(self, state: dict[str, Any], device: torch.device) -> dict[str, Tensor]:
-        """``state``'s tensors as :meth:`entries` names them, copied to ``device`` (zeros for a key ``state`` lacks)."""
-        out: dict[str, Tensor] = {}
-        for key in self.shapes:
-            sub, held = self.subclasses.get(key), state.get(key)
-            if sub is None:
-                out[key] = held.detach().to(device, copy=True) if held is not None else torch.zeros(self.shapes[key], dtype=self.dtypes[key], device=device)
-                continue
-            if held is not None and type(held) is not sub.cls:
-                raise ValueError(f"state[{key!r}] is a {type(held).__name__}; this optimizer keeps a {sub.cls.__name__} for such a param")
-            for name, (shape, dtype) in sub.inner.items():
-                out[f"{key}.{name}"] = (getattr(held, name).detach().to(device, copy=True) if held is not None
-                                        else torch.zeros(shape, dtype=dtype, device=device))
-        return out
-
-    def mismatch(self, state: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Per checkpoint entry of ``state`` (as :meth:`entries` names them) whose shape is not the spec's: (found, expected)."""
-        found: dict[str, tuple[int, ...]] = {}
-        for key in self.shapes:
-            held, sub = state.get(key), self.subclasses.get(key)
-            if held is None:
-                continue
-            if sub is None or type(held) is not sub.cls:
-                found[key] = tuple(held.shape)
-            else:
-                found.update({f"{key}.{name}": tuple(getattr(held, name).shape) for name in sub.inner})
-        expected = {key: shape for key, (shape, _) in self.entries().items()}
-        return {key: (shape, expected.get(key, ())) for key, shape in found.items() if expected.get(key) != shape}
-
-    def unflatten(self, entry: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The state tensors from a checkpoint entry as :meth:`entries` names them: copies, subclasses rebuilt."""
-        state: dict[str, Tensor] = {}
-        for key in self.shapes:
-            sub = self.subclasses.get(key)
-            if sub is None:
-                state[key] = entry[key].clone()
-            else:
-                inner = {name: entry[f"{key}.{name}"].clone() for name in sub.inner}
-                state[key] = rebuild(sub.cls, inner, sub.context, sub.size, sub.stride)
-        return state
-
-
-def copy_state_value(value: Any) -> Any:
-    """A copy of one state value: ``clone()`` for a plain tensor, the inner tensors cloned for a subclass (which may not implement ``clone``)."""
-    if not is_subclass_state(value):
-        return value.clone() if isinstance(value, Tensor) else value
-    names, context = value.__tensor_flatten__()
-    return rebuild(type(value), {name: getattr(value, name).clone() for name in names}, context, value.size(), value.stride())
-
-
-def rebuild(cls: type, inner: dict[str, Tensor], context: Any, size: Any, stride: Any) -> Tensor:
-    """A tensor subclass ``cls`` made from its ``inner`` tensors and ``context`` (``__tensor_unflatten__``)."""
-    return cls.__tensor_unflatten__(inner, context, torch.Size(size), tuple(stride))  # type: ignore[attr-defined]
-
-
-def _subclass(value: Tensor) -> Subclass:
-    names, context = value.__tensor_flatten__()  # type: ignore[attr-defined]
-    inner = {name: (tuple(getattr(value, name).shape), getattr(value, name).dtype) for name in names}
-    return Subclass(type(value), context, inner, value.size(), tuple(value.stride()))
-
-
-_SPECS: dict[tuple[Any, ...], StateSpec] = {}
-
-
-def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], shape: torch.Size | tuple[int, ...],
-               dtype: torch.dtype) -> StateSpec:
-    """The state ``optimizer``'s class keeps for a param of ``shape`` and ``dtype`` in a param group with ``hyperparameters``
-    (see the module docstring), cached per class, hyperparameters (the learning rate aside), shape and dtype.
-
-    Raises:
-        ValueError: the class cannot be built or stepped with these hyperparameters on such a param, or it keeps state
-            that is not a tensor (other than ``step``), which zeroshard checkpoints do not carry.
-    """
-    cls = type(optimizer)
-    hyperparameters = {**instance_options(optimizer, hyperparameters), **hyperparameters}
-    kwargs = constructor_kwargs(cls, hyperparameters)
-    # The learning rate (which schedules change every step) does not decide what state is kept.
-    key = (cls, repr(sorted((k, v) for k, v in kwargs.items() if k not in ("lr", "initial_lr"))), tuple(shape), dtype)
-    if key in _SPECS:
-        return _SPECS[key]
-    error: Exception | None = None
-    for device in ("meta", "cpu"):
-        try:
-            sample = throwaway_state(cls, hyperparameters, shape, dtype, device)
-            break
-        except (TypeError, ValueError, RuntimeError, NotImplementedError) as caught:
-            error = caught
-    else:
-        raise ValueError(f"{cls.__name__} cannot be stepped on a param of shape {tuple(shape)} with the hyperparameters {kwargs}: {error}")
-    tensors = {k: v for k, v in sample.items() if torch.is_tensor(v) and k != "step"}
-    others = sorted(k for k in sample if k not in tensors and k != "step")
-    if others:
-        raise ValueError(f"{cls.__name__} keeps state {others} that is not a tensor; zeroshard checkpoints carry tensors and 'step' only")
-    subclasses = {k: _subclass(v) for k, v in tensors.items() if is_subclass_state(v)}
-    _SPECS[key] = StateSpec({k: tuple(v.shape) for k, v in sorted(tensors.items())}, {k: v.dtype for k, v in tensors.items()}, "step" in sample,
-                            subclasses)
-    return _SPECS[key]
-
-
-def instance_options(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]) -> dict[str, Any]:
-    """Constructor arguments ``optimizer`` keeps as plain attributes rather than in its param groups (torchao's
-    ``block_size`` and ``bf16_stochastic_round``), by name: they decide the state's shapes as much as the groups' do."""
-    try:
-        names = inspect.signature(type(optimizer).__init__).parameters
-    except (TypeError, ValueError):
-        return {}
-    found = {name: getattr(optimizer, name, None) for name in names if name not in ("self", "params") and name not in hyperparameters}
-    return {name: value for name, value in found.items() if isinstance(value, (bool, int, float, str))}
+from zeroshard.step.wrapped import StateSpec, state_spec
 
 
 def _owned(view: CheckpointView) -> Iterator[tuple[int, LocalShard, Any, nn.Parameter, int]]:
@@ -189,7 +47,7 @@ def _owned(view: CheckpointView) -> Iterator[tuple[int, LocalShard, Any, nn.Para
 
 
 def _spec(view: CheckpointView, groups: list[dict[str, Any]], shard: LocalShard, shape: torch.Size) -> StateSpec:
-    return state_spec(view.optimizer, groups[shard.group], shape, shard.master_dtype)
+    return state_spec(view.optimizer, groups[shard.group], shape, shard.master_dtype, ("meta", "cpu", shard.buffer.device))
 
 
 def _master(shard: LocalShard, piece: Any, shape: torch.Size) -> Tensor:
@@ -215,16 +73,23 @@ def _for_convert(view: CheckpointView) -> dict[str, Any]:
     return {"keeps_step": keeps, "subclasses": table}
 
 
-def check_saved_entries(view: CheckpointView, saved: set[str], partition: str) -> None:
-    """:func:`~zeroshard.verify_checkpoint`: the entries ``dcp.load`` will ask for are saved (``saved``: entry names under the
-    optimizer's key, as ``"params.3.exp_avg"``): with ``partition="param"`` the state of each param this rank owns (a master
-    too many is dropped on load), then each param group's settings. DCP would fail on the first missing one: "Missing key".
+def check_saved(view: CheckpointView, meta: dict[str, Any], saved: set[str]) -> None:
+    """:func:`~zeroshard.verify_checkpoint`'s checks, before any load, of a sharded checkpoint's ``"zeroshard"`` entry ``meta`` and
+    of the entries ``dcp.load`` will ask for (``saved``: entry names under the optimizer's key, as ``"params.3.exp_avg"``; DCP
+    would fail on the first missing one, "Missing key"): :func:`check_meta`, masters, the state each param group keeps (flat) or
+    each param this rank owns has (a master too many is dropped on load), then each param group's settings.
 
     Raises:
-        ValueError: a param saved with other state (named, both key lists), or a group saved without a setting it has.
+        ValueError: see :func:`check_meta`; no masters where this optimizer keeps them; other state (named, both key lists); a
+            group saved without a setting it has.
     """
+    check_meta(view, meta, True)
+    if any(saves_master(shard) for shard in view.shards) and not any(entry.endswith(".master") for entry in saved):  # the reverse loads
+        raise ValueError(f"the checkpoint holds no fp32 masters of 16-bit params, this optimizer keeps them.{master_hint([], ['master'])}")
+    if "state_keys" in meta:
+        check_state_keys(view, meta, group_state_keys(view, view.optimizer.param_groups), "this optimizer's hyperparameters")
     name = type(view.optimizer).__name__
-    if partition == "param":
+    if view.partition == "param":
         found: dict[str, set[str]] = {}
         for entry in saved:
             kind, _, rest = entry.partition(".")
@@ -261,16 +126,7 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
         if saves_master(shard):
             entry["master"] = _master(shard, piece, vparam.shape)
         params[str(index)] = entry
-    return {
-        "zeroshard": {
-            "format": SHARDED_FORMAT, "version": SHARDED_FORMAT_VERSION, "partition": "param", "layout": layout_signature(view),
-            "rank": view.rank, "world_size": view.world_size, **_for_convert(view),
-            "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
-        },
-        "param_groups": groups_without_params(view.optimizer, view.group_params),
-        "param_steps": torch.tensor(view.param_steps, dtype=torch.int64),
-        "params": params,
-    }
+    return sharded_envelope(view, _for_convert(view), params=params)
 
 
 def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_place: bool) -> Loaded:
@@ -280,16 +136,7 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
         ValueError: another format version or partition mode, another rank's shard (not through DCP), another layout (a param
             named with both shapes), or a param's entry with other state or shapes than the saved hyperparameters keep.
     """
-    meta = state_dict["zeroshard"]
-    _check_version(meta)
-    check_saver(view, meta, filled_in_place, "param")
-    check_layout(view, meta.get("layout", []))
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(view.optimizer.param_groups):
-        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(view.optimizer.param_groups)}")
-    steps = [int(s) for s in state_dict["param_steps"].tolist()]
-    if len(steps) != len(view.param_steps):
-        raise ValueError(f"state_dict has steps for {len(steps)} params, this optimizer has {len(view.param_steps)}")
+    saved_groups, steps = check_envelope(view, state_dict, filled_in_place)
     names = param_names(view)
     entries = state_dict.get("params") or {}
     state: dict[Tensor, dict[str, Any]] = {}
@@ -382,48 +229,3 @@ def _check_shapes_everywhere(view: CheckpointView) -> None:
         raise RuntimeError(f"{type(view.optimizer).__name__} keeps state of other shapes than zeroshard expects from its hyperparameters "
                            f"(on this rank: {bad or 'none'}); nothing was sent. Which state a param has comes from one step of a "
                            "throwaway optimizer built from the param group's hyperparameters and the options the optimizer keeps as attributes")
-
-
-def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> Loaded:
-    """As :func:`zeroshard.checkpoint.full.load_full`, taking this rank's params' state whole; every param's entry is checked
-    on every rank, so a bad dict raises alike everywhere.
-
-    Raises:
-        ValueError: as :func:`zeroshard.checkpoint.full.check_full`, or a param's state with other keys, types or shapes than
-            the saved hyperparameters keep (named).
-    """
-    order, meta = check_full(view, state_dict)
-    names = param_names(view)
-    saved_groups = state_dict["param_groups"]
-    specs: dict[int, StateSpec] = {}
-    steps = [0] * len(order)
-    for shard in view.shards:
-        for i, param in enumerate(shard.buffer.params):
-            ours = shard.param_indices[i]
-            entry = state_dict["state"].get(order[ours])
-            if not entry:
-                continue
-            spec = specs[ours] = _spec(view, saved_groups, shard, param.shape)
-            found = {key: tuple(value.shape) for key, value in entry.items() if key != "step"}
-            kinds = {key: type(value) for key, value in entry.items() if key in spec.subclasses and type(value) is not spec.subclasses[key].cls}
-            if kinds:
-                raise ValueError(f"state_dict state of {names[ours]} holds {sorted((k, t.__name__) for k, t in kinds.items())} (key, type) where "
-                                 f"{type(view.optimizer).__name__} keeps {sorted((k, sub.cls.__name__) for k, sub in spec.subclasses.items())}")
-            if found != spec.shapes:
-                raise ValueError(f"state_dict state of {names[ours]} has {found} (key: shape), {type(view.optimizer).__name__} keeps "
-                                 f"{spec.shapes} for it with the state_dict's hyperparameters of param_groups[{shard.group}]")
-            steps[ours] = int(float(entry["step"])) if "step" in entry else 1
-    state: dict[Tensor, dict[str, Any]] = {}
-    masters = []
-    saved_masters = meta.get("master") or {}
-    for k, shard, piece, vparam, ours in _owned(view):
-        if steps[ours]:
-            entry = state_dict["state"][order[ours]]
-            state[vparam] = {key: copy_state_value(entry[key]) for key in specs[ours].shapes}
-            if specs[ours].has_step:
-                state[vparam]["step"] = torch.tensor(float(steps[ours]))
-        if saves_master(shard):
-            master = saved_masters.get(order[ours])
-            values = shard.buffer.data[piece.flat_offset : piece.flat_offset + piece.numel] if master is None else master.reshape(-1)
-            masters.append((k, piece.shard_offset, values))
-    return inner_state_dict(view, state, saved_groups), steps, masters

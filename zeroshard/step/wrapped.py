@@ -4,7 +4,7 @@ path applies to the gradients, and what state the wrapped optimizer keeps for a 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -79,3 +79,158 @@ def throwaway_state(cls: type, hyperparameters: dict[str, Any], shape: Any, dtyp
     with torch.compiler.set_stance("force_eager"):
         throwaway.step()
     return throwaway.state[probe]
+
+
+class Subclass(NamedTuple):
+    """A state tensor kept as a tensor subclass (torchao's ``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``): how to
+    rebuild it from its plain inner tensors (``codes``, ``scale``, ``qmap``), which the sharded format carries as
+    ``"<key>.<inner>"`` entries, and the context ``__tensor_flatten__`` gives."""
+
+    cls: type
+    context: Any
+    inner: dict[str, tuple[tuple[int, ...], torch.dtype]]  # inner tensor name -> (shape, dtype)
+    size: torch.Size
+    stride: tuple[int, ...]
+
+
+class StateSpec(NamedTuple):
+    """What an optimizer keeps for one param: each state tensor's shape and dtype (``step`` aside), whether it keeps ``step``,
+    and (``subclasses``, by key) which state tensors are tensor subclasses."""
+
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+    has_step: bool
+    subclasses: dict[str, Subclass] = {}
+
+    def entries(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The plain tensors a sharded checkpoint holds for the param: each state tensor, a subclass as its inner tensors."""
+        found: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for key, shape in self.shapes.items():
+            sub = self.subclasses.get(key)
+            found.update({key: (shape, self.dtypes[key])} if sub is None else {f"{key}.{name}": inner for name, inner in sub.inner.items()})
+        return found
+
+    def flatten(self, state: dict[str, Any], device: torch.device) -> dict[str, Tensor]:
+        """``state``'s tensors as :meth:`entries` names them, copied to ``device`` (zeros for a key ``state`` lacks)."""
+        out: dict[str, Tensor] = {}
+        for key in self.shapes:
+            sub, held = self.subclasses.get(key), state.get(key)
+            if sub is None:
+                out[key] = held.detach().to(device, copy=True) if held is not None else torch.zeros(self.shapes[key], dtype=self.dtypes[key], device=device)
+                continue
+            if held is not None and type(held) is not sub.cls:
+                raise ValueError(f"state[{key!r}] is a {type(held).__name__}; this optimizer keeps a {sub.cls.__name__} for such a param")
+            for name, (shape, dtype) in sub.inner.items():
+                out[f"{key}.{name}"] = (getattr(held, name).detach().to(device, copy=True) if held is not None
+                                        else torch.zeros(shape, dtype=dtype, device=device))
+        return out
+
+    def mismatch(self, state: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per checkpoint entry of ``state`` (as :meth:`entries` names them) whose shape is not the spec's: (found, expected)."""
+        found: dict[str, tuple[int, ...]] = {}
+        for key in self.shapes:
+            held, sub = state.get(key), self.subclasses.get(key)
+            if held is None:
+                continue
+            if sub is None or type(held) is not sub.cls:
+                found[key] = tuple(held.shape)
+            else:
+                found.update({f"{key}.{name}": tuple(getattr(held, name).shape) for name in sub.inner})
+        expected = {key: shape for key, (shape, _) in self.entries().items()}
+        return {key: (shape, expected.get(key, ())) for key, shape in found.items() if expected.get(key) != shape}
+
+    def unflatten(self, entry: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The state tensors from a checkpoint entry as :meth:`entries` names them: copies, subclasses rebuilt."""
+        state: dict[str, Tensor] = {}
+        for key in self.shapes:
+            sub = self.subclasses.get(key)
+            if sub is None:
+                state[key] = entry[key].clone()
+            else:
+                inner = {name: entry[f"{key}.{name}"].clone() for name in sub.inner}
+                state[key] = rebuild(sub.cls, inner, sub.context, sub.size, sub.stride)
+        return state
+
+
+def copy_state_value(value: Any) -> Any:
+    """A copy of one state value: ``clone()`` for a plain tensor, the inner tensors cloned for a subclass (which may not implement ``clone``)."""
+    if not is_subclass_state(value):
+        return value.clone() if isinstance(value, Tensor) else value
+    names, context = value.__tensor_flatten__()
+    return rebuild(type(value), {name: getattr(value, name).clone() for name in names}, context, value.size(), value.stride())
+
+
+def rebuild(cls: type, inner: dict[str, Tensor], context: Any, size: Any, stride: Any) -> Tensor:
+    """A tensor subclass ``cls`` made from its ``inner`` tensors and ``context`` (``__tensor_unflatten__``)."""
+    return cls.__tensor_unflatten__(inner, context, torch.Size(size), tuple(stride))  # type: ignore[attr-defined]
+
+
+def _subclass(value: Tensor) -> Subclass:
+    names, context = value.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {name: (tuple(getattr(value, name).shape), getattr(value, name).dtype) for name in names}
+    return Subclass(type(value), context, inner, value.size(), tuple(value.stride()))
+
+
+_SPECS: dict[tuple[Any, ...], StateSpec] = {}
+
+
+def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], shape: torch.Size | tuple[int, ...],
+               dtype: torch.dtype, devices: tuple[Any, ...]) -> StateSpec:
+    """The state ``optimizer``'s class keeps for a param of ``shape`` and ``dtype`` in a param group with ``hyperparameters``,
+    from one step on the first of ``devices`` that takes it, cached per class, hyperparameters (the learning rate aside),
+    shape, dtype and devices.
+
+    Raises:
+        ValueError: the class cannot be built or stepped with these hyperparameters on such a param, or it keeps state
+            that is not a tensor (other than ``step``), which zeroshard checkpoints do not carry.
+    """
+    cls = type(optimizer)
+    hyperparameters = {**instance_options(optimizer, hyperparameters), **hyperparameters}
+    kwargs = constructor_kwargs(cls, hyperparameters)
+    # The learning rate (which schedules change every step) does not decide what state is kept.
+    key = (cls, repr(sorted((k, v) for k, v in kwargs.items() if k not in ("lr", "initial_lr"))), tuple(shape), dtype, devices)
+    if key in _SPECS:
+        return _SPECS[key]
+    error: Exception | None = None
+    for device in devices:
+        try:
+            sample = throwaway_state(cls, hyperparameters, shape, dtype, device)
+            break
+        except (TypeError, ValueError, RuntimeError, NotImplementedError, AssertionError) as caught:  # capturable=True asserts CUDA
+            error = caught
+    else:
+        raise ValueError(f"{cls.__name__} cannot be stepped on a param of shape {tuple(shape)} with the hyperparameters {kwargs}: {error}")
+    tensors = {k: v for k, v in sample.items() if torch.is_tensor(v) and k != "step"}
+    others = sorted(k for k in sample if k not in tensors and k != "step")
+    if others:
+        raise ValueError(f"{cls.__name__} keeps state {others} that is not a tensor; zeroshard checkpoints carry tensors and 'step' only")
+    subclasses = {k: _subclass(v) for k, v in tensors.items() if is_subclass_state(v)}
+    _SPECS[key] = StateSpec({k: tuple(v.shape) for k, v in sorted(tensors.items())}, {k: v.dtype for k, v in tensors.items()}, "step" in sample,
+                            subclasses)
+    return _SPECS[key]
+
+
+def instance_options(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]) -> dict[str, Any]:
+    """Constructor arguments ``optimizer`` keeps as plain attributes rather than in its param groups (torchao's
+    ``block_size`` and ``bf16_stochastic_round``), by name: they decide the state's shapes as much as the groups' do."""
+    try:
+        names = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):
+        return {}
+    found = {name: getattr(optimizer, name, None) for name in names if name not in ("self", "params") and name not in hyperparameters}
+    return {name: value for name, value in found.items() if isinstance(value, (bool, int, float, str))}
+
+
+def state_keys(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], dtype: torch.dtype, device: torch.device) -> tuple[list[str], bool]:
+    """The per-element state keys (e.g. ``exp_avg``) ``optimizer``'s class keeps for a param group with ``hyperparameters``
+    (``SGD`` keeps ``momentum_buffer`` only with ``momentum != 0``), and whether it keeps ``step``: :func:`state_spec` of a
+    2-element param on the params' ``device`` (``capturable=True`` steps nowhere else).
+
+    Raises:
+        ValueError: as :func:`state_spec`, or the class keeps scalar state other than ``step`` (e.g. NAdam's ``mu_product``),
+            which zeroshard checkpoints do not carry.
+    """
+    spec = state_spec(optimizer, hyperparameters, (2,), dtype, (device,))
+    if scalars := sorted(k for k, shape in spec.shapes.items() if shape != (2,)):
+        raise ValueError(f"{type(optimizer).__name__} keeps scalar state {scalars}; zeroshard checkpoints carry per-element state and 'step' only")
+    return list(spec.shapes), spec.has_step
