@@ -242,6 +242,10 @@ def mismatch_worker() -> None:
         opt.load_state_dict(plain)
     with pytest.raises(ValueError, match="has 1 param groups, this optimizer 2"):
         opt.load_state_dict({**full, "param_groups": full["param_groups"][:1]})
+    no_step = copy.deepcopy(full)
+    del no_step["state"][1]["step"]  # torch's AdamW raises KeyError: it loaded as step 1 (the bias correction of its first)
+    with pytest.raises(ValueError, match=r"\['params'\]\[1\] has \['exp_avg', 'exp_avg_sq'\], AdamW keeps \['exp_avg', 'exp_avg_sq', 'step'\]"):
+        opt.load_state_dict(no_step)
 
     # Another optimizer's state.
     sgd = torch.optim.SGD(param_groups(TinyNet()), lr=0.1, momentum=0.9)

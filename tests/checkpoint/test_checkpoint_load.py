@@ -158,9 +158,14 @@ def _grow_fc2_bias(model):
     model.fc2.bias = torch.nn.Parameter(torch.zeros(14))
 
 
+def _add_param(model):
+    model.extra = torch.nn.Parameter(torch.zeros(3))
+
+
 def reshaped_params_worker(directory: str) -> None:
     """A param saved with another shape is named, with both shapes: per-rank by zeroshard's check, through DCP by
-    dcp.load's own size check at the param's shape entry, by verify_checkpoint before either. A version 1 dict
+    dcp.load's own size check at the param's shape entry (a param added: its missing shape entry), by verify_checkpoint
+    before either. A version 1 dict
     (no shapes) is refused with the way out. Nothing changes on a refused load."""
     model, opt = _build()
     _train(model, opt, range(2))
@@ -176,7 +181,8 @@ def reshaped_params_worker(directory: str) -> None:
     # Through DCP its own size check refuses it first, at the param's shape entry (see docs/checkpoint.md).
     dcp_transposed = r"saved torch.Size\(\[0, 29, 13\]\) and current: torch.Size\(\[0, 13, 29\]\) for optim.shapes.param_groups\[0\]\['params'\]\[1\]"
     dcp_grown = r"saved torch.Size\(\[0, 13\]\) and current: torch.Size\(\[0, 14\]\) for optim.shapes.param_groups\[1\]\['params'\]\[4\]"
-    for change, message in ((_transpose_fc1, dcp_transposed), (_grow_fc2_bias, dcp_grown)):
+    dcp_added = r"Missing key in checkpoint state_dict: optim.shapes.param_groups\[\d\]\['params'\]\[\d+\]"  # was: the param steps' size
+    for change, message in ((_transpose_fc1, dcp_transposed), (_grow_fc2_bias, dcp_grown), (_add_param, dcp_added)):
         other = _reshaped(change)
         with pytest.raises(BaseException, match=message):
             dcp.load({"optim": other}, checkpoint_id=directory)
@@ -256,3 +262,34 @@ def verify_mismatch_worker(directory: str) -> None:
 
 def test_verify_checkpoint_names_what_differs(pools, tmp_path):
     pools[2].run(verify_mismatch_worker, str(tmp_path / "dcp"))
+
+
+class HeavySGD(torch.optim.SGD):
+    """SGD whose momentum comes from a constructor option it keeps as an attribute, not a param-group key it takes."""
+
+    def __init__(self, params, lr: float = 0.1, heavy: bool = False):
+        super().__init__(params, lr=lr, momentum=0.9 if heavy else 0.0)
+        self.heavy = heavy
+
+
+def instance_option_worker(method: str) -> bool:
+    """An optimizer whose state depends on an option kept as an attribute (``HeavySGD(heavy=True)``: ``momentum_buffer``),
+    saved after 2 steps and loaded into a fresh one, then one more step each: whether the params are bitwise alike."""
+    models, opts = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(TinyNet())
+        opts.append(zeroshard.ShardedOptimizer(HeavySGD(param_groups(models[-1]), heavy=True), bucket_size_mb=BUCKET_MB, partition="flat"))
+    _train(models[0], opts[0], range(2))
+    saved = copy.deepcopy(opts[0].state_dict()) if method == "sharded" else _full(opts[0])
+    models[1].load_state_dict(models[0].state_dict())
+    opts[1].load_state_dict(saved)
+    for model, opt in zip(models, opts):
+        _train(model, opt, range(2, 3))
+    return all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models)))
+
+
+@pytest.mark.parametrize("method", ["sharded", "full"])
+def test_state_an_attribute_option_decides_is_saved(pools, method):
+    # The flat partition's checkpoints left momentum_buffer out: the state keys were probed without the option.
+    assert all(pools[2].run(instance_option_worker, method))

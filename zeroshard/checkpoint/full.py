@@ -157,9 +157,9 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> Loaded:
             if kinds:
                 raise ValueError(f"state_dict state of {names[ours]} holds {sorted((k, t.__name__) for k, t in kinds.items())} (key, type) where "
                                  f"{name} keeps {sorted((k, sub.cls.__name__) for k, sub in spec.subclasses.items())}")
-            found = {key: tuple(value.shape) for key, value in entry.items() if key != "step"}
-            if sorted(found) != list(spec.shapes):
-                raise ValueError(f"state_dict state of {names[ours]} has {sorted(entry)}, {name} keeps {[*spec.shapes, *(['step'] if spec.has_step else [])]} "
+            found = {key: tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__ for key, value in entry.items() if key != "step"}
+            if sorted(entry) != sorted(kept := [*spec.shapes, *(["step"] if spec.has_step else [])]):  # a missing step: torch raises too
+                raise ValueError(f"state_dict state of {names[ours]} has {sorted(entry)}, {name} keeps {kept} "
                                  f"with the state_dict's hyperparameters of param_groups[{shard.group}]")
             if bad := [key for key, shape in found.items() if shape != spec.shapes[key]]:
                 raise ValueError(f"state_dict state of {names[ours]} has {found} (key: shape), {name} keeps {spec.shapes} for it with the "

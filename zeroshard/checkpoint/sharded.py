@@ -238,11 +238,13 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
     return sharded_envelope(view, {"state_keys": [keys for keys, _ in group_keys]}, shapes=param_shapes(view), buckets=buckets)
 
 
-def sharded_envelope(view: CheckpointView, meta: dict[str, Any], **entries: Any) -> dict[str, Any]:
-    """Both partitions' sharded format around ``entries``: the ``"zeroshard"`` entry (with ``meta``), param groups and steps."""
+def sharded_envelope(view: CheckpointView, meta: dict[str, Any], shapes: dict[str, Tensor] | None = None, **entries: Any) -> dict[str, Any]:
+    """Both partitions' sharded format around ``entries``: the ``"zeroshard"`` entry (with ``meta``), the flat partition's
+    :func:`param_shapes` (first, so that ``dcp.load`` names a param added, removed or reshaped), param groups and steps."""
     return {
         "zeroshard": {"format": SHARDED_FORMAT, "version": SHARDED_FORMAT_VERSION, "partition": view.partition, "layout": layout_signature(view),
                       "rank": view.rank, "world_size": view.world_size, "loss_scaler": view.scaler_state, **meta},
+        **({"shapes": shapes} if shapes is not None else {}),
         "param_groups": groups_without_params(view.optimizer, view.group_params),
         "param_steps": torch.tensor(view.param_steps, dtype=torch.int64),
         **entries,

@@ -185,10 +185,11 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
             that is not a tensor (other than ``step``), which zeroshard checkpoints do not carry.
     """
     cls = type(optimizer)
-    hyperparameters = {**instance_options(optimizer, hyperparameters), **hyperparameters}
+    # The learning rate (which schedules change every step) does not decide what state is kept: probed with one value, so the
+    # answer does not depend on what the cache (per process) holds: as in torch, a loaded lr is not checked.
+    hyperparameters = {**instance_options(optimizer, hyperparameters), **hyperparameters, **({"lr": 1e-3} if "lr" in hyperparameters else {})}
     kwargs = constructor_kwargs(cls, hyperparameters)
-    # The learning rate (which schedules change every step) does not decide what state is kept.
-    key = (cls, repr(sorted((k, v) for k, v in kwargs.items() if k not in ("lr", "initial_lr"))), tuple(shape), dtype, devices)
+    key = (cls, repr(sorted((k, v) for k, v in kwargs.items() if k != "initial_lr")), tuple(shape), dtype, devices)
     if key in _SPECS:
         return _SPECS[key]
     error: Exception | None = None
