@@ -62,6 +62,7 @@ class GradReducer:
         self._comm = GradComm(groups.shard, timeout, weak_method(self.reduce_pending))
         self._space = ParamSpace()  # the params as torch.optim numbers them
         self._grads: list[ShardGrads] = []  # per shard: its gradient bookkeeping
+        self._reduce_dtypes: list[torch.dtype] = []  # per shard (read per gradient: no property call)
         self._order = BucketOrder()
         self._staging = StagingBuckets()  # stage 2
         self._pending: list[PendingReduce] = []  # launched reductions
@@ -123,6 +124,7 @@ class GradReducer:
         """Register ``shard``'s params: hooks, launch order, and (stage 1) a flat grad buffer."""
         k = len(self._grads)
         self._grads.append(ShardGrads(shard, flat=self.stage == 1, comm=self._comm))
+        self._reduce_dtypes.append(self.reduce_dtype or shard.buffer.dtype)
         bind_virtual_grads(shard, self._comm, self._space)
         self._order.append(k, len(shard.buffer.layout.buckets))
         for i, param in enumerate(shard.buffer.params):
@@ -288,7 +290,7 @@ class GradReducer:
         grad = param.grad
         if grad is not None and not isinstance(grad, ShardedGrad):
             if grads.flat is None:  # stage 2: held until the launch; a DDP reducing this backward may reduce it in place first
-                self._staging.add(key, i, grad.clone() if self._ddp_reduced else grad, self.reduce_dtype or grads.shard.buffer.dtype)
+                self._staging.add(key, i, grad.clone() if self._ddp_reduced else grad, self._reduce_dtypes[k])
                 param.grad = None if self._ddp_reduced else grads.sharded_grad(i, param)
             elif not self._ddp_reduced:  # stage 1: a later write (a node hook) would reach the flat grad's reduction unseen
                 param.grad = grads.sharded_grad(i, param)
@@ -331,7 +333,7 @@ class GradReducer:
     def _launch(self, k: int, b: int) -> None:
         grads_of = self._grads[k]
         buffer = grads_of.shard.buffer
-        dtype = self.reduce_dtype or buffer.dtype
+        dtype = self._reduce_dtypes[k]
         if self.stage == 1:
             grads, frozen = bucket.stage1_input(buffer.bucket_view(b, of=grads_of.flat), dtype, self.groups.shard_size)
         else:
