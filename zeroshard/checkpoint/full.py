@@ -142,29 +142,28 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> Loaded:
     name = type(view.optimizer).__name__
     specs: dict[int, StateSpec] = {}
     steps = [0] * len(order)
-    for shard in view.shards:
-        for i, param in enumerate(shard.buffer.params):
-            ours = shard.param_indices[i]
-            if not (entry := state_dict["state"].get(order[ours])):
-                continue
-            if whole:
-                spec = state_spec(view.optimizer, saved_groups[shard.group], param.shape, shard.master_dtype, ("meta", "cpu", param.device))
-            else:  # per-element state, shaped as the param
-                keys, has_step = group_keys[shard.group]
-                spec = StateSpec(dict.fromkeys(keys, tuple(param.shape)), dict.fromkeys(keys, shard.master_dtype), has_step)
-            specs[ours] = spec
-            kinds = {key: type(value) for key, value in entry.items() if key in spec.subclasses and type(value) is not spec.subclasses[key].cls}
-            if kinds:
-                raise ValueError(f"state_dict state of {names[ours]} holds {sorted((k, t.__name__) for k, t in kinds.items())} (key, type) where "
-                                 f"{name} keeps {sorted((k, sub.cls.__name__) for k, sub in spec.subclasses.items())}")
-            found = {key: tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__ for key, value in entry.items() if key != "step"}
-            if sorted(entry) != sorted(kept := [*spec.shapes, *(["step"] if spec.has_step else [])]):  # a missing step: torch raises too
-                raise ValueError(f"state_dict state of {names[ours]} has {sorted(entry)}, {name} keeps {kept} "
-                                 f"with the state_dict's hyperparameters of param_groups[{shard.group}]")
-            if bad := [key for key, shape in found.items() if shape != spec.shapes[key]]:
-                raise ValueError(f"state_dict state of {names[ours]} has {found} (key: shape), {name} keeps {spec.shapes} for it with the "
-                                 f"state_dict's hyperparameters of param_groups[{shard.group}] ({bad[0]!r} of {names[ours]} has shape {found[bad[0]]})")
-            steps[ours] = int(float(entry["step"])) if "step" in entry else 1
+    # In torch.optim's order (the layout's is reversed), so that an error names the first bad param.
+    for ours, shard, param in sorted(((s.param_indices[i], s, p) for s in view.shards for i, p in enumerate(s.buffer.params)), key=lambda t: t[0]):
+        if not (entry := state_dict["state"].get(order[ours])):
+            continue
+        if whole:
+            spec = state_spec(view.optimizer, saved_groups[shard.group], param.shape, shard.master_dtype, ("meta", "cpu", param.device))
+        else:  # per-element state, shaped as the param
+            keys, has_step = group_keys[shard.group]
+            spec = StateSpec(dict.fromkeys(keys, tuple(param.shape)), dict.fromkeys(keys, shard.master_dtype), has_step)
+        specs[ours] = spec
+        kinds = {key: type(value) for key, value in entry.items() if key in spec.subclasses and type(value) is not spec.subclasses[key].cls}
+        if kinds:
+            raise ValueError(f"state_dict state of {names[ours]} holds {sorted((k, t.__name__) for k, t in kinds.items())} (key, type) where "
+                             f"{name} keeps {sorted((k, sub.cls.__name__) for k, sub in spec.subclasses.items())}")
+        found = {key: tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__ for key, value in entry.items() if key != "step"}
+        if sorted(entry) != sorted(kept := [*spec.shapes, *(["step"] if spec.has_step else [])]):  # a missing step: torch raises too
+            raise ValueError(f"state_dict state of {names[ours]} has {sorted(entry)}, {name} keeps {kept} "
+                             f"with the state_dict's hyperparameters of param_groups[{shard.group}]")
+        if bad := [key for key, shape in found.items() if shape != spec.shapes[key]]:
+            raise ValueError(f"state_dict state of {names[ours]} has {found} (key: shape), {name} keeps {spec.shapes} for it with the "
+                             f"state_dict's hyperparameters of param_groups[{shard.group}] ({bad[0]!r} of {names[ours]} has shape {found[bad[0]]})")
+        steps[ours] = int(float(entry["step"])) if "step" in entry else 1
     state: dict[Tensor, dict[str, Any]] = {}
     masters = []
     saved_masters = meta.get("master") or {}
