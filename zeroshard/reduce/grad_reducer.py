@@ -11,7 +11,6 @@ import contextlib
 import datetime
 import weakref
 from collections.abc import Callable, Iterator
-from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -259,7 +258,8 @@ class GradReducer:
             if (self._take_grad(k, i, param) or not self.coordinator.alone) and self.overlap_comm:
                 self.launch_complete_buckets()
         else:
-            held = cast(Tensor, param.grad)  # stage 1: its flat view now; the last deferred was taken in this pre-hook
+            held = param.grad  # stage 1: its flat view now; the last deferred was taken in this pre-hook
+            assert held is not None  # (checked above; an assert, not typing.cast: no Python call per gradient)
             self._deferred = (k, i, param, held, held._version)
 
     def take_deferred(self) -> None:
