@@ -27,12 +27,9 @@ from zeroshard.reduce import bucket
 from zeroshard.reduce.bucket import MAX_BUCKETS_IN_FLIGHT, BucketOrder, PendingReduce, StagingBuckets
 from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrappers_of_owners, held
 from zeroshard.reduce.ddp import DDPWrappers, find_wrappers, release, watch_new_wrappers
-from zeroshard.reduce.records import OutermostBackward, StepPhase, param_hooks, weak_method
+from zeroshard.reduce.records import HAS_LOCAL, REDUCED_ONCE, OutermostBackward, StepPhase, param_hooks, weak_method
 
-# For the per-param hooks (a global reads in 1/6 of an Enum member's time):
-_CLEAN, _LOCAL, _REDUCED, _REDUCED_THEN_LOCAL = StepPhase
-_REDUCED_ONCE = (_REDUCED, _REDUCED_THEN_LOCAL)  # a backward of this step was reduced
-_HAS_LOCAL = (_LOCAL, _REDUCED_THEN_LOCAL)  # accumulated locally since the last reduction (alike on every rank): step() reduces again
+_CLEAN, _LOCAL, _REDUCED = StepPhase.CLEAN, StepPhase.LOCAL, StepPhase.REDUCED  # per-param hooks: a global reads in 1/6 of an Enum member's time
 
 
 class GradReducer:
@@ -171,14 +168,14 @@ class GradReducer:
                 self._ddp_no_sync = True
                 self.accumulate_locally()
             self._check_flat_grads()
-            for grads in self._grads if self.phase in _REDUCED_ONCE else ():
+            for grads in self._grads if self.phase in REDUCED_ONCE else ():
                 grads.refuse_edits_before_rereduction(self._early)
         if task != self.followed_task:  # once per backward pass: did the model move?
             self.followed_task = task
             for grads in self._grads:
                 grads.shard.follow_all()
         grads = self._grads[k]
-        grads.before_accumulate(i, param, reduced=self.phase in _REDUCED_ONCE, follow=not self._ddp_reduced)
+        grads.before_accumulate(i, param, reduced=self.phase in REDUCED_ONCE, follow=not self._ddp_reduced)
         if grads.flat is not None and not self._ddp_reduced and not grad.is_sparse:
             grads.hand_flat_view(i, param)
 
@@ -198,7 +195,8 @@ class GradReducer:
         if self.phase is _REDUCED and unshard and not (self._ddp_reduced or self._early):  # early: DDP's .grad was local
             bucket.unshard(self._grads, self.groups, self.timeout)
             self.phase = _LOCAL
-        self.phase = self.phase.after_local
+        else:
+            self.phase = self.phase.after_local
 
     def _sync_next_backward(self) -> None:
         """A framework asked DDP's released reducer to reduce the coming backward (``prepare_for_backward``)."""
@@ -208,7 +206,7 @@ class GradReducer:
         """Stage 1: follow in-place writes to the params' ``.grad`` (may raise: :meth:`ShardGrads.follow_flat_writes`)."""
         if not self._ddp_reduced:
             for grads in self._grads:
-                grads.follow_flat_writes(reduced=self.phase in _REDUCED_ONCE)
+                grads.follow_flat_writes(reduced=self.phase in REDUCED_ONCE)
 
     def _note_kept(self) -> None:
         """Once per reset, at the first backward, ``no_sync`` or step: which params have a ``.grad`` (``ShardGrads.kept``)."""
@@ -244,7 +242,7 @@ class GradReducer:
             grads.keep_in_flat_grad(i, param)
         if self._no_sync or self._ddp_no_sync:  # accumulating
             grads.note_local(i, param)
-            if self.phase not in _HAS_LOCAL:  # after a zero_grad() or a read of param_groups' .grad in the block
+            if self.phase not in HAS_LOCAL:  # after a zero_grad() or a read of param_groups' .grad in the block
                 self.phase = self.phase.after_local
             if self.coordinator.shared():  # the others reduce at the pass's end
                 self._queue_end_of_backward()
@@ -259,7 +257,8 @@ class GradReducer:
                 self.launch_complete_buckets()
         else:
             held = param.grad  # stage 1: its flat view now; the last deferred was taken in this pre-hook
-            assert held is not None  # (checked above; an assert, not typing.cast: no Python call per gradient)
+            if held is None:  # (not typing.cast: a Python call per gradient)
+                raise RuntimeError("internal error: a gradient checked above is gone before it is deferred")
             self._deferred = (k, i, param, held, held._version)
 
     def take_deferred(self) -> None:
@@ -396,7 +395,7 @@ class GradReducer:
 
     def reduce_for_step(self) -> None:
         """Reduce what is still local: ``no_sync`` gradients, a late one (``_take_grad``), or those of no reduced backward."""
-        if self.phase in _HAS_LOCAL and not self._ddp_reduced:  # raises if user code edited them (before settle_all follows it)
+        if self.phase in HAS_LOCAL and not self._ddp_reduced:  # raises if user code edited them (before settle_all follows it)
             for grads in self._grads:
                 grads.refuse_local_edits()
         self.settle_all()
@@ -412,7 +411,7 @@ class GradReducer:
 
         Raises:
             RuntimeError: inside ``no_sync()``; params unfrozen inside it, which ``param_groups`` lacked."""
-        if self.phase in _HAS_LOCAL or self._late:
+        if self.phase in HAS_LOCAL or self._late:
             if self._no_sync:
                 raise read_inside_no_sync()
             if self.grow is not None and self.grow():

@@ -26,10 +26,11 @@ class StepPhase(enum.Enum):
     @property
     def after_local(self) -> StepPhase:
         """The phase once more is accumulated locally (a reduction kept, not unsharded)."""
-        return StepPhase.REDUCED_THEN_LOCAL if self in _REDUCED_ONCE else StepPhase.LOCAL
+        return StepPhase.REDUCED_THEN_LOCAL if self in REDUCED_ONCE else StepPhase.LOCAL
 
 
-_REDUCED_ONCE = (StepPhase.REDUCED, StepPhase.REDUCED_THEN_LOCAL)  # a backward of this step was reduced
+REDUCED_ONCE = (StepPhase.REDUCED, StepPhase.REDUCED_THEN_LOCAL)  # a backward of this step was reduced
+HAS_LOCAL = (StepPhase.LOCAL, StepPhase.REDUCED_THEN_LOCAL)  # accumulated locally since the last reduction (alike on every rank): step() reduces again
 
 
 def weak_method(method: Callable) -> Callable:
