@@ -10,6 +10,7 @@ group and its params' ``torch.optim`` indices itself, so there are no parallel l
 
 from __future__ import annotations
 
+import datetime
 import logging
 from typing import Any
 
@@ -64,8 +65,9 @@ class ShardSet:
         self._sharded_ids: frozenset[int] = frozenset()
         self._outside: list[list[nn.Parameter]] = []
 
-    def add_groups(self, indices: range, caller: str = "the ShardedOptimizer constructor") -> list[LocalShard]:
-        """Shard the optimizer's param groups ``indices`` (a collective, in ``caller``); returns the new shards.
+    def add_groups(self, indices: range, caller: str = "the ShardedOptimizer constructor", bounded: bool = False) -> list[LocalShard]:
+        """Shard the optimizer's param groups ``indices`` (a collective, in ``caller``; ``bounded``: by ``collective_timeout_s``);
+        returns the new shards.
 
         Raises:
             ValueError: a param listed twice in one group; see :meth:`_shard`.
@@ -77,7 +79,7 @@ class ShardSet:
                 raise ValueError(f"{param_name(g, j)} (shape {tuple(listed[j].shape)}) is listed earlier in its param group too (a tied weight "
                                  "from named_parameters(remove_duplicate=False)?): torch.optim warns and steps it twice per step; list each "
                                  "param once (model.parameters() does)")
-        new = self._shard(indices, params_of, len(self.param_steps), caller)
+        new = self._shard(indices, params_of, len(self.param_steps), caller, self.groups.timeout if bounded else None)
         self.group_params.extend(params_of)
         self.param_steps.extend([0] * sum(map(len, params_of)))
         self._warn_if_some_rank_owns_nothing()
@@ -119,7 +121,7 @@ class ShardSet:
             # Raised on some ranks only, it would leave the others waiting in the checks' collectives: all raise.
             self.groups.agree(error, self.groups.timeout, "add_param_group()", found="refused the param group")
             index = len(self.optimizer.param_groups) - 1
-            return self.add_groups(range(index, index + 1), caller="add_param_group()")
+            return self.add_groups(range(index, index + 1), "add_param_group()", bounded=True)
         except BaseException:
             if error is None:  # torch's add_param_group appended it
                 self.optimizer.param_groups.pop()
@@ -164,7 +166,7 @@ class ShardSet:
                 # all-reduce or reduce-scatter) of another size (gloo aborts the process); the fingerprint's all-gather times out instead.
                 new = self._shard(range(g, g + 1), [params], first_param_index,
                                   "backward(), clip_grad_norm_() or step() after params were unfrozen (alike on every rank)",
-                                  already_sharded=self._sharded_ids, agree=False)
+                                  self.groups.timeout, already_sharded=self._sharded_ids, agree=False)
                 added.extend(new)
                 if dist.get_rank(self.groups.shard) == 0:
                     logger.info("zeroshard: param group %d: %d params trainable since the optimizer was built are now sharded",
@@ -172,10 +174,11 @@ class ShardSet:
             first_param_index += len(params)
         return added
 
-    def _shard(self, indices: range, params_of: list[list[nn.Parameter]], first_param_index: int, caller: str,
+    def _shard(self, indices: range, params_of: list[list[nn.Parameter]], first_param_index: int, caller: str, timeout: datetime.timedelta | None,
                already_sharded: frozenset[int] = frozenset(), agree: bool = True) -> list[LocalShard]:
         """Flatten, broadcast and shard param groups ``indices`` (``params_of``: their params, frozen ones included;
-        ``first_param_index``: the ``torch.optim`` index of the first); append the new shards to :attr:`shards` and return them.
+        ``first_param_index``: the ``torch.optim`` index of the first; ``timeout``: how long its collectives may wait, ``None``: the
+        process group's); append the new shards to :attr:`shards` and return them.
 
         Local checks (agreed by every rank with ``agree``), then per group of ranks the fingerprint and order checks before any
         size-dependent collective, the broadcast from rank 0, and each group's ``"params"`` replaced by (``already_sharded``:
@@ -184,7 +187,6 @@ class ShardSet:
         optimizer, groups, partition = self.optimizer, self.groups, self.partition
         # Bounded by collective_timeout_s after construction (add_param_group, unfreezing): a rank that skipped it is named. The
         # constructor waits: ranks may reach it far apart (rank 0 loading weights the broadcast hands the others).
-        timeout = None if caller == "the ShardedOptimizer constructor" else groups.timeout
         error: ValueError | None = None
         try:
             device = check_params(params_of, indices, self.device, first=not self.shards)

@@ -235,6 +235,11 @@ def mismatch_worker() -> None:
     wrong_dtype["zeroshard"]["params"][0] = (shape, "torch.bfloat16")
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] was saved with .* torch.bfloat16"):
         opt.load_state_dict(wrong_dtype)
+    for corrupt in (lambda d: d["zeroshard"]["params"].pop(), lambda d: d["param_groups"][0]["params"].__setitem__(0, 99)):
+        corrupted = copy.deepcopy(full)  # a corrupted file: an IndexError before
+        corrupt(corrupted)
+        with pytest.raises(ValueError, match=r"each index below that count once, and one pair per param \(a corrupted"):
+            opt.load_state_dict(corrupted)
     plain = copy.deepcopy(full)
     del plain["zeroshard"]
     plain["state"][1]["exp_avg"] = torch.zeros(3, 3)

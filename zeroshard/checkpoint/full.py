@@ -83,6 +83,11 @@ def check_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[list[i
     order = [i for saved in saved_groups for i in saved["params"]]  # saved index of each of our params
     meta = state_dict.get("zeroshard") or {}
     if meta.get("params"):  # zeroshard's full dicts record each param's shape and dtype
+        recorded = meta["params"]
+        if sorted(order) != list(range(len(recorded))) or not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in recorded):
+            raise ValueError(f"state_dict's param_groups list {len(order)} param indices and its 'zeroshard' entry records {len(recorded)} "
+                             "(shape, dtype) pairs: a zeroshard full state dict lists each index below that count once, and one pair "
+                             "per param (a corrupted or edited file?)")
         names = param_names(view)
         for ours, (saved_index, p) in enumerate(zip(order, view.flat_params)):
             shape, dtype = meta["params"][saved_index]
