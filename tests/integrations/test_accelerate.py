@@ -18,3 +18,4 @@ def test_accelerate_loop_matches_ddp_with_accumulate_clip_and_save_load_state(tm
     assert result["vs_ddp"] <= 1.0, result  # rtol 1e-6 (atol 1e-7) after 8 steps
     assert result["norms"] == pytest.approx(result["ddp_norms"], rel=1e-6)
     assert result["resumed_vs_uninterrupted"] == 0.0, result  # save_state/load_state with defaults: bitwise
+    assert result["saved_model"] == {"missing": [], "vs_trained": 0.0}, result  # save_model inside params_own_storage(): every param

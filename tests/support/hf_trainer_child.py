@@ -2,8 +2,9 @@
 against the same Trainer with plain AdamW (DDP) on a tiny Llama and real text, with max_grad_norm
 (clipping every step, through accelerate's ``clip_grad_norm_``), gradient_accumulation_steps=2, a
 linear LR schedule, save_steps and resume_from_checkpoint (with ``--resume-on-one-rank``: stage 2's
-checkpoint resumed on 1 rank). The one zeroshard class is the checkpoint callback
-``GatherOptimizerOnSave``. Rank 0 prints one JSON line ``hf-result {...}`` for the parent test to check."""
+checkpoint resumed on 1 rank); stage 2 also with ``save_strategy="best"`` (saves decided after an
+evaluation). The one zeroshard class is the checkpoint callback ``GatherOptimizerOnSave``. Rank 0 prints one
+JSON line ``hf-result {...}`` for the parent test to check."""
 
 from __future__ import annotations
 
@@ -49,11 +50,15 @@ class CountReductions(TrainerCallback):
         self.during_micro_steps += self.calls - self._at_step_begin
 
 
-def train(out: Path, stage: int | None, resume: str | None = None, callbacks=(), batch_size: int = 2) -> tuple[list[torch.Tensor], list[float]]:
+def train(out: Path, stage: int | None, resume: str | None = None, callbacks=(), batch_size: int = 2,
+          best: bool = False) -> tuple[list[torch.Tensor], list[float]]:
+    # best: evaluate every SAVE_STEPS steps and save when the eval loss is the lowest yet (the Trainer decides after evaluating)
+    saving = {"save_strategy": "best", "eval_strategy": "steps", "eval_steps": SAVE_STEPS, "metric_for_best_model": "eval_loss"} if best else {
+        "save_strategy": "steps" if stage is not None else "no"}
     args = TrainingArguments(
         str(out), use_cpu=True, per_device_train_batch_size=batch_size, gradient_accumulation_steps=2, max_steps=STEPS,
         max_grad_norm=0.5, learning_rate=3e-3, lr_scheduler_type="linear", seed=0, logging_steps=1, report_to=[],
-        disable_tqdm=True, save_strategy="steps" if stage is not None else "no", save_steps=SAVE_STEPS, dataloader_num_workers=0,
+        disable_tqdm=True, save_steps=SAVE_STEPS, dataloader_num_workers=0, **saving,
     )
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
@@ -61,7 +66,8 @@ def train(out: Path, stage: int | None, resume: str | None = None, callbacks=(),
     if stage is not None:
         opt = zeroshard.ShardedOptimizer(opt, stage=stage)
         callbacks.append(GatherOptimizerOnSave())
-    trainer = Trainer(model=model, args=args, train_dataset=TextDataset(), optimizers=(opt, None), callbacks=callbacks)
+    trainer = Trainer(model=model, args=args, train_dataset=TextDataset(), eval_dataset=TextDataset(8) if best else None,
+                      optimizers=(opt, None), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
     return [p.detach().clone() for p in model.parameters()], norms
@@ -78,7 +84,12 @@ def main(out: Path) -> None:
             "vs_ddp": tolerance_ratio(sharded, ddp), "resumed_vs_uninterrupted": tolerance_ratio(resumed, sharded),
             "norms": norms, "reduce_scatters": counter.calls, "during_micro_steps": counter.during_micro_steps,
         }
+    # save_strategy="best": the checkpoint saved after the first evaluation holds the full state (each rank's own shard before)
+    best, _ = train(out / "best", 2, best=True)
+    resumed, _ = train(out / "best", 2, resume=str(out / "best" / f"checkpoint-{SAVE_STEPS}"), best=True)
+    result["best"] = {"resumed_vs_uninterrupted": tolerance_ratio(resumed, best)}
     if dist.get_rank() == 0:
+        result["best"]["saved_state_entries"] = len(torch.load(out / "best" / f"checkpoint-{SAVE_STEPS}" / "optimizer.pt", weights_only=False)["state"])
         torch.save(sharded, out / "stage2-uninterrupted.pt")
         print("hf-result " + json.dumps(result), flush=True)
 

@@ -280,7 +280,9 @@ def check_meta(view: CheckpointView, meta: dict[str, Any], filled_in_place: bool
                          "consolidate_state_dict(to=0) where it was saved and load that full torch.optim-format state dict, which loads in either mode")
     if not filled_in_place and (meta.get("rank"), meta.get("world_size")) != (view.rank, view.world_size):
         raise ValueError(f"state_dict is the shard of rank {meta.get('rank')} of {meta.get('world_size')}, this is rank {view.rank} of "
-                         f"{view.world_size}: load each rank's own shard, or reshard with torch.distributed.checkpoint (dcp.load)")
+                         f"{view.world_size}: load each rank's own shard, or reshard with torch.distributed.checkpoint (dcp.load). A file saved from "
+                         "one rank's optimizer.state_dict() (HF Trainer's optimizer.pt, accelerate's save_state) holds that rank's shard "
+                         "unless every rank called consolidate_state_dict(to=0) before the save (docs/integrations.md)")
     check_layout(view, meta.get("layout", []))
 
 

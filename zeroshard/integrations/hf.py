@@ -32,8 +32,9 @@ class GatherOptimizerOnSave(transformers.TrainerCallback):
     The Trainer saves ``optimizer.pt`` from rank 0 only, as ``optimizer.state_dict()``: rank 0's shard. So at the end of a
     step or epoch where it is about to save (``control.should_save``, set by ``save_strategy``/``save_steps``), every rank
     calls ``opt.consolidate_state_dict(to=0)`` (a collective: the Trainer runs callbacks on every rank), and rank 0 writes
-    the full ``torch.optim`` format, which ``resume_from_checkpoint`` loads at any world size. With any other optimizer it
-    does nothing.
+    the full ``torch.optim`` format, which ``resume_from_checkpoint`` loads at any world size. With ``save_strategy="best"``
+    the Trainer decides to save after the evaluation and its callbacks, so the state is gathered at every evaluation
+    (``on_evaluate``). With any other optimizer it does nothing.
 
     Raises:
         ValueError: ``save_on_each_node=True`` on several nodes: the state is gathered onto rank 0
@@ -41,13 +42,23 @@ class GatherOptimizerOnSave(transformers.TrainerCallback):
     """
 
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        opt = _sharded(optimizer)
-        if opt is None or not control.should_save:
-            return
-        nodes = args.world_size // max(1, int(getattr(args, "local_world_size", 0) or args.world_size))
-        if args.save_on_each_node and nodes > 1:
-            raise ValueError(f"save_on_each_node=True on {nodes} nodes: a ShardedOptimizer's state is gathered onto rank 0 only, whose "
-                             "file the other nodes would lack; set save_on_each_node=False")
-        opt.consolidate_state_dict(to=0)
+        if control.should_save:
+            _gather(args, optimizer)
 
     on_epoch_end = on_step_end
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        if args.save_strategy == "best":  # Trainer._maybe_log_save_evaluate sets should_save after this callback, from the metrics
+            _gather(args, optimizer)
+
+
+def _gather(args: Any, optimizer: Any) -> None:
+    """Gather ``optimizer``'s full state onto rank 0 if it is a ``ShardedOptimizer`` (see :class:`GatherOptimizerOnSave`)."""
+    opt = _sharded(optimizer)
+    if opt is None:
+        return
+    nodes = args.world_size // max(1, int(getattr(args, "local_world_size", 0) or args.world_size))
+    if args.save_on_each_node and nodes > 1:
+        raise ValueError(f"save_on_each_node=True on {nodes} nodes: a ShardedOptimizer's state is gathered onto rank 0 only, whose "
+                         "file the other nodes would lack; set save_on_each_node=False")
+    opt.consolidate_state_dict(to=0)
