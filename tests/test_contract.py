@@ -438,7 +438,15 @@ class ZeroElementNet(TinyNet):
 
 
 def zero_element_worker(stage: int) -> None:
-    _train_like_ddp(*_pair(stage, net=ZeroElementNet), steps=4, what="with a zero-element param")
+    ref, ref_opt, model, opt = _pair(stage, net=ZeroElementNet)
+    _train_like_ddp(ref, ref_opt, model, opt, steps=4, what="with a zero-element param")
+    # torch.optim's dict holds state for the empty param too (empty moments, a step): it loads (refused as "frozen" before)
+    assert ref_opt.state[ref.module.empty]["exp_avg"].numel() == 0
+    opt.load_state_dict(ref_opt.state_dict())
+    for step in range(4, 6):
+        _train_step(ref, ref_opt, step)
+        _train_step(model, opt, step)
+    assert _same(ref.module, model), "after loading torch.optim's state_dict"
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -41,7 +41,8 @@ def test_offload_matches_ddp_adamw(pools, stage, accumulation, max_grad_norm):
 
 
 def on_off_worker(stage: int) -> float:
-    """Offload on vs off, fp32, 20 steps, same data."""
+    """Offload on vs off, fp32, 20 steps, same data; after step 10 the params are clamped in place under no_grad (weight
+    clipping): without offload that writes the master (the flat buffer), with it the next step copies it into the host master."""
     runs = {}
     for offload in (None, "cpu"):
         torch.manual_seed(0)
@@ -51,6 +52,10 @@ def on_off_worker(stage: int) -> float:
             loss_fn(model, *batch(dist.get_rank(), step)).backward()
             opt.step()
             model.zero_grad()
+            if step == 10:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.clamp_(-0.05, 0.05)
         runs[offload] = model
     return tolerance_ratio(runs["cpu"], runs[None])
 

@@ -94,7 +94,9 @@ def check_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[list[i
             if (tuple(shape), dtype) != (tuple(p.shape), str(p.dtype)):
                 raise ValueError(f"{names[ours]} was saved with shape {tuple(shape)} and {dtype}, this model has {tuple(p.shape)} and {p.dtype}")
     sharded = {i for shard in view.shards for i in shard.param_indices}
-    frozen = [ours for ours, saved_index in enumerate(order) if ours not in sharded and state_dict["state"].get(saved_index)]
+    # A 0-element param is never sharded; the state torch.optim keeps for it (empty moments, a step) is dropped, as nothing reads it.
+    frozen = [ours for ours, saved_index in enumerate(order)
+              if ours not in sharded and view.flat_params[ours].numel() and state_dict["state"].get(saved_index)]
     if frozen:  # no shard to hold it: dropped, its moments would restart from zero when unfrozen, its step count not
         names = param_names(view)
         raise ValueError(f"state_dict holds optimizer state for {[names[i] for i in frozen]}, frozen (requires_grad=False) when this "
