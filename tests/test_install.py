@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from torchrun_child import TORCHRUN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +35,21 @@ def test_import_leaves_checkpoint_and_frameworks_for_first_use():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.splitlines()[-1]) == [], "import zeroshard imported these at once; import them where they are used"
+
+
+def test_the_checkout_root_on_sys_path_leaves_hugging_faces_kernels_to_transformers():
+    # ``python -m pytest`` in the checkout puts its root first on sys.path, where kernels/ (zeroshard.kernels) would be the
+    # top-level ``kernels`` that transformers 5.25+ requires and imports (an ImportError in every HF model before).
+    pytest.importorskip("transformers")
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("Hugging Face's kernels package is not installed")
+    code = "import kernels, transformers.activations, zeroshard.kernels as ours; print(kernels.__file__); print(ours.__file__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)  # '' first on sys.path
+    assert result.returncode == 0, result.stderr[-3000:]
+    theirs, ours = (Path(line) for line in result.stdout.splitlines()[-2:])
+    assert ROOT not in theirs.parents and ours == ROOT / "kernels" / "__init__.py", result.stdout
 
 
 def test_without_the_extra_adapters_and_safetensors_output_name_it(tmp_path):
