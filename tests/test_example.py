@@ -44,10 +44,12 @@ def test_train_gpt_learns_on_two_ranks_checkpoints_and_resumes_offloaded_on_one(
 
 
 def test_kernels_installs_under_zeroshard_only(tmp_path):
-    probe = "import importlib.util, zeroshard.kernels; print(importlib.util.find_spec('kernels') is None)"
+    # Outside the checkout, a top-level ``kernels`` is Hugging Face's (transformers 5.25+ requires it) or none, never ours.
+    probe = "import importlib.util, zeroshard.kernels; spec = importlib.util.find_spec('kernels'); print(spec and spec.origin)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "True"
+    found = result.stdout.strip()
+    assert found == "None" or ROOT not in Path(found).resolve().parents, found
 
 
 def test_train_gpt_with_muon_shards_both_optimizers_learns_and_resumes_on_one_rank_outside_torchrun(tmp_path):
