@@ -37,7 +37,24 @@ def test_import_leaves_checkpoint_and_frameworks_for_first_use():
     assert json.loads(result.stdout.splitlines()[-1]) == [], "import zeroshard imported these at once; import them where they are used"
 
 
-def test_the_checkout_root_on_sys_path_leaves_hugging_faces_kernels_to_transformers():
+# Two threads import ``kernels``; the second starts once the first is running Hugging Face's package (its __file__ set).
+_RACE = """
+import sys, threading
+found = []
+def second():
+    while "site-packages" not in str(getattr(sys.modules.get("kernels"), "__file__", "")):
+        pass
+    from kernels import get_kernel
+    found.append(get_kernel.__module__)
+thread = threading.Thread(target=second)
+thread.start()
+import kernels
+thread.join()
+print(found)
+"""
+
+
+def test_the_checkout_root_on_sys_path_leaves_hugging_faces_kernels_to_transformers(tmp_path):
     # ``python -m pytest`` in the checkout puts its root first on sys.path, where kernels/ (zeroshard.kernels) would be the
     # top-level ``kernels`` that transformers 5.25+ requires and imports (an ImportError in every HF model before).
     pytest.importorskip("transformers")
@@ -46,10 +63,14 @@ def test_the_checkout_root_on_sys_path_leaves_hugging_faces_kernels_to_transform
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("Hugging Face's kernels package is not installed")
     code = "import kernels, transformers.activations, zeroshard.kernels as ours; print(kernels.__file__); print(ours.__file__)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)  # '' first on sys.path
-    assert result.returncode == 0, result.stderr[-3000:]
-    theirs, ours = (Path(line) for line in result.stdout.splitlines()[-2:])
-    assert ROOT not in theirs.parents and ours == ROOT / "kernels" / "__init__.py", result.stdout
+    (tmp_path / "checkout").symlink_to(ROOT)
+    for env in ({}, {"PYTHONPATH": str(tmp_path / "checkout")}):  # the root also by another path (it imported itself until a RecursionError)
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, **env})
+        assert result.returncode == 0, result.stderr[-3000:]
+        theirs, ours = (Path(line) for line in result.stdout.splitlines()[-2:])
+        assert ROOT not in theirs.parents and ours == ROOT / "kernels" / "__init__.py", (env, result.stdout)
+    race = subprocess.run([sys.executable, "-c", _RACE], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert race.returncode == 0 and race.stdout.strip().startswith("['kernels."), race.stdout + race.stderr[-3000:]  # not half-imported
 
 
 def test_without_the_extra_adapters_and_safetensors_output_name_it(tmp_path):

@@ -52,9 +52,10 @@ class CountReductions(TrainerCallback):
 
 def train(out: Path, stage: int | None, resume: str | None = None, callbacks=(), batch_size: int = 2,
           best: bool = False) -> tuple[list[torch.Tensor], list[float]]:
-    # best: evaluate every SAVE_STEPS steps and save when the eval loss is the lowest yet (the Trainer decides after evaluating)
-    saving = {"save_strategy": "best", "eval_strategy": "steps", "eval_steps": SAVE_STEPS, "metric_for_best_model": "eval_loss"} if best else {
-        "save_strategy": "steps" if stage is not None else "no"}
+    # best: evaluate every SAVE_STEPS steps and save when the eval loss is the highest yet (the Trainer decides after evaluating):
+    # the first evaluation saves, the second (a lower loss) does not
+    saving = {"save_strategy": "best", "eval_strategy": "steps", "eval_steps": SAVE_STEPS, "metric_for_best_model": "eval_loss",
+              "greater_is_better": True} if best else {"save_strategy": "steps" if stage is not None else "no"}
     args = TrainingArguments(
         str(out), use_cpu=True, per_device_train_batch_size=batch_size, gradient_accumulation_steps=2, max_steps=STEPS,
         max_grad_norm=0.5, learning_rate=3e-3, lr_scheduler_type="linear", seed=0, logging_steps=1, report_to=[],
@@ -85,9 +86,16 @@ def main(out: Path) -> None:
             "norms": norms, "reduce_scatters": counter.calls, "during_micro_steps": counter.during_micro_steps,
         }
     # save_strategy="best": the checkpoint saved after the first evaluation holds the full state (each rank's own shard before)
-    best, _ = train(out / "best", 2, best=True)
+    gathers = []
+    consolidate = zeroshard.ShardedOptimizer.consolidate_state_dict
+    zeroshard.ShardedOptimizer.consolidate_state_dict = lambda self, *args, **kwargs: (gathers.append(1), consolidate(self, *args, **kwargs))[1]
+    try:
+        best, _ = train(out / "best", 2, best=True)
+    finally:
+        zeroshard.ShardedOptimizer.consolidate_state_dict = consolidate
     resumed, _ = train(out / "best", 2, resume=str(out / "best" / f"checkpoint-{SAVE_STEPS}"), best=True)
-    result["best"] = {"resumed_vs_uninterrupted": tolerance_ratio(resumed, best)}
+    result["best"] = {"resumed_vs_uninterrupted": tolerance_ratio(resumed, best), "gathers": len(gathers),
+                      "checkpoints": sorted(path.name for path in (out / "best").glob("checkpoint-*"))}
     if dist.get_rank() == 0:
         result["best"]["saved_state_entries"] = len(torch.load(out / "best" / f"checkpoint-{SAVE_STEPS}" / "optimizer.pt", weights_only=False)["state"])
         torch.save(sharded, out / "stage2-uninterrupted.pt")

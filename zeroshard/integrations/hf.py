@@ -33,8 +33,8 @@ class GatherOptimizerOnSave(transformers.TrainerCallback):
     step or epoch where it is about to save (``control.should_save``, set by ``save_strategy``/``save_steps``), every rank
     calls ``opt.consolidate_state_dict(to=0)`` (a collective: the Trainer runs callbacks on every rank), and rank 0 writes
     the full ``torch.optim`` format, which ``resume_from_checkpoint`` loads at any world size. With ``save_strategy="best"``
-    the Trainer decides to save after the evaluation and its callbacks, so the state is gathered at every evaluation
-    (``on_evaluate``). With any other optimizer it does nothing.
+    the Trainer decides to save after the evaluation and its callbacks, so the state is gathered in ``on_evaluate`` when the
+    metrics beat the best so far (the Trainer's own test). With any other optimizer it does nothing.
 
     Raises:
         ValueError: ``save_on_each_node=True`` on several nodes: the state is gathered onto rank 0
@@ -47,9 +47,23 @@ class GatherOptimizerOnSave(transformers.TrainerCallback):
 
     on_epoch_end = on_step_end
 
-    def on_evaluate(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        if args.save_strategy == "best":  # Trainer._maybe_log_save_evaluate sets should_save after this callback, from the metrics
+    def on_evaluate(self, args: Any, state: Any, control: Any, optimizer: Any = None, metrics: Any = None, **kwargs: Any) -> None:
+        # save_strategy="best": Trainer._maybe_log_save_evaluate sets should_save after this callback, from the metrics
+        if args.save_strategy == "best" and _new_best(args, state, metrics or {}):
             _gather(args, optimizer)
+
+
+def _new_best(args: Any, state: Any, metrics: dict[str, float]) -> bool:
+    """Whether ``metrics`` beat ``state.best_metric`` (not yet updated when ``on_evaluate`` runs), so the Trainer saves after
+    this evaluation under ``save_strategy="best"``: ``Trainer._determine_best_metric``'s test. Of several eval datasets only the
+    one whose metrics hold ``metric_for_best_model`` counts."""
+    name = args.metric_for_best_model
+    key = name if name is None or name.startswith("eval_") else f"eval_{name}"
+    if key not in metrics:
+        return False
+    if args.greater_is_better:
+        return metrics[key] > (float("-inf") if state.best_metric is None else state.best_metric)
+    return metrics[key] < (float("inf") if state.best_metric is None else state.best_metric)
 
 
 def _gather(args: Any, optimizer: Any) -> None:
