@@ -28,6 +28,7 @@ def test_trainer_matches_ddp_trainer_with_clipping_accumulation_and_resume(tmp_p
     assert result["best"]["saved_state_entries"] > 0 and result["best"]["resumed_vs_uninterrupted"] == 0.0, result["best"]
     # one gather, for the one save: not at the second evaluation, which is not the best (the state would be held on rank 0)
     assert result["best"]["gathers"] == 1 and result["best"]["checkpoints"] == ["checkpoint-3"], result["best"]
+    assert result["best"]["only_model"] == 0, result["best"]  # save_only_model=True: the checkpoint holds no optimizer state
     # The same checkpoint resumed on 1 rank with batch 4 (the same samples per micro-step as 2 x 2):
     # the optimizer.pt written at 2 ranks loads at 1 and the run ends where the 2-rank one did.
     one_rank = run_child("hf_trainer_child.py", str(tmp_path), "--resume-on-one-rank", result_prefix="hf-result", nproc=1)

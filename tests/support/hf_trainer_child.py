@@ -51,7 +51,7 @@ class CountReductions(TrainerCallback):
 
 
 def train(out: Path, stage: int | None, resume: str | None = None, callbacks=(), batch_size: int = 2,
-          best: bool = False) -> tuple[list[torch.Tensor], list[float]]:
+          best: bool = False, **extra) -> tuple[list[torch.Tensor], list[float]]:
     # best: evaluate every SAVE_STEPS steps and save when the eval loss is the highest yet (the Trainer decides after evaluating):
     # the first evaluation saves, the second (a lower loss) does not
     saving = {"save_strategy": "best", "eval_strategy": "steps", "eval_steps": SAVE_STEPS, "metric_for_best_model": "eval_loss",
@@ -59,7 +59,7 @@ def train(out: Path, stage: int | None, resume: str | None = None, callbacks=(),
     args = TrainingArguments(
         str(out), use_cpu=True, per_device_train_batch_size=batch_size, gradient_accumulation_steps=2, max_steps=STEPS,
         max_grad_norm=0.5, learning_rate=3e-3, lr_scheduler_type="linear", seed=0, logging_steps=1, report_to=[],
-        disable_tqdm=True, save_steps=SAVE_STEPS, dataloader_num_workers=0, **saving,
+        disable_tqdm=True, save_steps=SAVE_STEPS, dataloader_num_workers=0, **saving, **extra,
     )
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
@@ -90,11 +90,13 @@ def main(out: Path) -> None:
     consolidate = zeroshard.ShardedOptimizer.consolidate_state_dict
     zeroshard.ShardedOptimizer.consolidate_state_dict = lambda self, *args, **kwargs: (gathers.append(1), consolidate(self, *args, **kwargs))[1]
     try:
+        train(out / "model-only", 2, best=True, save_only_model=True)  # its checkpoints hold no optimizer: nothing to gather
+        only_model = len(gathers)
         best, _ = train(out / "best", 2, best=True)
     finally:
         zeroshard.ShardedOptimizer.consolidate_state_dict = consolidate
     resumed, _ = train(out / "best", 2, resume=str(out / "best" / f"checkpoint-{SAVE_STEPS}"), best=True)
-    result["best"] = {"resumed_vs_uninterrupted": tolerance_ratio(resumed, best), "gathers": len(gathers),
+    result["best"] = {"resumed_vs_uninterrupted": tolerance_ratio(resumed, best), "gathers": len(gathers) - only_model, "only_model": only_model,
                       "checkpoints": sorted(path.name for path in (out / "best").glob("checkpoint-*"))}
     if dist.get_rank() == 0:
         result["best"]["saved_state_entries"] = len(torch.load(out / "best" / f"checkpoint-{SAVE_STEPS}" / "optimizer.pt", weights_only=False)["state"])

@@ -67,9 +67,10 @@ def _new_best(args: Any, state: Any, metrics: dict[str, float]) -> bool:
 
 
 def _gather(args: Any, optimizer: Any) -> None:
-    """Gather ``optimizer``'s full state onto rank 0 if it is a ``ShardedOptimizer`` (see :class:`GatherOptimizerOnSave`)."""
+    """Gather ``optimizer``'s full state onto rank 0 if it is a ``ShardedOptimizer`` and the checkpoint saves it (not with
+    ``save_only_model``; see :class:`GatherOptimizerOnSave`)."""
     opt = _sharded(optimizer)
-    if opt is None:
+    if opt is None or args.save_only_model:
         return
     nodes = args.world_size // max(1, int(getattr(args, "local_world_size", 0) or args.world_size))
     if args.save_on_each_node and nodes > 1:
