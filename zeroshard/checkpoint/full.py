@@ -90,7 +90,7 @@ def check_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[list[i
                              "per param (a corrupted or edited file?)")
         names = param_names(view)
         for ours, (saved_index, p) in enumerate(zip(order, view.flat_params)):
-            shape, dtype = meta["params"][saved_index]
+            shape, dtype = recorded[saved_index]
             if (tuple(shape), dtype) != (tuple(p.shape), str(p.dtype)):
                 raise ValueError(f"{names[ours]} was saved with shape {tuple(shape)} and {dtype}, this model has {tuple(p.shape)} and {p.dtype}")
     sharded = {i for shard in view.shards for i in shard.param_indices}

@@ -58,7 +58,9 @@ def _new_best(args: Any, state: Any, metrics: dict[str, float]) -> bool:
     this evaluation under ``save_strategy="best"``: ``Trainer._determine_best_metric``'s test. Of several eval datasets only the
     one whose metrics hold ``metric_for_best_model`` counts."""
     name = args.metric_for_best_model
-    key = name if name is None or name.startswith("eval_") else f"eval_{name}"
+    if name is None:  # the Trainer never finds a new best
+        return False
+    key = name if name.startswith("eval_") else f"eval_{name}"
     if key not in metrics:
         return False
     if args.greater_is_better:
