@@ -44,6 +44,8 @@ def bad_input_worker() -> list[str]:
     stepped.step()
     cases = [
         (TypeError, "must be a torch.optim.Optimizer instance, got Linear", lambda: zeroshard.ShardedOptimizer(nn.Linear(2, 2))),
+        (TypeError, r"got generator: wrap the optimizer you build, ShardedOptimizer\(torch.optim.AdamW\(model.parameters\(\)",
+         lambda: zeroshard.ShardedOptimizer(nn.Linear(2, 2).parameters())),  # ZeroRedundancyOptimizer's first argument
         (ValueError, r"stage=3 must be 1 or 2", lambda: zeroshard.ShardedOptimizer(_adamw(model), stage=3)),
         (ValueError, r"bucket_size_mb=0 must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), bucket_size_mb=0)),
         (TypeError, r"reduce_dtype=torch.int32", lambda: zeroshard.ShardedOptimizer(_adamw(model), reduce_dtype=torch.int32)),

@@ -99,7 +99,9 @@ def _refuse_subclass_state(optimizer: torch.optim.Optimizer) -> None:
 def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_comm: Any, reduce_dtype: Any) -> None:
     """Raise ``TypeError`` or ``ValueError`` (``ShardedOptimizer``'s Raises) on an argument ``ShardedOptimizer`` cannot use."""
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}")
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}: wrap the optimizer you "
+                        "build, ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=...)) (ZeroRedundancyOptimizer's params and "
+                        "optimizer_class arguments in one)")
     for g, group in enumerate(optimizer.param_groups):
         for j, p in enumerate(group["params"]):
             if is_virtual_param(p):
