@@ -678,3 +678,32 @@ def test_an_edit_or_read_after_the_gradient_was_taken_in_backward_is_refused_on_
     # either (stage 1 once reduced the flat grad with the edit in it, unseen).
     for message in pools[2].run(node_hook_worker, stage, what):
         assert f"]: torch.{what} was called on its gradient inside backward, after zeroshard took it" in message, message
+
+
+def params_in_no_optimizer_worker(stage: int, ord: float) -> tuple[str, float, float]:
+    """No DDP wrapper, ``fc2`` in no optimizer yet (added later, as ZeroRedundancyOptimizer users do): a clip over the model
+    mixes its plain, per-rank gradients with the ShardedGrads; averaged by hand, as DDP would, it gives DDP's norm."""
+    torch.manual_seed(0)
+    ref_model, model = TinyNet(), TinyNet()
+    model.load_state_dict(ref_model.state_dict())
+    ref = DDP(ref_model, find_unused_parameters=True)
+    held = [p for name, p in model.named_parameters() if not name.startswith("fc2.")]
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(held, lr=1e-2), stage=stage, bucket_size_mb=BUCKET_MB)
+    loss_fn(ref, *batch(dist.get_rank(), 0)).backward()
+    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    with pytest.raises(RuntimeError) as raised:  # on every rank, before any rank clips: each would use another norm
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type=ord)
+    for p in model.fc2.parameters():
+        dist.all_reduce(p.grad)
+        p.grad.div_(dist.get_world_size())
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type=ord))
+    opt.zero_grad()  # (its hooks hold it weakly: alive until here)
+    return str(raised.value), norm, float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=ord))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("ord", [2.0, float("inf")])
+def test_a_norm_over_params_in_no_optimizer_raises_unless_their_gradients_are_alike(pools, stage, ord):
+    for message, norm, ddp_norm in pools[2].run(params_in_no_optimizer_worker, stage, ord):
+        assert "plain tensors, of params no ShardedOptimizer holds, and they differ between the ranks" in message
+        _close(norm, ddp_norm, "the norm with those gradients averaged by hand")

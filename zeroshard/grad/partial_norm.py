@@ -164,19 +164,31 @@ class PartialNorm(Tensor):
     def _reduce(self, vector: Tensor, sharded: list[int]) -> Tensor:
         """``vector`` (fp64) reduced over the ranks. On the CPU, or with ``collective_timeout_s`` (the host waits anyway), it carries
         the sum ``t`` of the ``sharded`` elements' tags and ``t**2`` (``-t`` for inf): all ranks reduced the same params' norms
-        exactly when the results are ``n*t`` and ``n*t**2``; else every rank raises ``RuntimeError``, where the values would be wrong."""
+        exactly when the results are ``n*t`` and ``n*t**2``; and the sum ``p`` of the plain elements' norms and ``p**2`` (``-p``):
+        those are alike on every rank (DDP's averaged gradients) when ``n*sum(p**2)`` is ``sum(p)**2``. Else every rank raises
+        ``RuntimeError``, where the values would be wrong."""
         what, inf = "reading a gradient norm (its reduction over the ranks)", math.isinf(self.ord)
         if self.comm.size == 1 or (vector.device.type != "cpu" and self.comm.timeout is None):
             return self.comm.max(vector, what) if inf else self.comm.sum_(vector, what)
         tag = float(sum(self.tags[i] for i in sharded) % (1 << 20))  # exact in fp64 with its square, summed over 4096 ranks
-        vector = torch.cat([vector, torch.tensor([tag, -tag if inf else tag * tag], dtype=vector.dtype).to(vector.device)])
+        plain = self.plain.index_select(0, copy_to_device([i for i, kind in enumerate(self.kinds) if kind == PLAIN], vector.device)).sum()
+        checks = [torch.tensor([tag, -tag if inf else tag * tag], dtype=vector.dtype).to(vector.device), torch.stack([plain, -plain if inf else plain * plain])]
+        vector = torch.cat([vector, *checks])
         vector = self.comm.max(vector, what) if inf else self.comm.sum_(vector, what)
         n = 1 if inf else self.comm.size
-        if vector[-2:].tolist() != [n * tag, -tag if inf else n * tag * tag]:
+        tags, plains = vector[-4:-2].tolist(), vector[-2:].tolist()
+        if tags != [n * tag, -tag if inf else n * tag * tag]:
             raise RuntimeError(f"{what}: the ranks reduced the norms of different params' gradients together, so the values would be "
                                "wrong; read per-param norms in the same order on every rank (model.parameters(), not a set), and on "
                                "every rank (not on rank 0 only)")
-        return vector[:-2]
+        # 0 when alike on every rank, up to rounding: max - min of p (inf), else n * sum(p**2) - sum(p)**2
+        spread, scale = (plains[0] + plains[1], plains[0]) if inf else (self.comm.size * plains[1] - plains[0] ** 2, plains[0] ** 2)
+        if spread > 1e-9 * scale:
+            raise RuntimeError(f"{what}: it includes gradients that are plain tensors, of params no ShardedOptimizer holds, and they differ "
+                               "between the ranks (DDP would have averaged them; each rank's are its own), so each rank would get another "
+                               "norm and clip by another factor; put those params in a ShardedOptimizer, or freeze them, before the backward "
+                               "(docs/integrations.md, \"From ZeroRedundancyOptimizer\")")
+        return vector[:-4]
 
     def _norms(self, sharded: list[int], reduced: Tensor) -> Tensor:
         """Per element its norm (fp64) rounded to its own dtype: ``sharded`` ones from their ``reduced`` power sums, plain as given, virtual local."""
