@@ -81,16 +81,22 @@ def choose_partition(optimizer: torch.optim.Optimizer, partition: Any, assume_el
 
 
 def _refuse_subclass_state(optimizer: torch.optim.Optimizer) -> None:
-    """Raise ``ValueError`` (naming the class and the way out) if ``optimizer``'s class keeps tensor-subclass state, such as
-    torchao's low-bit moments, for a large 1-D param (one throwaway step on the host; a class that fails it is not refused)."""
-    cls = type(optimizer)
+    """Raise ``ValueError`` (naming the class and the way out) if ``optimizer``'s class keeps, for a large 1-D param, state that
+    is not one floating-point value per element: tensor subclasses (torchao's low-bit moments) or plain tensors of another shape
+    or an integer dtype (bitsandbytes' 8-bit codes, ``qmap`` and ``absmax``). One throwaway step on the host; a class that
+    fails it is not refused."""
+    cls, shape = type(optimizer), (1 << 16,)
     try:
-        state = throwaway_state(cls, optimizer.param_groups[0], (1 << 16,), torch.float32, "cpu")
+        state = throwaway_state(cls, optimizer.param_groups[0], shape, torch.float32, "cpu")
     except Exception:
         return
     kinds = sorted({type(v).__name__ for v in state.values() if is_subclass_state(v)})
-    if kinds:
-        raise ValueError(f"{cls.__name__} keeps its state as {', '.join(kinds)} (quantized in blocks of a param's elements): on the 1-D "
+    odd = {key: (tuple(v.shape), str(v.dtype)) for key, v in state.items()
+           if isinstance(v, Tensor) and v.dim() > 0 and not is_subclass_state(v) and (v.shape != shape or not v.is_floating_point())}
+    if kinds or odd:
+        kept = ", ".join(kinds) if kinds else f"{odd} (key: shape, dtype) for a param of shape {shape}"
+        raise ValueError(f"{cls.__name__} keeps its state as {kept} (quantized in blocks of a param's elements, or not one value "
+                         "per element): on the 1-D "
                          "slices of partition='flat' (or assume_elementwise=True) the blocks would depend on the world size, and the flat "
                          "checkpoint formats cannot carry it. Leave partition=None (or pass partition='param') to give each param whole "
                          "to one rank, which trains and checkpoints it as the unsharded optimizer does")
