@@ -139,10 +139,16 @@ def load_sharded(view: CheckpointView, state_dict: dict[str, Any], filled_in_pla
     saved_groups, steps = check_envelope(view, state_dict, filled_in_place)
     names = param_names(view)
     entries = state_dict.get("params") or {}
+    saved_classes = state_dict["zeroshard"].get("subclasses")  # per param, per key, the saved state's class (as _for_convert)
     state: dict[Tensor, dict[str, Any]] = {}
     masters = []
     for k, shard, piece, vparam, index in _owned(view):
         spec = _spec(view, saved_groups, shard, vparam.shape)
+        classes = {key: f"{sub.cls.__module__}:{sub.cls.__qualname__}" for key, sub in spec.subclasses.items()}
+        if saved_classes is not None and classes != (saved := {key: sub["cls"] for key, sub in saved_classes.get(str(index), {}).items()}):
+            # dcp.load fills the inner tensors both kinds share (torchao's 8-bit codes into float8 ones) without a word
+            raise ValueError(f"{names[index]} was saved with optimizer state {saved or 'of plain tensors'} (key: class); "
+                             f"{type(view.optimizer).__name__} here keeps {classes or 'plain tensors'}: saved by another optimizer class")
         wanted = {**{key: shape for key, (shape, _) in spec.entries().items()}, **({"master": tuple(vparam.shape)} if saves_master(shard) else {})}
         entry = entries.get(str(index))
         found = None if entry is None else {key: tuple(value.shape) for key, value in entry.items()}
