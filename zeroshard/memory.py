@@ -144,17 +144,24 @@ def estimate_memory(model_or_numel: nn.Module | int, *, stage: int = 2, world_si
         A :class:`MemoryUsage` in bytes, ``by_kind`` with the kinds above.
 
     Raises:
-        TypeError: ``master_weights`` not a ``bool``.
-        ValueError: ``stage`` not 1 or 2, ``world_size`` below 1, ``shard_size`` not dividing it, ``offload`` not
-            ``None``/``"cpu"`` (or ``"cpu"`` with ``master_weights=False`` or a torchao class), a ``model_or_numel`` below
-            1 or a model without trainable params, a non-floating ``dtype``, an ``optimizer_class`` outside those above, or
+        TypeError: ``master_weights`` not a ``bool``, ``dtype`` not a ``torch.dtype``.
+        ValueError: ``stage`` not 1 or 2, ``world_size`` not an int >= 1, ``shard_size`` not dividing it, ``bucket_size_mb``
+            not a finite positive number, ``device_type`` not ``"cuda"``/``"cpu"``, ``offload`` not ``None``/``"cpu"`` (or
+            ``"cpu"`` with ``master_weights=False`` or a torchao class), a ``model_or_numel`` neither a model nor an int >= 1
+            or a model without trainable params, a non-floating ``dtype``, an ``optimizer_class`` outside those above, or
             a ``block_size`` below 1 or given for a class without blocks.
     """
     whole = optimizer_class == "_AdamW" or _low_bit_kind(optimizer_class) is not None
-    if stage not in (1, 2):
+    if isinstance(stage, bool) or stage not in (1, 2):
         raise ValueError(f"stage={stage!r} must be 1 or 2")
-    if not isinstance(world_size, int) or world_size < 1:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+    if not isinstance(bucket_size_mb, (int, float)) or isinstance(bucket_size_mb, bool) or not (math.isfinite(bucket_size_mb) and bucket_size_mb > 0):
+        raise ValueError(f"bucket_size_mb={bucket_size_mb!r} must be a finite positive number (MiB), as the ShardedOptimizer takes")
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"device_type={device_type!r} must be 'cuda' or 'cpu'")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype={dtype!r} must be a torch.dtype (torch.bfloat16), got {type(dtype).__name__}")
     shards = world_size if shard_size is None else shard_size
     if not isinstance(shards, int) or shards < 1 or world_size % shards:
         raise ValueError(f"shard_size={shard_size!r} must be an int >= 1 that divides world_size={world_size}")
@@ -180,8 +187,8 @@ def estimate_memory(model_or_numel: nn.Module | int, *, stage: int = 2, world_si
             raise ValueError("the model has no trainable params")
         sized = [(tuple(p.shape), dtype or p.dtype) for p in reversed(trainable)]
     else:
-        if int(model_or_numel) < 1:
-            raise ValueError(f"model_or_numel={model_or_numel!r} must be a model or an int >= 1")
+        if not isinstance(model_or_numel, int) or isinstance(model_or_numel, bool) or model_or_numel < 1:
+            raise ValueError(f"model_or_numel={model_or_numel!r} must be a model or an int >= 1 (a param count)")
         sized = [((int(model_or_numel),), dtype or torch.float32)]
     on_cuda = device_type != "cpu"
     kinds = dict.fromkeys(("params", "grads", "grad_shard", "master", "optimizer_state"), 0)
