@@ -140,10 +140,13 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key:
             (``dcp.save({model_key: model.state_dict(), optim_key: opt})``).
 
     Raises:
-        ValueError: a bad checkpoint file (named); no ``optim_key`` entry (``torch.save``
-            output) or no ``model_key`` entry (safetensors output) in it, naming the keys found.
+        ValueError: ``checkpoint`` or ``out``'s directory does not exist; a bad checkpoint file (named); no ``optim_key``
+            entry (``torch.save`` output) or no ``model_key`` entry (safetensors output) in it, naming the keys found.
         ModuleNotFoundError: safetensors output without the ``safetensors`` package (the ``integrations`` extra).
     """
+    for path, what in ((Path(checkpoint), "the checkpoint directory"), (Path(out).parent, f"the directory of {out}")):
+        if not path.is_dir():
+            raise ValueError(f"{path}: {what} {'is a file' if path.exists() else 'does not exist'}")
     state = load_checkpoint(checkpoint)
     if str(out).endswith(".safetensors"):
         if model_key not in state:

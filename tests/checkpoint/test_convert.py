@@ -114,7 +114,12 @@ def test_safetensors_output_holds_the_model(saved, tmp_path):
 
 def test_errors_name_the_file(tmp_path, capsys):
     assert main([str(tmp_path / "missing"), str(tmp_path / "out.pt")]) == 1
-    assert f"{tmp_path / 'missing' / '.metadata'} is missing" in capsys.readouterr().err
+    assert f"{tmp_path / 'missing'}: the checkpoint directory does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), str(tmp_path / "out.pt")]) == 1
+    assert f"{tmp_path / 'empty' / '.metadata'} is missing" in capsys.readouterr().err
+    assert main([str(tmp_path / "empty"), str(tmp_path / "no" / "out.pt")]) == 1  # a raw RuntimeError from torch.save before
+    assert f"{tmp_path / 'no'}: the directory of {tmp_path / 'no' / 'out.pt'} does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "torch.optim format" in capsys.readouterr().out
