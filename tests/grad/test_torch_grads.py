@@ -691,6 +691,9 @@ def params_in_no_optimizer_worker(stage: int, ord: float) -> tuple[str, float, f
     opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(held, lr=1e-2), stage=stage, bucket_size_mb=BUCKET_MB)
     loss_fn(ref, *batch(dist.get_rank(), 0)).backward()
     loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    # Per-param norms (logging) are each gradient's own: fc2's are this rank's, as they are (no raise)
+    per_param = torch.stack([p.grad.norm(ord) for p in model.parameters() if p.grad is not None]).tolist()
+    assert per_param[-1] == float(model.branch.bias.grad.norm(ord)) and len(per_param) == 9
     with pytest.raises(RuntimeError) as raised:  # on every rank, before any rank clips: each would use another norm
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type=ord)
     for p in model.fc2.parameters():

@@ -164,14 +164,15 @@ class PartialNorm(Tensor):
     def _reduce(self, vector: Tensor, sharded: list[int]) -> Tensor:
         """``vector`` (fp64) reduced over the ranks. On the CPU, or with ``collective_timeout_s`` (the host waits anyway), it carries
         the sum ``t`` of the ``sharded`` elements' tags and ``t**2`` (``-t`` for inf): all ranks reduced the same params' norms
-        exactly when the results are ``n*t`` and ``n*t**2``; and the sum ``p`` of the plain elements' norms and ``p**2`` (``-p``):
-        those are alike on every rank (DDP's averaged gradients) when ``n*sum(p**2)`` is ``sum(p)**2``. Else every rank raises
-        ``RuntimeError``, where the values would be wrong."""
+        exactly when the results are ``n*t`` and ``n*t**2``; and, for an aggregate, the sum ``p`` of the plain elements' norms and
+        ``p**2`` (``-p``): those are alike on every rank (DDP's averaged gradients) when ``n*sum(p**2)`` is ``sum(p)**2`` (per-element
+        norms are each gradient's own, plain ones too). Else every rank raises ``RuntimeError``, where the values would be wrong."""
         what, inf = "reading a gradient norm (its reduction over the ranks)", math.isinf(self.ord)
         if self.comm.size == 1 or (vector.device.type != "cpu" and self.comm.timeout is None):
             return self.comm.max(vector, what) if inf else self.comm.sum_(vector, what)
         tag = float(sum(self.tags[i] for i in sharded) % (1 << 20))  # exact in fp64 with its square, summed over 4096 ranks
-        plain = self.plain.index_select(0, copy_to_device([i for i, kind in enumerate(self.kinds) if kind == PLAIN], vector.device)).sum()
+        plain = self.plain.index_select(0, copy_to_device([i for i, kind in enumerate(self.kinds) if kind == PLAIN and self.aggregate],
+                                                          vector.device)).sum()
         checks = [torch.tensor([tag, -tag if inf else tag * tag], dtype=vector.dtype).to(vector.device), torch.stack([plain, -plain if inf else plain * plain])]
         vector = torch.cat([vector, *checks])
         vector = self.comm.max(vector, what) if inf else self.comm.sum_(vector, what)
