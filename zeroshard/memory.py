@@ -14,6 +14,7 @@ from zeroshard.layout.ownership import assign_owners, default_cost
 from zeroshard.layout.partition import build_layout
 from zeroshard.shard_set import bucket_numel
 from zeroshard.step.wrapped import is_subclass_state
+from zeroshard.validation import check_stage_and_bucket_size
 
 
 @dataclass(frozen=True)
@@ -144,20 +145,18 @@ def estimate_memory(model_or_numel: nn.Module | int, *, stage: int = 2, world_si
         A :class:`MemoryUsage` in bytes, ``by_kind`` with the kinds above.
 
     Raises:
-        TypeError: ``master_weights`` not a ``bool``, ``dtype`` not a ``torch.dtype``.
+        TypeError: ``stage`` not an int, ``bucket_size_mb`` not a number, ``master_weights`` not a ``bool``, ``dtype`` not a
+            ``torch.dtype``.
         ValueError: ``stage`` not 1 or 2, ``world_size`` not an int >= 1, ``shard_size`` not dividing it, ``bucket_size_mb``
-            not a finite positive number, ``device_type`` not ``"cuda"``/``"cpu"``, ``offload`` not ``None``/``"cpu"`` (or
+            not finite and positive, ``device_type`` not ``"cuda"``/``"cpu"``, ``offload`` not ``None``/``"cpu"`` (or
             ``"cpu"`` with ``master_weights=False`` or a torchao class), a ``model_or_numel`` neither a model nor an int >= 1
             or a model without trainable params, a non-floating ``dtype``, an ``optimizer_class`` outside those above, or
             a ``block_size`` below 1 or given for a class without blocks.
     """
     whole = optimizer_class == "_AdamW" or _low_bit_kind(optimizer_class) is not None
-    if isinstance(stage, bool) or stage not in (1, 2):
-        raise ValueError(f"stage={stage!r} must be 1 or 2")
+    check_stage_and_bucket_size(stage, bucket_size_mb)  # as the ShardedOptimizer checks them
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
-    if not isinstance(bucket_size_mb, (int, float)) or isinstance(bucket_size_mb, bool) or not (math.isfinite(bucket_size_mb) and bucket_size_mb > 0):
-        raise ValueError(f"bucket_size_mb={bucket_size_mb!r} must be a finite positive number (MiB), as the ShardedOptimizer takes")
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device_type={device_type!r} must be 'cuda' or 'cpu'")
     if dtype is not None and not isinstance(dtype, torch.dtype):

@@ -76,11 +76,11 @@ def choose_partition(optimizer: torch.optim.Optimizer, partition: Any, assume_el
         raise ValueError("assume_elementwise=True asks for partition='flat', but partition='param' was given: pass one of them")
     chosen = partition if partition is not None else "flat" if cls in ELEMENTWISE or assume_elementwise else "param"
     if chosen == "flat" and cls not in ELEMENTWISE:
-        _refuse_subclass_state(optimizer)
+        _refuse_state_not_per_element(optimizer)
     return chosen
 
 
-def _refuse_subclass_state(optimizer: torch.optim.Optimizer) -> None:
+def _refuse_state_not_per_element(optimizer: torch.optim.Optimizer) -> None:
     """Raise ``ValueError`` (naming the class and the way out) if ``optimizer``'s class keeps, for a large 1-D param, state that
     is not one floating-point value per element: tensor subclasses (torchao's low-bit moments) or plain tensors of another shape
     or an integer dtype (bitsandbytes' 8-bit codes, ``qmap`` and ``absmax``). One throwaway step on the host; a class that
@@ -102,6 +102,19 @@ def _refuse_subclass_state(optimizer: torch.optim.Optimizer) -> None:
                          "to one rank, which trains and checkpoints it as the unsharded optimizer does")
 
 
+def check_stage_and_bucket_size(stage: Any, bucket_size_mb: Any) -> None:
+    """Raise ``TypeError`` (not an int; not a number) or ``ValueError`` unless ``stage`` is 1 or 2 and ``bucket_size_mb`` a finite
+    positive number of MiB (``ShardedOptimizer`` and ``estimate_memory`` alike)."""
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        raise TypeError(f"stage={stage!r} must be the int 1 or 2, got {type(stage).__name__}")
+    if stage not in (1, 2):
+        raise ValueError(f"stage={stage!r} must be 1 or 2")
+    if not _is_number(bucket_size_mb):
+        raise TypeError(f"bucket_size_mb={bucket_size_mb!r} must be a number (MiB), got {type(bucket_size_mb).__name__}")
+    if not (math.isfinite(bucket_size_mb) and bucket_size_mb > 0):
+        raise ValueError(f"bucket_size_mb={bucket_size_mb!r} must be a finite positive number (MiB)")
+
+
 def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_comm: Any, reduce_dtype: Any) -> None:
     """Raise ``TypeError`` or ``ValueError`` (``ShardedOptimizer``'s Raises) on an argument ``ShardedOptimizer`` cannot use."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -114,14 +127,7 @@ def check_arguments(optimizer: Any, stage: Any, bucket_size_mb: Any, overlap_com
                 raise TypeError(f"optimizer {type(optimizer).__name__} is already wrapped by a ShardedOptimizer: its {param_name(g, j)} "
                                 f"is a virtual parameter (1-D, shape {tuple(p.shape)}) of that one's shard. Wrap each torch optimizer once; for a "
                                 "new optimizer, build a new torch optimizer on model.parameters() and wrap that")
-    if not isinstance(stage, int) or isinstance(stage, bool):
-        raise TypeError(f"stage={stage!r} must be the int 1 or 2, got {type(stage).__name__}")
-    if stage not in (1, 2):
-        raise ValueError(f"stage={stage!r} must be 1 or 2")
-    if not _is_number(bucket_size_mb):
-        raise TypeError(f"bucket_size_mb={bucket_size_mb!r} must be a number (MiB), got {type(bucket_size_mb).__name__}")
-    if not (math.isfinite(bucket_size_mb) and bucket_size_mb > 0):
-        raise ValueError(f"bucket_size_mb={bucket_size_mb!r} must be a finite positive number (MiB)")
+    check_stage_and_bucket_size(stage, bucket_size_mb)
     if not isinstance(overlap_comm, bool):
         raise TypeError(f"overlap_comm={overlap_comm!r} must be a bool, got {type(overlap_comm).__name__}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
