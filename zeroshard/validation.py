@@ -87,7 +87,7 @@ def _refuse_state_not_per_element(optimizer: torch.optim.Optimizer) -> None:
     fails it is not refused."""
     cls, shape = type(optimizer), (1 << 16,)
     try:
-        state = throwaway_state(cls, optimizer.param_groups[0], shape, torch.float32, "cpu")
+        state = throwaway_state(optimizer, optimizer.param_groups[0], shape, torch.float32, "cpu")
     except Exception:
         return
     kinds = sorted({type(v).__name__ for v in state.values() if is_subclass_state(v)})
@@ -220,7 +220,7 @@ def check_whole_param_steps(optimizer: torch.optim.Optimizer, groups: range, par
                 continue
             seen.add((tuple(p.shape), p.dtype, g))
             try:
-                throwaway_state(cls, optimizer.param_groups[g], p.shape, p.dtype, "meta")
+                throwaway_state(optimizer, optimizer.param_groups[g], p.shape, p.dtype, "meta")
             except (ValueError, TypeError) as error:
                 raise ValueError(f"{cls.__name__} cannot update {param_name(g, j)} (shape {tuple(p.shape)}): {error}") from error
             except (RuntimeError, NotImplementedError, AssertionError):

@@ -26,7 +26,8 @@ from zeroshard.convert import convert
 torchao_optim = pytest.importorskip("torchao.optim")
 # (class, options): torchao keeps block_size as an attribute, not in param_groups: the state's shapes must follow it.
 # bitsandbytes' AdamW8bit keeps plain uint8 codes and fp32 block maxima (it runs on CPU tensors).
-KINDS = [("AdamW8bit", {}), ("AdamW4bit", {}), ("AdamW8bit", {"block_size": 128}), ("bitsandbytes.AdamW8bit", {})]
+KINDS = [("AdamW8bit", {}), ("AdamW4bit", {}), ("AdamW8bit", {"block_size": 128}), ("bitsandbytes.AdamW8bit", {}),
+         ("bitsandbytes.SGD8bit", {"momentum": 0.9})]
 SUBCLASS = {"AdamW8bit": "OptimState8bit", "AdamW4bit": "OptimState4bit"}  # the state's class; bitsandbytes: plain Tensor
 STEPS = 4  # the checkpoint is taken after 2
 

@@ -3,7 +3,9 @@ path applies to the gradients, and what state the wrapped optimizer keeps for a 
 
 from __future__ import annotations
 
+import copy
 import inspect
+from collections import defaultdict
 from typing import Any, NamedTuple
 
 import torch
@@ -68,14 +70,25 @@ def constructor_kwargs(cls: type, hyperparameters: dict[str, Any]) -> dict[str, 
     return {k: v for k, v in hyperparameters.items() if k != "params" and (forwards or k in accepted)}
 
 
-def throwaway_state(cls: type, hyperparameters: dict[str, Any], shape: Any, dtype: torch.dtype, device: Any) -> dict[str, Any]:
-    """The state ``cls`` built with a param group's ``hyperparameters`` (:func:`constructor_kwargs`) keeps after one step of a
-    zero param of ``shape``, ``dtype`` and ``device`` with a zero gradient. Raises whatever the class raises.
+def throwaway_state(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], shape: Any, dtype: torch.dtype, device: Any) -> dict[str, Any]:
+    """The state ``optimizer``'s class keeps after one step of a zero param of ``shape``, ``dtype`` and ``device`` with a zero
+    gradient in a param group with ``hyperparameters``. Raises whatever the class raises.
 
+    The throwaway is built as ``cls(params, **constructor_kwargs(cls, hyperparameters))``; a class that cannot be built from its
+    param groups (bitsandbytes' ``SGD8bit`` keeps ``momentum`` as ``betas[0]``, a name its constructor does not take) is
+    stepped as a copy of ``optimizer`` over the one param, with no state, hooks or patched ``step``.
     The step runs eagerly: an update under ``torch.compile`` (torchao's low-bit AdamW) would be compiled again for each probe."""
+    cls = type(optimizer)
     probe = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
     probe.grad = torch.zeros_like(probe)
-    throwaway = cls([probe], **constructor_kwargs(cls, hyperparameters))
+    try:
+        throwaway = cls([probe], **constructor_kwargs(cls, hyperparameters))
+    except Exception:
+        throwaway = cls.__new__(cls)
+        # Copies, not shared: a step on the meta device moves what it touches (bitsandbytes' quantization maps) there.
+        # Optimizer.__setstate__ (unpickling) builds fresh hook dicts; an LR scheduler's wrapper of the instance's step stays behind.
+        kept = {k: v for k, v in vars(optimizer).items() if k not in ("state", "param_groups", "step") and not k.endswith("_hooks")}
+        throwaway.__setstate__(copy.deepcopy(kept) | {"state": defaultdict(dict), "param_groups": [{**hyperparameters, "params": [probe]}]})
     with torch.compiler.set_stance("force_eager"):
         throwaway.step()
     return throwaway.state[probe]
@@ -188,19 +201,19 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
     # The learning rate (which schedules change every step) does not decide what state is kept: probed with one value, so the
     # answer does not depend on what the cache (per process) holds: as in torch, a loaded lr is not checked.
     hyperparameters = {**instance_options(optimizer, hyperparameters), **hyperparameters, **({"lr": 1e-3} if "lr" in hyperparameters else {})}
-    kwargs = constructor_kwargs(cls, hyperparameters)
-    key = (cls, repr(sorted((k, v) for k, v in kwargs.items() if k != "initial_lr")), tuple(shape), dtype, devices)
+    options = {k: v for k, v in hyperparameters.items() if k not in ("params", "initial_lr")}
+    key = (cls, repr(sorted(options.items())), tuple(shape), dtype, devices)
     if key in _SPECS:
         return _SPECS[key]
     error: Exception | None = None
     for device in devices:
         try:
-            sample = throwaway_state(cls, hyperparameters, shape, dtype, device)
+            sample = throwaway_state(optimizer, hyperparameters, shape, dtype, device)
             break
         except (TypeError, ValueError, RuntimeError, NotImplementedError, AssertionError) as caught:  # capturable=True asserts CUDA
             error = caught
     else:
-        raise ValueError(f"{cls.__name__} cannot be stepped on a param of shape {tuple(shape)} with the hyperparameters {kwargs}: {error}")
+        raise ValueError(f"{cls.__name__} cannot be stepped on a param of shape {tuple(shape)} with the hyperparameters {options}: {error}")
     tensors = {k: v for k, v in sample.items() if torch.is_tensor(v) and k != "step"}
     others = sorted(k for k in sample if k not in tensors and k != "step")
     if others:
