@@ -150,7 +150,8 @@ def test_estimate_refuses_bad_arguments(kwargs):
         zeroshard.estimate_memory(**{"model_or_numel": 1000, "world_size": 4, **kwargs})
 
 
-@pytest.mark.parametrize("kwargs", [dict(dtype="bf16"), dict(stage=True), dict(bucket_size_mb="25")])  # the type named, as the optimizer does
+# The type named, as the optimizer does:
+@pytest.mark.parametrize("kwargs", [dict(dtype="bf16"), dict(stage=True), dict(bucket_size_mb="25"), dict(offload=True)])
 def test_estimate_refuses_arguments_of_another_type(kwargs):
     with pytest.raises(TypeError, match=next(iter(kwargs))):
         zeroshard.estimate_memory(1000, **{"world_size": 4, **kwargs})

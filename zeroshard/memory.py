@@ -14,7 +14,7 @@ from zeroshard.layout.ownership import assign_owners, default_cost
 from zeroshard.layout.partition import build_layout
 from zeroshard.shard_set import bucket_numel
 from zeroshard.step.wrapped import is_subclass_state
-from zeroshard.validation import check_stage_and_bucket_size
+from zeroshard.validation import check_offload, check_stage_and_bucket_size
 
 
 @dataclass(frozen=True)
@@ -164,8 +164,7 @@ def estimate_memory(model_or_numel: nn.Module | int, *, stage: int = 2, world_si
     shards = world_size if shard_size is None else shard_size
     if not isinstance(shards, int) or shards < 1 or world_size % shards:
         raise ValueError(f"shard_size={shard_size!r} must be an int >= 1 that divides world_size={world_size}")
-    if offload not in (None, "cpu"):
-        raise ValueError(f"offload={offload!r} must be None or 'cpu'")
+    check_offload(offload)
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} must be a floating-point dtype")
     if optimizer_class not in ("AdamW", "Adam") and not whole:

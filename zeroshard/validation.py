@@ -102,6 +102,15 @@ def _refuse_state_not_per_element(optimizer: torch.optim.Optimizer) -> None:
                          "to one rank, which trains and checkpoints it as the unsharded optimizer does")
 
 
+def check_offload(offload: Any) -> None:
+    """Raise ``TypeError`` (not a str: ``offload=True``) or ``ValueError`` unless ``offload`` is ``None`` or ``"cpu"``
+    (``ShardedOptimizer`` and ``estimate_memory`` alike)."""
+    if offload is not None and not isinstance(offload, str):
+        raise TypeError(f"offload={offload!r} must be None or the str 'cpu' (DeepSpeed's offload_optimizer device), got {type(offload).__name__}")
+    if offload not in (None, "cpu"):
+        raise ValueError(f"offload={offload!r} must be None or 'cpu'")
+
+
 def check_stage_and_bucket_size(stage: Any, bucket_size_mb: Any) -> None:
     """Raise ``TypeError`` (not an int; not a number) or ``ValueError`` unless ``stage`` is 1 or 2 and ``bucket_size_mb`` a finite
     positive number of MiB (``ShardedOptimizer`` and ``estimate_memory`` alike)."""
@@ -143,8 +152,7 @@ def check_options(optimizer: torch.optim.Optimizer, max_grad_norm: Any, loss_sca
     for name, value in (("overlap_param_gather", overlap_param_gather), ("master_weights", master_weights)):
         if not isinstance(value, bool):
             raise TypeError(f"{name}={value!r} must be True or False, got {type(value).__name__}")
-    if offload not in (None, "cpu"):
-        raise ValueError(f"offload={offload!r} must be None or 'cpu'")
+    check_offload(offload)
     if not master_weights and offload is not None:
         raise ValueError(f"master_weights=False with offload={offload!r}: the offloaded update is torch's fused CPU AdamW on fp32 master "
                          "weights in host memory; keep master_weights=True to offload, or offload=None to step the params themselves")

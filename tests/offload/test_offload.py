@@ -220,6 +220,8 @@ def sgd_offload_worker() -> None:
         zeroshard.ShardedOptimizer(torch.optim.SGD(TinyNet().parameters(), lr=0.1), offload="cpu")
     with pytest.raises(ValueError, match="offload='gpu' must be None or 'cpu'"):
         zeroshard.ShardedOptimizer(torch.optim.AdamW(TinyNet().parameters()), offload="gpu")
+    with pytest.raises(TypeError, match="offload=True must be None or the str 'cpu'"):  # DeepSpeed's flag spelled as a bool
+        zeroshard.ShardedOptimizer(torch.optim.AdamW(TinyNet().parameters()), offload=True)
     with pytest.raises(ValueError, match="gpu_margin_mem_ratio=0.5 places offloaded state: it needs offload='cpu'"):
         zeroshard.ShardedOptimizer(torch.optim.AdamW(TinyNet().parameters()), gpu_margin_mem_ratio=0.5)
     with pytest.raises(ValueError, match="gpu_margin_mem_ratio=1.5 must be a number between 0.0 and 1.0"):
