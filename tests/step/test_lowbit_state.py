@@ -206,8 +206,9 @@ def test_state_of_unexpected_shapes_raises_on_every_rank_before_anything_is_sent
     assert "(3,)" in messages[0] and "on this rank: none" in messages[1]
 
 
-def other_low_bit_class_worker(directory: str) -> str:
-    """An AdamW8bit DCP checkpoint loaded into an AdamWFp8 ShardedOptimizer; the error the load raised."""
+def other_low_bit_class_worker(directory: str) -> tuple[str, str]:
+    """An AdamW8bit DCP checkpoint loaded into an AdamWFp8 ShardedOptimizer; the error the load raised, and what
+    verify_checkpoint says for an AdamW4bit one (the same inner names, other sizes)."""
     model = _model()
     opt = zeroshard.ShardedOptimizer(_optimizer("AdamW8bit", model), stage=2)
     _train(model, opt, range(2))
@@ -216,11 +217,16 @@ def other_low_bit_class_worker(directory: str) -> str:
     with pytest.raises(ValueError) as raised:
         dcp.load({"optim": other}, checkpoint_id=directory)
     assert not other.optimizer.state  # nothing loaded
-    return str(raised.value)
+    with pytest.raises(ValueError) as shapes:
+        zeroshard.verify_checkpoint(directory, zeroshard.ShardedOptimizer(_optimizer("AdamW4bit", _model()), stage=2))
+    return str(raised.value), str(shapes.value)
 
 
 def test_a_checkpoint_of_another_low_bit_class_is_refused_at_load(pools, tmp_path):
     # dcp.load filled the inner tensors both classes share (8-bit codes into float8 ones) and the next steps were 0.6 off.
-    for message in pools[2].run(other_low_bit_class_worker, str(tmp_path)):
+    # verify_checkpoint passed an AdamW8bit checkpoint for AdamW4bit (same inner names, other sizes): dcp.load's error then
+    # said "CheckpointException ranks: ..." only, its detail in the exception's failures.
+    for message, shapes in pools[2].run(other_low_bit_class_worker, str(tmp_path)):
+        assert re.search(r"saved with optimizer state of other shapes \{'exp_avg.codes': \(\((64, 128|128, 64)\), \(4096,\)\)", shapes), shapes
         assert re.search(r"was saved with optimizer state \{'exp_avg': 'torchao\.optim\.subclass_8bit:OptimState8bit'", message), message
         assert "AdamWFp8 here keeps {'exp_avg': 'torchao.optim.subclass_fp8:OptimStateFp8'" in message, message

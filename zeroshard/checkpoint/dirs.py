@@ -75,7 +75,9 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
         if "layout" not in meta:
             raise ValueError(f"{path} holds no zeroshard optimizer state under {key!r} (no {key}.zeroshard.layout entry)")
         try:
-            check_saved(optimizer.checkpoint_view(), meta, {fqn.removeprefix(f"{key}.") for fqn in metadata.state_dict_metadata if fqn.startswith(f"{key}.")})
+            saved = {fqn.removeprefix(f"{key}."): tuple(getattr(entry, "size", ())) or None
+                     for fqn, entry in metadata.state_dict_metadata.items() if fqn.startswith(f"{key}.")}
+            check_saved(optimizer.checkpoint_view(), meta, saved)
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
 

@@ -73,15 +73,16 @@ def _for_convert(view: CheckpointView) -> dict[str, Any]:
     return {"keeps_step": keeps, "subclasses": table}
 
 
-def check_saved(view: CheckpointView, meta: dict[str, Any], saved: set[str]) -> None:
+def check_saved(view: CheckpointView, meta: dict[str, Any], saved: dict[str, tuple[int, ...] | None]) -> None:
     """:func:`~zeroshard.verify_checkpoint`'s checks, before any load, of a sharded checkpoint's ``"zeroshard"`` entry ``meta`` and
-    of the entries ``dcp.load`` will ask for (``saved``: entry names under the optimizer's key, as ``"params.3.exp_avg"``; DCP
-    would fail on the first missing one, "Missing key"): :func:`check_meta`, masters, the state each param group keeps (flat) or
-    each param this rank owns has (a master too many is dropped on load), then each param group's settings.
+    of the entries ``dcp.load`` will ask for (``saved``: entry names under the optimizer's key, as ``"params.3.exp_avg"``, with
+    their tensor's size or ``None``; DCP would fail on the first missing one, "Missing key"): :func:`check_meta`, masters, the state
+    each param group keeps (flat) or each param this rank owns has, with its shapes (a master too many is dropped on load), then
+    each param group's settings.
 
     Raises:
-        ValueError: see :func:`check_meta`; no masters where this optimizer keeps them; other state (named, both key lists); a
-            group saved without a setting it has.
+        ValueError: see :func:`check_meta`; no masters where this optimizer keeps them; other state (named, both key lists, or
+            the keys of other shapes with both); a group saved without a setting it has.
     """
     check_meta(view, meta, True)
     if any(saves_master(shard) for shard in view.shards) and not any(entry.endswith(".master") for entry in saved):  # the reverse loads
@@ -98,13 +99,17 @@ def check_saved(view: CheckpointView, meta: dict[str, Any], saved: set[str]) -> 
                 found.setdefault(position, set()).add(key)
         names = param_names(view)
         for _, shard, _, vparam, index in _owned(view):
-            wanted = set(_spec(view, view.optimizer.param_groups, shard, vparam.shape).entries())
-            if (saved_keys := found.get(str(index), set())) != wanted:
+            wanted = _spec(view, view.optimizer.param_groups, shard, vparam.shape).entries()
+            if (saved_keys := found.get(str(index), set())) != set(wanted):
                 raise ValueError(f"{names[index]} was saved with optimizer state {sorted(saved_keys)}; {name} with this "
                                  f"optimizer's hyperparameters keeps {sorted(wanted)}: saved by another optimizer class or hyperparameters")
+            sizes = {key: (saved[f"params.{index}.{key}"], shape) for key, (shape, _) in wanted.items()}
+            if other := {key: pair for key, pair in sizes.items() if pair[0] not in (None, pair[1])}:
+                raise ValueError(f"{names[index]} was saved with optimizer state of other shapes {other} (key: (saved, expected)): saved by "
+                                 f"another optimizer class (torchao's AdamW8bit for an AdamW4bit) or with other options (block_size)")
     # DCP saves a setting under its own name, or split into "<name>.<key or index>" entries (a dict; a list holding tensors),
     # or not at all (an empty dict).
-    named = saved | {entry.rsplit(".", i)[0] for entry in saved for i in range(1, entry.count(".") + 1)}
+    named = set(saved) | {entry.rsplit(".", i)[0] for entry in saved for i in range(1, entry.count(".") + 1)}
     for g, group in enumerate(view.optimizer.param_groups):
         if f"param_groups.{g}.params" not in saved:
             continue  # fewer groups saved: check_layout names the params
