@@ -130,18 +130,20 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
     }
 
 
-def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key: str = "model", optim_key: str = "optim") -> None:
+def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key: str = "model", optim_key: str | None = None) -> None:
     """Write the DCP checkpoint ``checkpoint`` to the single file ``out`` (see ``docs/integrations.md``).
 
     Args:
         checkpoint: the directory given to ``dcp.save``.
-        out: the file to write: ``*.safetensors`` for the model's tensors, else ``torch.save``.
-        model_key, optim_key: the keys the model state dict and the optimizer were saved under
-            (``dcp.save({model_key: model.state_dict(), optim_key: opt})``).
+        out: the file to write: ``*.safetensors`` for the model's tensors, else ``torch.save``, with every top-level entry
+            that holds a ``ShardedOptimizer``'s state (``dcp.save({"enc": opt1, "dec": opt2})``) in ``torch.optim`` format.
+        model_key: the key the model state dict was saved under (``dcp.save({model_key: model.state_dict(), ...})``).
+        optim_key: a key the ``torch.save`` output must have a ``ShardedOptimizer``'s state under, or ``None``: at least one.
 
     Raises:
         ValueError: ``checkpoint`` or ``out``'s directory does not exist; a bad checkpoint file (named); no ``optim_key``
-            entry (``torch.save`` output) or no ``model_key`` entry (safetensors output) in it, naming the keys found.
+            entry, or no optimizer entry at all (``torch.save`` output), or no ``model_key`` entry (safetensors output) in it,
+            naming the keys found.
         ModuleNotFoundError: safetensors output without the ``safetensors`` package (the ``integrations`` extra).
     """
     for path, what in ((Path(checkpoint), "the checkpoint directory"), (Path(out).parent, f"the directory of {out}")):
@@ -159,9 +161,13 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key:
         tensors = {k: v.contiguous() for k, v in state[model_key].items() if torch.is_tensor(v)}
         save_file(tensors, str(out), metadata={"format": "pt"})
         return
-    if optim_key not in state:
+    keys = [key for key, value in state.items() if isinstance(value, dict) and isinstance(value.get("zeroshard"), dict)]
+    if optim_key is not None and optim_key not in state:
         raise ValueError(f"{checkpoint} has no {optim_key!r} entry (it has {sorted(state)}); pass --optim-key")
-    state[optim_key] = optimizer_to_torch(state[optim_key], str(checkpoint))
+    if not keys:
+        raise ValueError(f"{checkpoint} holds no ShardedOptimizer's state (it has {sorted(state)}); write OUT.safetensors for the model alone")
+    for key in sorted({*keys, *([optim_key] if optim_key else [])}):
+        state[key] = optimizer_to_torch(state[key], f"{checkpoint} ({key!r})")
     torch.save(state, out)
 
 
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", metavar="CKPT", type=Path, help="the DCP checkpoint directory (what dcp.save's checkpoint_id named)")
     parser.add_argument("out", metavar="OUT", type=Path, help="the file to write (.safetensors: model weights only; else torch.save)")
     parser.add_argument("--model-key", default="model", help="the key the model state dict was saved under (default: model)")
-    parser.add_argument("--optim-key", default="optim", help="the key the ShardedOptimizer was saved under (default: optim)")
+    parser.add_argument("--optim-key", help="a key the ShardedOptimizer was saved under, which must be there (default: every optimizer found)")
     args = parser.parse_args(argv)
     try:
         convert(args.checkpoint, args.out, model_key=args.model_key, optim_key=args.optim_key)

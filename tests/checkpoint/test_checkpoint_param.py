@@ -180,9 +180,11 @@ def from_plain_worker(kind: str, directory: str) -> list[bool]:
 @pytest.mark.parametrize("kind", ["muon", "adafactor"])
 def test_full_format_is_plain_torch(pools, tmp_path, kind):
     pools[2].run(save_worker, kind, torch.float32, str(tmp_path))
-    for i in range(len(_inner(TinyNet(), kind))):  # python -m zeroshard.convert writes the same full format, with no process group
-        convert(tmp_path / "dcp", tmp_path / f"converted{i}.pt", optim_key=f"optim{i}")
-        converted = torch.load(tmp_path / f"converted{i}.pt", weights_only=False)[f"optim{i}"]
+    # python -m zeroshard.convert writes the same full format, with no process group, for each optimizer in the checkpoint
+    # (before, only --optim-key's: the other stayed a raw rank shard).
+    convert(tmp_path / "dcp", tmp_path / "converted.pt")
+    for i in range(len(_inner(TinyNet(), kind))):
+        converted = torch.load(tmp_path / "converted.pt", weights_only=False)[f"optim{i}"]
         full = torch.load(tmp_path / f"full.optim{i}.pt", weights_only=False)
         assert converted["state"].keys() == full["state"].keys() and len(full["state"]) > 0
         for index, entry in full["state"].items():
