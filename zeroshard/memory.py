@@ -137,7 +137,8 @@ def estimate_memory(model_or_numel: nn.Module | int, *, stage: int = 2, world_si
         device_type: the params' device type. ``"cpu"``: everything is ``device_bytes`` and no pinned staging exists, as
             ``memory_usage()`` reports in a CPU-only run; otherwise the offloaded kinds and the ``step`` tensors (torch
             keeps them on the host) are ``host_bytes``.
-        optimizer_class: the wrapped class's name: ``"AdamW"`` or ``"Adam"`` (``torch.optim``), or torchao's
+        optimizer_class: the wrapped class's name: ``"AdamW"`` or ``"Adam"`` (``torch.optim``; ``amsgrad=True``, not modelled,
+            adds a third moment, 4 bytes per shard element), or torchao's
             ``"AdamW8bit"``, ``"AdamW4bit"``, ``"AdamWFp8"``, ``"Adam8bit"``, ``"Adam4bit"``, ``"AdamFp8"``, ``"_AdamW"``.
         block_size: a torchao low-bit class's ``block_size``; ``None``: its default.
 
