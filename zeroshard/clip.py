@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -12,7 +12,7 @@ from zeroshard.optimizer import ShardedOptimizer
 from zeroshard.reduce.coordinator import coordinator_of
 
 
-def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, norm_type: float = 2.0) -> Tensor:
+def clip_grad_norm_(optimizers: Iterable[ShardedOptimizer] | ShardedOptimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
     """Clip the coming step of ``optimizers`` to one global norm ``max_norm``; return the pre-clip norm.
 
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` for a model whose params are split between several
@@ -24,10 +24,12 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
     own gradients only, and one whose gradients are finite steps with the global norm's clip coefficient, 0: a step on
     zero gradients (weight decay, moments and step count move on), as after ``torch.nn.utils.clip_grad_norm_`` of an inf
     norm. (Of a NaN norm torch's coefficient is NaN, and that step writes NaN into the params; here it is 0 as well.)
-    Call it after the backward passes and before the ``step()`` s, on every rank.
+    Call it after the backward passes and before the ``step()`` s, on every rank. Their norms are taken in the order the
+    optimizers were built (the same on every rank), whatever order (or set) each rank passes.
 
     Args:
-        optimizers: distinct ``ShardedOptimizer`` s (over disjoint params, which their construction ensures).
+        optimizers: distinct ``ShardedOptimizer`` s (over disjoint params, which their construction ensures), or one
+            (as ``torch.nn.utils.clip_grad_norm_`` takes one tensor).
         max_norm: the global norm to clip to (> 0).
         norm_type: 2.0 or ``inf``.
 
@@ -39,7 +41,7 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
         ValueError: ``optimizers`` is empty or names one twice; ``max_norm`` or ``norm_type`` as
             :meth:`ShardedOptimizer.clip_grad_norm_` raises. All before any collective.
     """
-    optimizers = list(optimizers)
+    optimizers = [optimizers] if isinstance(optimizers, ShardedOptimizer) else list(optimizers)
     bad = [type(opt).__name__ for opt in optimizers if not isinstance(opt, ShardedOptimizer)]
     if bad:
         raise TypeError(f"optimizers must be ShardedOptimizers; got {bad}")
@@ -47,7 +49,7 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
     if not optimizers or distinct != len(optimizers):
         raise ValueError(f"optimizers must be one or more distinct ShardedOptimizers; got {len(optimizers)} entries, {distinct} distinct")
     # The first one's clip_grad_norm_ checks max_norm and norm_type before its collective.
-    norms = [opt.clip_grad_norm_(max_norm, norm_type) for opt in optimizers]
+    norms = [opt.clip_grad_norm_(max_norm, norm_type) for opt in sorted(optimizers, key=lambda opt: opt.built)]
     values = [float(n) for n in norms]
     total = max(values) if math.isinf(norm_type) else math.sqrt(sum(v * v for v in values))
     if not all(math.isfinite(v) for v in values):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import logging
 import weakref
 from collections.abc import Callable
@@ -37,6 +38,9 @@ from zeroshard.update import SCALED_LOSSES
 from zeroshard.validation import check_construction
 
 logger = logging.getLogger("zeroshard")
+
+_BUILT = itertools.count()
+
 
 class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
     """ZeRO stage 1/2 data parallelism around an already-built ``torch.optim`` optimizer.
@@ -170,6 +174,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self._shard_set = ShardSet(optimizer, self.groups, self.bucket_size_mb, host_master=offload is not None,
                                    partition=self.partition, master_weights=master_weights)
         self._shards = self._shard_set.shards  # the same list, grown in place
+        self.built = next(_BUILT)  # construction order: alike on every rank, which zeroshard.clip_grad_norm_ follows
         self._consolidated: dict[str, Any] | None = None  # full state, on the consolidate_state_dict rank
         self._since_consolidation = False  # a consolidate_state_dict() since the last step (state_dict.py)
         self._issued: dict[int, weakref.ref] = {}  # id -> tensor, for those the last state_dict() returned

@@ -102,7 +102,8 @@ def norm_worker(norm_type: float) -> tuple[float, float]:
     x, y = batch(dist.get_rank(), 0)
     loss_fn(model, x, y).backward()
     loss_fn(ddp, x, y).backward()
-    return float(opt.clip_grad_norm_(0.1, norm_type)), float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.1, norm_type))
+    # zeroshard.clip_grad_norm_ takes one optimizer, as torch's takes one tensor (a TypeError, "not iterable", before)
+    return float(zeroshard.clip_grad_norm_(opt, 0.1, norm_type)), float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.1, norm_type))
 
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])

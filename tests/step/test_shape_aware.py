@@ -166,7 +166,8 @@ def _train(recipe: str, stage: int = 2, accumulation: str = "none", overlap_comm
         if clip is not None:
             ref_norm = float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), clip))
             if clip_api:
-                norm = float(zeroshard.clip_grad_norm_(opts, clip))
+                # In another order on each rank: taken in construction order (gloo aborted on the mismatched all-reduces before).
+                norm = float(zeroshard.clip_grad_norm_(opts if rank % 2 == 0 else opts[::-1], clip))
         if ns is not None:
             ns.phase = "ref"
         if step != inf_step:
