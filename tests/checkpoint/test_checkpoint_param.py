@@ -215,6 +215,9 @@ def mismatch_worker() -> None:
         with pytest.raises(ValueError, match=rf"state_dict state of param_groups\[0\]\['params'\]\[{index}\] has .*'row_var'.* Adafactor keeps"):
             other.load_state_dict(full)
         assert all(torch.equal(a, b) for a, b in zip(before, checkpoint_tensors(other.state_dict())))
+        # Another class's hyperparameters (Muon's float eps, Adafactor's is a pair): said so, not only Adafactor's own TypeError.
+        with pytest.raises(ValueError, match=r"the state_dict's param_groups\[0\] does not build Adafactor \(saved by another optimizer class\?\)"):
+            other.load_state_dict({**full, "param_groups": [{**group, "eps": 1e-7} for group in full["param_groups"]]})
     for opt in (*opts, other, adamw):
         opt.close()
 

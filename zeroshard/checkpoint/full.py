@@ -154,7 +154,11 @@ def load_full(view: CheckpointView, state_dict: dict[str, Any]) -> Loaded:
         if not (entry := state_dict["state"].get(order[ours])):
             continue
         if whole:
-            spec = state_spec(view.optimizer, saved_groups[shard.group], param.shape, shard.master_dtype, ("meta", "cpu", param.device))
+            try:
+                spec = state_spec(view.optimizer, saved_groups[shard.group], param.shape, shard.master_dtype, ("meta", "cpu", param.device))
+            except ValueError as error:
+                raise ValueError(f"the state_dict's param_groups[{shard.group}] does not build {name} (saved by another optimizer "
+                                 f"class?): {error}") from error
         else:  # per-element state, shaped as the param
             keys, has_step = group_keys[shard.group]
             spec = StateSpec(dict.fromkeys(keys, tuple(param.shape)), dict.fromkeys(keys, shard.master_dtype), has_step)
