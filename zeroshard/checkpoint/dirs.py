@@ -84,13 +84,14 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike, optimizer: Any = None, k
 
 def latest_checkpoint(parent: str | os.PathLike) -> Path | None:
     """The latest completed checkpoint directory directly under ``parent``, or ``None`` (directories without ``.metadata``,
-    saves that did not finish, are skipped): when every name has its numbers in the same places (``step_000010``, HF's
-    ``checkpoint-10``, ``epoch3_step100``: a copy or restore keeps them, not the files' times), the one with the highest,
-    compared left to right (``epoch4_step50`` after ``epoch3_step100``); else the one whose ``.metadata`` was written last."""
+    saves that did not finish, are skipped): the one whose name ends in the highest number when every name ends in one
+    (``step_000010``, HF's ``checkpoint-10``: a copy or restore keeps it, not the files' times), else the one whose
+    ``.metadata`` was written last."""
     root = Path(parent)
     if not root.is_dir():
         return None
     complete = [d for d in root.iterdir() if (d / METADATA).is_file()]
-    if len({re.sub(r"\d+", "#", d.name) for d in complete}) == 1 and re.search(r"\d", complete[0].name):
-        return max(complete, key=lambda d: [int(n) for n in re.findall(r"\d+", d.name)])
+    numbers = {d: int(found.group(1)) for d in complete if (found := re.search(r"(\d+)$", d.name))}
+    if complete and len(numbers) == len(complete):
+        return max(complete, key=numbers.__getitem__)
     return max(complete, key=lambda d: (d / METADATA).stat().st_mtime_ns, default=None)
