@@ -135,10 +135,11 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key:
 
     Args:
         checkpoint: the directory given to ``dcp.save``.
-        out: the file to write: ``*.safetensors`` for the model's tensors, else ``torch.save``, with every top-level entry
-            that holds a ``ShardedOptimizer``'s state (``dcp.save({"enc": opt1, "dec": opt2})``) in ``torch.optim`` format.
+        out: the file to write: ``*.safetensors`` for the model's tensors, else ``torch.save``, with the optimizer state in
+            ``torch.optim`` format.
         model_key: the key the model state dict was saved under (``dcp.save({model_key: model.state_dict(), ...})``).
-        optim_key: a key the ``torch.save`` output must have a ``ShardedOptimizer``'s state under, or ``None``: at least one.
+        optim_key: the key of the ``ShardedOptimizer`` to convert (``dcp.save({optim_key: opt, ...})``; other entries are
+            written as loaded), or ``None``: every top-level entry that holds one's state (``dcp.save({"enc": opt1, "dec": opt2})``).
 
     Raises:
         ValueError: ``checkpoint`` or ``out``'s directory does not exist; a bad checkpoint file (named); no ``optim_key``
@@ -161,12 +162,13 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key:
         tensors = {k: v.contiguous() for k, v in state[model_key].items() if torch.is_tensor(v)}
         save_file(tensors, str(out), metadata={"format": "pt"})
         return
-    keys = [key for key, value in state.items() if isinstance(value, dict) and isinstance(value.get("zeroshard"), dict)]
     if optim_key is not None and optim_key not in state:
         raise ValueError(f"{checkpoint} has no {optim_key!r} entry (it has {sorted(state)}); pass --optim-key")
+    keys = [optim_key] if optim_key is not None else [key for key, value in state.items() if isinstance(value, dict)
+                                                      and isinstance(meta := value.get("zeroshard"), dict) and meta.get("format") == SHARDED_FORMAT]
     if not keys:
         raise ValueError(f"{checkpoint} holds no ShardedOptimizer's state (it has {sorted(state)}); write OUT.safetensors for the model alone")
-    for key in sorted({*keys, *([optim_key] if optim_key else [])}):
+    for key in keys:
         state[key] = optimizer_to_torch(state[key], f"{checkpoint} ({key!r})")
     torch.save(state, out)
 
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", metavar="CKPT", type=Path, help="the DCP checkpoint directory (what dcp.save's checkpoint_id named)")
     parser.add_argument("out", metavar="OUT", type=Path, help="the file to write (.safetensors: model weights only; else torch.save)")
     parser.add_argument("--model-key", default="model", help="the key the model state dict was saved under (default: model)")
-    parser.add_argument("--optim-key", help="a key the ShardedOptimizer was saved under, which must be there (default: every optimizer found)")
+    parser.add_argument("--optim-key", help="the key of the ShardedOptimizer to convert (default: every one in the checkpoint)")
     args = parser.parse_args(argv)
     try:
         convert(args.checkpoint, args.out, model_key=args.model_key, optim_key=args.optim_key)

@@ -120,11 +120,12 @@ def test_errors_name_the_file(tmp_path, capsys):
     assert f"{tmp_path / 'empty' / '.metadata'} is missing" in capsys.readouterr().err
     assert main([str(tmp_path / "empty"), str(tmp_path / "no" / "out.pt")]) == 1  # a raw RuntimeError from torch.save before
     assert f"{tmp_path / 'no'}: the directory of {tmp_path / 'no' / 'out.pt'} does not exist" in capsys.readouterr().err
-    dcp.save({"model": {"w": torch.ones(2)}}, checkpoint_id=tmp_path / "model_only")  # no process group
+    # No process group; a config that holds a "zeroshard" dict is not an optimizer.
+    dcp.save({"model": {"w": torch.ones(2)}, "config": {"zeroshard": {"stage": 2}}}, checkpoint_id=tmp_path / "model_only")
     assert main([str(tmp_path / "model_only"), str(tmp_path / "out.pt")]) == 1
-    assert "holds no ShardedOptimizer's state (it has ['model'])" in capsys.readouterr().err
+    assert "holds no ShardedOptimizer's state (it has ['config', 'model'])" in capsys.readouterr().err
     assert main([str(tmp_path / "model_only"), str(tmp_path / "out.pt"), "--optim-key", "opt"]) == 1
-    assert "has no 'opt' entry (it has ['model']); pass --optim-key" in capsys.readouterr().err
+    assert "has no 'opt' entry (it has ['config', 'model']); pass --optim-key" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "torch.optim format" in capsys.readouterr().out
