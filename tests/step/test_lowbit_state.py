@@ -25,9 +25,11 @@ from zeroshard.convert import convert
 
 torchao_optim = pytest.importorskip("torchao.optim")
 # (class, options): torchao keeps block_size as an attribute, not in param_groups: the state's shapes must follow it.
-# bitsandbytes' AdamW8bit keeps plain uint8 codes and fp32 block maxima (it runs on CPU tensors).
+# bitsandbytes' AdamW8bit keeps plain uint8 codes and fp32 block maxima (it runs on CPU tensors); its SGD8bit keeps momentum
+# as betas[0], and min_8bit_size in its `args` (here 16: the biases' state too is 8-bit, which a probe with the default
+# 4096 took for fp32 and a checkpoint wrote as codes without their maps).
 KINDS = [("AdamW8bit", {}), ("AdamW4bit", {}), ("AdamW8bit", {"block_size": 128}), ("bitsandbytes.AdamW8bit", {}),
-         ("bitsandbytes.SGD8bit", {"momentum": 0.9})]
+         ("bitsandbytes.SGD8bit", {"momentum": 0.9, "min_8bit_size": 16})]
 SUBCLASS = {"AdamW8bit": "OptimState8bit", "AdamW4bit": "OptimState4bit"}  # the state's class; bitsandbytes: plain Tensor
 STEPS = 4  # the checkpoint is taken after 2
 

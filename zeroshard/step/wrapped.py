@@ -3,9 +3,7 @@ path applies to the gradients, and what state the wrapped optimizer keeps for a 
 
 from __future__ import annotations
 
-import copy
 import inspect
-from collections import defaultdict
 from typing import Any, NamedTuple
 
 import torch
@@ -72,23 +70,14 @@ def constructor_kwargs(cls: type, hyperparameters: dict[str, Any]) -> dict[str, 
 
 def throwaway_state(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], shape: Any, dtype: torch.dtype, device: Any) -> dict[str, Any]:
     """The state ``optimizer``'s class keeps after one step of a zero param of ``shape``, ``dtype`` and ``device`` with a zero
-    gradient in a param group with ``hyperparameters``. Raises whatever the class raises.
+    gradient, built as ``cls(params, **constructor_kwargs(cls, ...))`` from a param group's ``hyperparameters`` and the options
+    ``optimizer`` keeps elsewhere (:func:`instance_options`). Raises whatever the class raises.
 
-    The throwaway is built as ``cls(params, **constructor_kwargs(cls, hyperparameters))``; a class that cannot be built from its
-    param groups (bitsandbytes' ``SGD8bit`` keeps ``momentum`` as ``betas[0]``, a name its constructor does not take) is
-    stepped as a copy of ``optimizer`` over the one param, with no state, hooks or patched ``step``.
     The step runs eagerly: an update under ``torch.compile`` (torchao's low-bit AdamW) would be compiled again for each probe."""
     cls = type(optimizer)
     probe = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
     probe.grad = torch.zeros_like(probe)
-    try:
-        throwaway = cls([probe], **constructor_kwargs(cls, hyperparameters))
-    except Exception:
-        throwaway = cls.__new__(cls)
-        # Copies, not shared: a step on the meta device moves what it touches (bitsandbytes' quantization maps) there.
-        # Optimizer.__setstate__ (unpickling) builds fresh hook dicts; an LR scheduler's wrapper of the instance's step stays behind.
-        kept = {k: v for k, v in vars(optimizer).items() if k not in ("state", "param_groups", "step") and not k.endswith("_hooks")}
-        throwaway.__setstate__(copy.deepcopy(kept) | {"state": defaultdict(dict), "param_groups": [{**hyperparameters, "params": [probe]}]})
+    throwaway = cls([probe], **constructor_kwargs(cls, {**instance_options(optimizer, hyperparameters), **hyperparameters}))
     with torch.compiler.set_stance("force_eager"):
         throwaway.step()
     return throwaway.state[probe]
@@ -124,7 +113,15 @@ class StateSpec(NamedTuple):
         return found
 
     def flatten(self, state: dict[str, Any], device: torch.device) -> dict[str, Tensor]:
-        """``state``'s tensors as :meth:`entries` names them, copied to ``device`` (zeros for a key ``state`` lacks)."""
+        """``state``'s tensors as :meth:`entries` names them, copied to ``device`` (zeros for a key ``state`` lacks).
+
+        Raises:
+            ValueError: ``state`` holds a tensor the spec lacks, or one of another dtype: a checkpoint would lose or recast it.
+        """
+        if odd := self._unexpected(state):
+            raise ValueError(f"the optimizer's state holds {odd} (key: dtype), where one step of its class built from the param group "
+                             f"keeps {({k: str(d) for k, d in self.dtypes.items()})}: an option the class keeps outside its param groups "
+                             "changed it, and a checkpoint would lose it: zeroshard cannot checkpoint this optimizer as built")
         out: dict[str, Tensor] = {}
         for key in self.shapes:
             sub, held = self.subclasses.get(key), state.get(key)
@@ -138,9 +135,16 @@ class StateSpec(NamedTuple):
                                         else torch.zeros(shape, dtype=dtype, device=device))
         return out
 
+    def _unexpected(self, state: dict[str, Any]) -> dict[str, str]:
+        """The plain tensors of ``state`` (``step`` aside) the spec lacks or keeps in another dtype: key -> dtype."""
+        return {key: str(v.dtype) for key, v in state.items() if key != "step" and isinstance(v, Tensor) and not is_subclass_state(v)
+                and self.dtypes.get(key) != v.dtype}
+
     def mismatch(self, state: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Per checkpoint entry of ``state`` (as :meth:`entries` names them) whose shape is not the spec's: (found, expected)."""
-        found: dict[str, tuple[int, ...]] = {}
+        """Per checkpoint entry of ``state`` (as :meth:`entries` names them) whose shape is not the spec's, or that the spec lacks
+        or keeps in another dtype: (found, expected; ``()`` where the spec lacks it)."""
+        odd = self._unexpected(state)
+        found: dict[str, tuple[int, ...]] = {key: tuple(state[key].shape) for key in odd}
         for key in self.shapes:
             held, sub = state.get(key), self.subclasses.get(key)
             if held is None:
@@ -150,7 +154,7 @@ class StateSpec(NamedTuple):
             else:
                 found.update({f"{key}.{name}": tuple(getattr(held, name).shape) for name in sub.inner})
         expected = {key: shape for key, (shape, _) in self.entries().items()}
-        return {key: (shape, expected.get(key, ())) for key, shape in found.items() if expected.get(key) != shape}
+        return {key: (shape, expected.get(key, ())) for key, shape in found.items() if expected.get(key) != shape or key in odd}
 
     def unflatten(self, entry: dict[str, Tensor]) -> dict[str, Tensor]:
         """The state tensors from a checkpoint entry as :meth:`entries` names them: copies, subclasses rebuilt."""
@@ -201,8 +205,10 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
     # The learning rate (which schedules change every step) does not decide what state is kept: probed with one value, so the
     # answer does not depend on what the cache (per process) holds: as in torch, a loaded lr is not checked.
     hyperparameters = {**instance_options(optimizer, hyperparameters), **hyperparameters, **({"lr": 1e-3} if "lr" in hyperparameters else {})}
-    options = {k: v for k, v in hyperparameters.items() if k not in ("params", "initial_lr")}
-    key = (cls, repr(sorted(options.items())), tuple(shape), dtype, devices)
+    kwargs = constructor_kwargs(cls, hyperparameters)
+    # An object option (bitsandbytes' args) by its attributes: its repr holds an address, which a later one may reuse.
+    options = sorted((k, vars(v) if hasattr(v, "__dict__") else v) for k, v in kwargs.items() if k != "initial_lr")
+    key = (cls, repr(options), tuple(shape), dtype, devices)
     if key in _SPECS:
         return _SPECS[key]
     error: Exception | None = None
@@ -213,7 +219,7 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
         except (TypeError, ValueError, RuntimeError, NotImplementedError, AssertionError) as caught:  # capturable=True asserts CUDA
             error = caught
     else:
-        raise ValueError(f"{cls.__name__} cannot be stepped on a param of shape {tuple(shape)} with the hyperparameters {options}: {error}")
+        raise ValueError(f"{cls.__name__} cannot be stepped on a param of shape {tuple(shape)} with the hyperparameters {dict(options)}: {error}")
     tensors = {k: v for k, v in sample.items() if torch.is_tensor(v) and k != "step"}
     others = sorted(k for k in sample if k not in tensors and k != "step")
     if others:
@@ -225,14 +231,20 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
 
 
 def instance_options(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]) -> dict[str, Any]:
-    """Constructor arguments ``optimizer`` keeps as plain attributes rather than in its param groups (torchao's
-    ``block_size`` and ``bf16_stochastic_round``), by name: they decide the state's shapes as much as the groups' do."""
+    """Constructor arguments ``optimizer`` keeps outside its param groups, by name: they decide the state's shapes as much as
+    the groups' do. Plain attributes of a constructor argument's name (torchao's ``block_size`` and
+    ``bf16_stochastic_round``); bitsandbytes' ``args`` (its ``optim_bits``, ``min_8bit_size``, ...), and the ``momentum`` and
+    ``dampening`` its ``SGD8bit`` and ``LARS`` keep as the group's ``betas``."""
     try:
         names = inspect.signature(type(optimizer).__init__).parameters
     except (TypeError, ValueError):
         return {}
     found = {name: getattr(optimizer, name, None) for name in names if name not in ("self", "params") and name not in hyperparameters}
-    return {name: value for name, value in found.items() if isinstance(value, (bool, int, float, str))}
+    options = {name: value for name, value in found.items() if isinstance(value, (bool, int, float, str)) or name == "args" and hasattr(value, "__dict__")}
+    betas = hyperparameters.get("betas")
+    if {"momentum", "dampening"} <= set(found) and isinstance(betas, (tuple, list)) and len(betas) == 2:
+        options.update(momentum=betas[0], dampening=betas[1])
+    return options
 
 
 def state_keys(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any], dtype: torch.dtype, device: torch.device) -> tuple[list[str], bool]:
