@@ -24,8 +24,8 @@ def clip_grad_norm_(optimizers: Iterable[ShardedOptimizer] | ShardedOptimizer, m
     own gradients only, and one whose gradients are finite steps with the global norm's clip coefficient, 0: a step on
     zero gradients (weight decay, moments and step count move on), as after ``torch.nn.utils.clip_grad_norm_`` of an inf
     norm. (Of a NaN norm torch's coefficient is NaN, and that step writes NaN into the params; here it is 0 as well.)
-    Call it after the backward passes and before the ``step()`` s, on every rank. Their norms are taken in the order the
-    optimizers were built (the same on every rank), whatever order (or set) each rank passes.
+    Call it after the backward passes and before the ``step()`` s, on every rank, with the same optimizers: in any order (or
+    as a set), as their norms are taken in the order they were built (``opt.built``, alike on every rank).
 
     Args:
         optimizers: distinct ``ShardedOptimizer`` s (over disjoint params, which their construction ensures), or one
