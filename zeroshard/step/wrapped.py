@@ -206,8 +206,8 @@ def state_spec(optimizer: torch.optim.Optimizer, hyperparameters: dict[str, Any]
     # answer does not depend on what the cache (per process) holds: as in torch, a loaded lr is not checked.
     hyperparameters = {**instance_options(optimizer, hyperparameters), **hyperparameters, **({"lr": 1e-3} if "lr" in hyperparameters else {})}
     kwargs = constructor_kwargs(cls, hyperparameters)
-    # An object option (bitsandbytes' args) by its attributes: its repr holds an address, which a later one may reuse.
-    options = sorted((k, vars(v) if hasattr(v, "__dict__") else v) for k, v in kwargs.items() if k != "initial_lr")
+    # bitsandbytes' args by its attributes: its repr holds an address, which a later one may reuse.
+    options = sorted((k, vars(v) if k == "args" and hasattr(v, "__dict__") else v) for k, v in kwargs.items() if k != "initial_lr")
     key = (cls, repr(options), tuple(shape), dtype, devices)
     if key in _SPECS:
         return _SPECS[key]
