@@ -61,6 +61,12 @@ def _with_subclasses(entry: dict[str, torch.Tensor], subclasses: dict[str, dict[
     return state
 
 
+def _sharded_meta(value: Any) -> dict[str, Any] | None:
+    """The ``"zeroshard"`` entry of ``value`` if it is a zeroshard sharded optimizer state dict, else ``None``."""
+    meta = value.get("zeroshard") if isinstance(value, dict) else None
+    return meta if isinstance(meta, dict) and meta.get("format") == SHARDED_FORMAT else None
+
+
 def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") -> dict[str, Any]:
     """A zeroshard sharded optimizer state dict with full tensors (as :func:`load_checkpoint` gives it) in ``torch.optim`` format.
 
@@ -78,8 +84,8 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
         ValueError: ``sharded`` is not a zeroshard sharded state dict of a version this zeroshard reads, or a bucket's
             size does not match its params' shapes (both named).
     """
-    meta = sharded.get("zeroshard") if isinstance(sharded, dict) else None
-    if not isinstance(meta, dict) or meta.get("format") != SHARDED_FORMAT:
+    meta = _sharded_meta(sharded)
+    if meta is None:
         found = sorted(sharded) if isinstance(sharded, dict) else type(sharded).__name__
         raise ValueError(f"{source}: the optimizer entry is not a zeroshard sharded state dict (found {found})")
     try:
@@ -164,8 +170,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model_key:
         return
     if optim_key is not None and optim_key not in state:
         raise ValueError(f"{checkpoint} has no {optim_key!r} entry (it has {sorted(state)}); pass --optim-key")
-    keys = [optim_key] if optim_key is not None else [key for key, value in state.items() if isinstance(value, dict)
-                                                      and isinstance(meta := value.get("zeroshard"), dict) and meta.get("format") == SHARDED_FORMAT]
+    keys = [optim_key] if optim_key is not None else [key for key, value in state.items() if _sharded_meta(value) is not None]
     if not keys:
         raise ValueError(f"{checkpoint} holds no ShardedOptimizer's state (it has {sorted(state)}); write OUT.safetensors for the model alone")
     for key in keys:
