@@ -182,7 +182,7 @@ def test_checkpointed_model_trains_as_ddp_with_one_reduction_per_backward(pools,
     if accumulation != "backward" and max_grad_norm is None and not shared:  # one reduction of the same sums
         assert bitwise
     # One reduce-scatter per bucket per reduced backward. A param with more gradients in one
-    # backward than any before (the first step) adds one reduction of every bucket at step().
+    # backward than any before (the first step) adds one reduction of every bucket at that backward's end.
     first = 1 + (0.5 if accumulation == "backward" else 1) if shared else 1
     assert per_bucket == per_bucket1 == [first] + [1] * (STEPS - 1), (per_bucket, per_bucket1)
     # After the first step all but the last two buckets (the embedding's, the first block's) are reduced
@@ -245,9 +245,9 @@ def test_hf_gpt2_reentrant_checkpointing_with_only_the_blocks_trainable_matches_
         assert bitwise and per_bucket == [1.0] * 3, (worst, per_bucket)
 
 
-def late_gradient_clip_worker(stage: int) -> tuple[float, float, float]:
-    """A reentrant checkpoint whose segment's gradients come after their bucket was reduced (kept local until ``step()``), then
-    torch's clip over the optimizer's ``param_groups``: (zeroshard's norm, DDP's, the largest param difference after the step)."""
+def late_gradient_clip_worker(stage: int, over: str) -> tuple[float, float, float]:
+    """A reentrant checkpoint whose segment's gradients come after their bucket was reduced, then torch's clip ``over`` the
+    model's params or the optimizer's ``param_groups``: (zeroshard's norm, DDP's, the largest param difference after the step)."""
     torch.manual_seed(0)
     model = CheckpointedNet("shared", True)
     ours = copy.deepcopy(model)
@@ -256,13 +256,16 @@ def late_gradient_clip_worker(stage: int) -> tuple[float, float, float]:
     ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=60 * 4 / 2**20)
     _loss(ref, *_batch(dist.get_rank(), 0, 0), 0, 1).backward()
-    _loss(ours, *_batch(dist.get_rank(), 0, 0), 0, 1).backward()
-    assert opt._reducer._late, "a gradient came after its bucket's reduction"
-    if stage == 2:  # over the model's params that gradient is a plain local tensor: the norm raises naming the checkpoint (stage 1:
-        # docs/design.md, Known limits), where it blamed "params no ShardedOptimizer holds"
-        with pytest.raises(RuntimeError, match="a reentrant activation checkpoint delivered after its bucket was reduced"):
-            torch.nn.utils.clip_grad_norm_(ours.parameters(), 0.05)
-    norm = float(torch.nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], 0.05))
+    real, calls = collectives.reduce_scatter, []
+    collectives.reduce_scatter = lambda *args, **kwargs: (calls.append(1), real(*args, **kwargs))[1]
+    try:
+        _loss(ours, *_batch(dist.get_rank(), 0, 0), 0, 1).backward()
+    finally:
+        collectives.reduce_scatter = real
+    buckets = sum(len(shard.buffer.layout.buckets) for shard in opt._shards)
+    assert len(calls) == 2 * buckets, (len(calls), buckets)  # every bucket again at the end of that backward
+    params = ours.parameters() if over == "model" else [p for group in opt.param_groups for p in group["params"]]
+    norm = float(torch.nn.utils.clip_grad_norm_(params, 0.05))
     ddps = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
     ref_opt.step()
     opt.step()
@@ -271,8 +274,10 @@ def late_gradient_clip_worker(stage: int) -> tuple[float, float, float]:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_a_clip_over_param_groups_sees_gradients_that_came_after_their_bucket(pools, stage):
-    # The late gradients were reduced only at step(): the clip read 6.39 where DDP's norm is 7.79, silently, before.
-    for norm, ddps, off in pools[2].run(late_gradient_clip_worker, stage):
+@pytest.mark.parametrize("over", ["model", "param_groups"])
+def test_a_clip_sees_gradients_that_came_after_their_bucket(pools, stage, over):
+    # The late gradients were reduced only at step(): a clip over param_groups read 6.39 where DDP's norm is 7.79, silently;
+    # over the model's params stage 1 read 6.39 too and stage 2 raised.
+    for norm, ddps, off in pools[2].run(late_gradient_clip_worker, stage, over):
         assert abs(norm - ddps) <= 1e-5 * ddps, (norm, ddps)
         assert off <= 1e-6, off

@@ -185,12 +185,10 @@ class PartialNorm(Tensor):
         # 0 when alike on every rank, up to rounding: max - min of p (inf), else n * sum(p**2) - sum(p)**2
         spread, scale = (plains[0] + plains[1], plains[0]) if inf else (self.comm.size * plains[1] - plains[0] ** 2, plains[0] ** 2)
         if spread > 1e-9 * scale:
-            raise RuntimeError(f"{what}: it includes gradients that are plain tensors and differ between the ranks (DDP would have "
-                               "averaged them; each rank's are its own), so each rank would get another norm and clip by another factor. "
-                               "Either params no ShardedOptimizer holds: put them in one, or freeze them, before the backward "
-                               "(docs/integrations.md, \"From ZeroRedundancyOptimizer\"); or, in the first steps, a gradient a reentrant "
-                               "activation checkpoint delivered after its bucket was reduced (a param used in several checkpointed "
-                               "segments), which step() reduces: clip with opt.clip_grad_norm_ or max_grad_norm, or use use_reentrant=False")
+            raise RuntimeError(f"{what}: it includes gradients that are plain tensors, of params no ShardedOptimizer holds, and they differ "
+                               "between the ranks (DDP would have averaged them; each rank's are its own), so each rank would get another "
+                               "norm and clip by another factor; put those params in a ShardedOptimizer, or freeze them, before the backward "
+                               "(docs/integrations.md, \"From ZeroRedundancyOptimizer\")")
         return vector[:-4]
 
     def _norms(self, sharded: list[int], reduced: Tensor) -> Tensor:

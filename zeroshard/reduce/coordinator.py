@@ -56,6 +56,7 @@ class Reducer(Protocol):
     def settle_all(self) -> None: ...  # follow what user code did to its params' .grad
     def reduce_everything(self) -> None: ...  # reduce every bucket of this pass (zeros where no gradient came)
     def rebuild_order(self) -> None: ...  # adopt the first reduced backward's launch order (a collective, once)
+    def reduce_late(self) -> None: ...  # a gradient came after its bucket was reduced (reentrant checkpoints): reduce again
 
 
 class ReduceCoordinator:
@@ -155,9 +156,11 @@ class ReduceCoordinator:
                     r.end_of_backward = EndOfBackward.DONE
             for r in reduced:
                 r.rebuild_order()
-            # Params unfrozen since: sharded, then every bucket reduced again with them. Only now, after the pass's last collective
-            # on every rank: ranks launch a pass's buckets at different times, and a sharding before would meet a reduce-scatter.
             with torch.no_grad():  # a backward(create_graph=True) ends with grad mode on
+                for r in reduced:  # a gradient after its bucket's reduction (reentrant checkpoints; the ranks agree): every bucket again
+                    r.reduce_late()
+                # Params unfrozen since: sharded, then every bucket reduced again with them. Only now, after the pass's last collective
+                # on every rank: ranks launch a pass's buckets at different times, and a sharding before would meet a reduce-scatter.
                 for r in reduced:
                     if r.grow is not None and r.grow():
                         r.reduce_everything()

@@ -281,7 +281,7 @@ class GradReducer:
         grads = self._grads[k]
         key = (k, grads.bucket_of[i])
         if self._order.position[key] < self._next_launch:
-            # More gradients than any pass had, its bucket reduced (OutermostBackward): kept local until step().
+            # More gradients than any pass had, its bucket reduced (OutermostBackward): kept local until the pass's end (reduce_late).
             grads.arrivals[i] += 1
             self._late = True
             self._order.completed(key)  # it completes now in the next passes
@@ -405,6 +405,12 @@ class GradReducer:
             self.rebuild_order()
             if self.coordinator.alone:  # else the group's flush checks, once every optimizer has grown
                 self.ddp_wrappers.check_covered(held)
+
+    def reduce_late(self) -> None:
+        """At the end of backward: a reentrant checkpoint delivered a gradient after its bucket was reduced (``_take_grad``), so
+        every bucket is reduced once more, as ``step()`` would (:meth:`reduce_for_step`): ``.grad`` then reads DDP's average."""
+        if self._late:
+            self.reduce_for_step()
 
     def reduce_pending(self) -> None:
         """Before a virtual param's ``.grad`` is used (a clip over ``param_groups``): reduce what is local (as ``step()``).
