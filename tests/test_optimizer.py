@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import pytest
 import torch
@@ -447,6 +448,39 @@ def test_the_wrapped_optimizers_own_step_raises(pools, optimizer_name):
     for message, stepped in pools[2].run(inner_step_worker, optimizer_name):
         assert f"{optimizer_name}.step() was called on the optimizer a ShardedOptimizer wraps" in message, message
         assert stepped
+
+
+class ScaledSGD(torch.optim.SGD):
+    """Keeps a per-param factor in a dict of its own, keyed by the params it was built with."""
+
+    def __init__(self, params) -> None:
+        params = list(params)
+        super().__init__(params, lr=0.1)
+        self.factor = {p: 0.5 for p in params}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * self.factor[p])
+
+
+def keyed_by_param_worker() -> str:
+    """What ``step()`` raises for a wrapped optimizer keying its own dict by the params."""
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(ScaledSGD(model.parameters()))
+    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    with pytest.raises(RuntimeError) as error:
+        opt.step()
+    assert isinstance(error.value.__cause__, KeyError)
+    return str(error.value)
+
+
+def test_a_wrapped_optimizer_keying_a_dict_by_the_params_raises_naming_the_param(pools):
+    # It raised a bare KeyError that printed a tensor: nothing said the key is a virtual param.
+    for message in pools[2].run(keyed_by_param_worker):
+        assert re.search(r"ScaledSGD.step\(\) looked up a param in a dict of its own and got a KeyError: zeroshard hands it a virtual "
+                         r"param for param_groups\[0\]\['params'\]\[\d+\]", message), message
 
 
 def clip_on_one_rank_worker() -> str:

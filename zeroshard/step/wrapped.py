@@ -35,6 +35,13 @@ def wrapped_step(optimizer: torch.optim.Optimizer, shards: list[LocalShard], use
     _STEPPING.add(id(optimizer))
     try:
         optimizer.step()
+    except KeyError as error:
+        if (name := _virtual_param_name(shards, error.args[0] if error.args else None)) is not None:
+            raise RuntimeError(f"{type(optimizer).__name__}.step() looked up a param in a dict of its own and got a KeyError: zeroshard "
+                               f"hands it a virtual param for {name} (this rank's piece of that param), not the param it keyed the dict "
+                               "by when it was built. Keep per-param data in the param group (an option of its own) or in optimizer.state "
+                               "(zeroshard shards it), or build the dict from param_groups in step()") from error
+        raise
     finally:
         _STEPPING.discard(id(optimizer))
     for shard in shards:
@@ -43,6 +50,16 @@ def wrapped_step(optimizer: torch.optim.Optimizer, shards: list[LocalShard], use
 
 
 _STEPPING: set[int] = set()  # ids of wrapped optimizers inside wrapped_step
+
+
+def _virtual_param_name(shards: list[LocalShard], key: object) -> str | None:
+    """How errors name the param whose virtual param ``key`` is (``None``: ``key`` is none of ``shards``' virtual params)."""
+    for shard in shards:
+        for chunk in shard.chunks:
+            for piece, vparam in zip(chunk.pieces, chunk.virtual_params):
+                if vparam is key:
+                    return shard.buffer.names[piece.param]
+    return None
 
 
 def refuse_direct_steps(optimizer: torch.optim.Optimizer) -> None:
