@@ -160,3 +160,33 @@ def flush_raised_worker(stage: int) -> bool:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_backward_after_one_whose_end_raised_is_reduced_for_every_optimizer(pools, stage):
     assert all(pools[2].run(flush_raised_worker, stage)), "the first-built optimizer's gradients of the next backward were not reduced"
+
+
+def alone_worker() -> list[bool]:
+    """Whether the group's coordinator takes the one-optimizer path: with two optimizers, after one closed, after a newer one took
+    over the last's params, after that one was dropped and a third built, after training a step."""
+    model = TwoParts()
+    first = zeroshard.ShardedOptimizer(torch.optim.SGD(model.a.parameters(), lr=0.1))
+    second = zeroshard.ShardedOptimizer(torch.optim.SGD(model.b.parameters(), lr=0.1))
+    coordinator = first._reducer.coordinator
+    seen = [coordinator.alone]
+    second.close()
+    seen.append(coordinator.alone)
+    newer = zeroshard.ShardedOptimizer(torch.optim.SGD(model.a.parameters(), lr=0.1))  # takes over first's params: first closes
+    seen.append(coordinator.alone)
+    del newer  # dropped (the notebook cell that built it run again), not closed
+    third = zeroshard.ShardedOptimizer(torch.optim.SGD(model.b.parameters(), lr=0.1))
+    seen.append(coordinator.alone)
+    model(torch.ones(2, 8), "b").backward()
+    third.step()
+    seen.append(coordinator.alone)
+    third.close()
+    first.close()
+    return seen
+
+
+def test_the_one_optimizer_path_returns_once_the_others_are_closed_or_dropped(pools):
+    # alone was counted at construction only: an optimizer built again in a notebook kept the multi-optimizer path (a pass over
+    # the group's reducers per gradient) for good.
+    for seen in pools[2].run(alone_worker):
+        assert seen == [False, True, True, True, True], seen

@@ -64,8 +64,8 @@ class ReduceCoordinator:
 
     def __init__(self) -> None:
         self._reducers: list[weakref.ref] = []  # in the order they were built
-        # A single reducer is registered: then it is the caller (open, or its hooks would not have run). The common case, one
-        # optimizer per process group, reads this attribute per gradient, not a pass over weak references.
+        # A single reducer is live and open (recount): then it is the caller. The common case, one optimizer per process group
+        # (also after an earlier one was closed or dropped), reads this attribute per gradient, not a pass over weak references.
         self.alone = False
         self._owned: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, reducer), both weak
         self._scaled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer with a dynamic loss scale -> (scaler, reducer)
@@ -80,8 +80,12 @@ class ReduceCoordinator:
         if any((r := ref()) is not None and not r.closed for ref in self._reducers):
             gc.collect()  # only when another open reducer is registered: a full collection takes 50-150 ms
         self._reducers[:] = [ref for ref in self._reducers if ref() is not None]
-        self._reducers.append(weakref.ref(reducer))
-        self.alone = len(self._reducers) == 1
+        self._reducers.append(weakref.ref(reducer, self.recount))
+        self.recount()
+
+    def recount(self, _: object = None) -> None:
+        """Whether one reducer is left (:attr:`alone`), after one registered, closed (``GradReducer.close``) or was dropped."""
+        self.alone = len(self._live()) == 1
 
     def own(self, param: nn.Parameter, reducer: Reducer) -> None:
         """Record that ``reducer``'s hooks are on ``param`` (both held weakly)."""

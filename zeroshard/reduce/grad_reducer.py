@@ -115,6 +115,7 @@ class GradReducer:
         if not self.closed:
             self.closed_because = reason
         self._remove_hooks()
+        self.coordinator.recount()
 
     def add_shard(self, shard: LocalShard) -> None:
         """Register ``shard``'s params: hooks, launch order, and (stage 1) a flat grad buffer."""
