@@ -49,6 +49,7 @@ class ShardGrads:
         self.kept = [False] * n  # per param: it had a .grad as the step began (DDP's: zeroing keeps it)
         self.arrivals = [0] * n  # per param: gradients taken in this backward pass (reentrant checkpoints: several)
         self.expected = [1] * n  # per param: the most gradients taken in one pass so far: ready once that many arrived
+        self.grew = False  # some param got more gradients in the last pass than in any before (clear_backward)
         self.zeroed = [flat] * n  # stage 1, per param: its view of flat holds zeros since the last reset and was not taken since
         self.landed = [False] * buckets  # per bucket: reduced into its grad shard slice since the reset (stage 2 adds next)
         self.live = False  # a reduction left gradients in the grad shard that no step() has consumed yet (reset)
@@ -70,7 +71,8 @@ class ShardGrads:
         """Forget which params were taken in the current backward pass (learning how many gradients each got)."""
         self.ready = [False] * len(self.ready)
         self.ready_count = [0] * len(self.ready_count)
-        self.expected = [max(e, a) for e, a in zip(self.expected, self.arrivals)]
+        expected = [max(e, a) for e, a in zip(self.expected, self.arrivals)]
+        self.grew, self.expected = expected != self.expected, expected
         self.arrivals = [0] * len(self.arrivals)
 
     def take(self, i: int, last: bool) -> bool:

@@ -408,9 +408,12 @@ class GradReducer:
                 self.ddp_wrappers.check_covered(held)
 
     def reduce_late(self) -> None:
-        """At the end of backward: a reentrant checkpoint delivered a gradient after its bucket was reduced (``_take_grad``), so
-        every bucket is reduced once more, as ``step()`` would (:meth:`reduce_for_step`): ``.grad`` then reads DDP's average."""
-        if self._late:
+        """At the end of backward: some param got more gradients than in any pass before (reentrant checkpoints), so one may have
+        come after its bucket was reduced (``_take_grad``): every bucket is reduced once more, as ``step()`` would
+        (:meth:`reduce_for_step`), and ``.grad`` reads DDP's average. Decided by the counts, not by which buckets launched, which
+        differs between ranks where a param is used on some only: every rank reduces again, or none."""
+        if self._late or any(grads.grew for grads in self._grads):
+            self._late = True
             self.reduce_for_step()
 
     def reduce_pending(self) -> None:
