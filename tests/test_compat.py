@@ -216,3 +216,11 @@ def test_compiling_is_true_while_dynamo_compiles_a_frame_only():
     assert not compat.compiling(), f"{TORCH}: compat.compiling() outside torch.compile"
     torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))
     assert seen == [True], f"{TORCH}: torch._guards.TracingContext is not set while Dynamo compiles a frame"
+
+
+def test_compiled_module_tells_a_compiled_call_from_an_eager_one():
+    eager, in_place = nn.Linear(2, 2), nn.Linear(2, 2)
+    in_place.compile(backend="eager")
+    assert not compat.compiled_module(eager), f"{TORCH}: compat.compiled_module() on an eager module"
+    assert compat.compiled_module(torch.compile(eager, backend="eager")), f"{TORCH}: torch._dynamo.eval_frame.OptimizedModule is gone"
+    assert compat.compiled_module(in_place), f"{TORCH}: nn.Module.compile() no longer sets _compiled_call_impl"

@@ -9,6 +9,7 @@ raises naming the torch version before anything is changed.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -171,6 +172,18 @@ def compiling() -> bool:
     from torch._guards import TracingContext  # on use, as torch._dynamo imports it
 
     return TracingContext.try_get() is not None
+
+
+def compiled_module(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs Dynamo-compiled code: ``torch.compile(module)``'s wrapper, or a module whose ``compile()`` ran.
+
+    param_gather.py: compiled code cannot wait for a gather inside its frame, so the guard waits before such a call and leaves
+    the mode stack; torch names neither the wrapper class nor the compiled call publicly.
+    """
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing was compiled
+    return dynamo is not None and isinstance(module, dynamo.eval_frame.OptimizedModule)
 
 
 def note_step(optimizer: torch.optim.Optimizer) -> None:

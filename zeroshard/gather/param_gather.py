@@ -26,7 +26,7 @@ from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
 
 from zeroshard.comm import collectives
-from zeroshard.compat import function_mode_stack, pop_function_mode, push_function_mode
+from zeroshard.compat import compiled_module, function_mode_stack, pop_function_mode, push_function_mode
 from zeroshard.layout.local_shard import LocalShard
 
 
@@ -195,13 +195,19 @@ class _ParamGuard(TorchFunctionMode):
                 self._pop_hook = None
 
     def _before_module_call(self, module: nn.Module, args: object) -> None:
-        """Global module forward pre-hook while pushed: wait for a ScriptModule's params, then pop if done."""
+        """Global module forward pre-hook while pushed: wait for a ScriptModule's params, or every gather before a compiled
+        module, then pop if done."""
         if isinstance(module, torch.jit.ScriptModule):
             # A scripted or traced module reads its params in C++, past this mode: wait for them now.
             for param in module.parameters():
                 entry = self._waiting.get(id(param))
                 if entry is not None:
                     _wait_for(entry)
+        elif compiled_module(module):
+            # Compiled code would break its graph at each wait, and recompile as the mode comes and goes: its frame must start
+            # with the guard gone, which takes every gather (of its params or not: a teacher, an EMA model) done.
+            for gathers in list(self._gathers.values()):
+                gathers.wait()
         self.pop_if_done()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
