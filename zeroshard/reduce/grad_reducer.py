@@ -29,7 +29,7 @@ from zeroshard.reduce.coordinator import EndOfBackward, coordinator_of, ddp_wrap
 from zeroshard.reduce.ddp import DDPWrappers, find_wrappers, release, watch_new_wrappers
 from zeroshard.reduce.records import HAS_LOCAL, REDUCED_ONCE, OutermostBackward, StepPhase, param_hooks, weak_method
 
-_CLEAN, _LOCAL, _REDUCED = StepPhase.CLEAN, StepPhase.LOCAL, StepPhase.REDUCED  # per-param hooks: a global reads in 1/6 of an Enum member's time
+_CLEAN, _LOCAL, _REDUCED = StepPhase.CLEAN, StepPhase.LOCAL, StepPhase.REDUCED  # per-param hooks: 1/6 of an Enum member's read time
 
 
 class GradReducer:
@@ -70,7 +70,6 @@ class GradReducer:
         self._outermost = OutermostBackward(weak_method(self._queue_end_of_backward))  # reentrant checkpoints
         self._no_sync = False
         self.phase = _CLEAN  # where this step's gradients are
-        self._late = False  # a gradient came late (_take_grad)
         self._early = False  # the last reduction: reduce_pending
         self._kept_noted = False  # since the last reset
         self._reset_marks: list[tuple[int, int]] | None = None  # ShardGrads.marks() at the last reset (None: used)
@@ -81,7 +80,7 @@ class GradReducer:
         self._ddp_no_sync = False  # ... under ddp.no_sync(): this backward accumulates locally
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.grow: Callable[[], object] | None = None  # the optimizer's: shard params unfrozen since; whether it did (flush)
-        # The DistributedDataParallel wrappers around these params: switched off, their reducers released (DDPWrappers.adopt).
+        # The DDP wrappers around these params: switched off, their reducers released (DDPWrappers.adopt).
         self.ddp_wrappers = DDPWrappers(weak_method(self._on_ddp_forward), weak_method(self._sync_next_backward))
         # The hooks hold it weakly and go with it (or close()); not at exit (DDP's process group may be gone).
         self._remove_hooks = weakref.finalize(self, release, self._hooks, self.ddp_wrappers)
@@ -155,7 +154,7 @@ class GradReducer:
             return
         self._reset_marks = None
         if self._deferred is not None or not self.coordinator.alone:
-            self.coordinator.take_deferred(self)  # before this accumulation bumps the flat grad's version (stage 1)
+            self.coordinator.take_deferred(self)  # before this accumulation bumps the flat grad's version
         if not self._backward_started:
             syncs = self.ddp_wrappers.adopt_new()  # may raise: nothing changed yet
             self._backward_started = True
@@ -165,7 +164,7 @@ class GradReducer:
                 self._ddp_reduced = True
                 for grads in self._grads:  # before DDP's reducer reads or writes .grad
                     grads.swap_out_sharded_grads()
-            elif syncs:  # inside ``ddp.no_sync()`` (HF Trainer's, accelerate's first micro-step): accumulate locally
+            elif syncs:  # ``ddp.no_sync()`` (HF Trainer's, accelerate's first micro-step): accumulate locally
                 self._ddp_no_sync = True
                 self.accumulate_locally()
             self._check_flat_grads()
@@ -282,14 +281,13 @@ class GradReducer:
         grads = self._grads[k]
         key = (k, grads.bucket_of[i])
         if self._order.position[key] < self._next_launch:
-            # More gradients than any pass had, its bucket reduced (OutermostBackward): kept local until the pass's end (reduce_late).
+            # More gradients than ever, its bucket reduced (OutermostBackward): reduce_late reduces it.
             grads.arrivals[i] += 1
-            self._late = True
             self._order.completed(key)  # it completes now in the next passes
             return False
         grad = param.grad
         if grad is not None and not isinstance(grad, ShardedGrad):
-            if grads.flat is None:  # stage 2: held until the launch; a DDP reducing this backward may reduce it in place first
+            if grads.flat is None:  # stage 2: held until the launch; a DDP reducing this pass may reduce it in place first
                 self._staging.add(key, i, grad.clone() if self._ddp_reduced else grad, self._reduce_dtypes[k])
                 param.grad = None if self._ddp_reduced else grads.sharded_grad(i, param)
             elif not self._ddp_reduced:  # stage 1: a later write (a node hook) would reach the flat grad's reduction unseen
@@ -395,33 +393,30 @@ class GradReducer:
             grads.clear_backward()
 
     def reduce_for_step(self) -> None:
-        """Reduce what is still local: ``no_sync`` gradients, a late one (``_take_grad``), or those of no reduced backward."""
-        if self.phase in HAS_LOCAL and not self._ddp_reduced:  # raises if user code edited them (before settle_all follows it)
+        """Reduce what is still local: ``no_sync`` gradients, or those of no reduced backward."""
+        if self.phase in HAS_LOCAL and not self._ddp_reduced:  # raises if user code edited them (before settle_all)
             for grads in self._grads:
                 grads.refuse_local_edits()
         self.settle_all()
-        if self.phase is not _REDUCED or self._late:
-            self._late = False
+        if self.phase is not _REDUCED:
             self.reduce_everything()
             self.rebuild_order()
             if self.coordinator.alone:  # else the group's flush checks, once every optimizer has grown
                 self.ddp_wrappers.check_covered(held)
 
     def reduce_late(self) -> None:
-        """At the end of backward: some param got more gradients than in any pass before (reentrant checkpoints), so one may have
-        come after its bucket was reduced (``_take_grad``): every bucket is reduced once more, as ``step()`` would
-        (:meth:`reduce_for_step`), and ``.grad`` reads DDP's average. Decided by the counts, not by which buckets launched, which
-        differs between ranks where a param is used on some only: every rank reduces again, or none."""
-        if self._late or any(grads.grew for grads in self._grads):
-            self._late = True
-            self.reduce_for_step()
+        """End of backward: a param got more gradients than ever (reentrant checkpoints; one maybe after its bucket's
+        reduction): every bucket again, as all ranks count alike (design.md, "Activation checkpointing")."""
+        if any(grads.grew for grads in self._grads):
+            self.settle_all()
+            self.reduce_everything()
 
     def reduce_pending(self) -> None:
         """Before a virtual param's ``.grad`` is used (a clip over ``param_groups``): reduce what is local (as ``step()``).
 
         Raises:
             RuntimeError: inside ``no_sync()``; params unfrozen inside it, which ``param_groups`` lacked."""
-        if self.phase in HAS_LOCAL or self._late:
+        if self.phase in HAS_LOCAL:
             if self._no_sync:
                 raise read_inside_no_sync()
             if self.grow is not None and self.grow():
@@ -445,7 +440,7 @@ class GradReducer:
                 for param in grads.shard.buffer.params:
                     param.grad = None
         self.ddp_wrappers.release()  # between backward passes: a backward a DDP wrapper reduced is over
-        for pending in self._pending:  # left behind by a backward pass that raised (some write into the grad shard: first)
+        for pending in self._pending:  # left by a backward that raised (some write into the grad shard: first)
             bucket.wait(pending.work, self.timeout, pending.what)
         self._pending.clear()
         for grads in self._grads:
@@ -453,7 +448,7 @@ class GradReducer:
         self.end_pass()
         self._staging.clear()  # stage 2 holds no gradient buffers between steps
         self.phase = _CLEAN
-        self._late = self._early = self._kept_noted = False
+        self._early = self._kept_noted = False
         self.end_of_backward = EndOfBackward.NONE
         self._reset_marks = self._marks()
 
