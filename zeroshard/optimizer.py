@@ -34,7 +34,7 @@ from zeroshard.step.grad_norm import NORM_TYPES, GradStats, ReducedStats
 from zeroshard.step.loss_scaler import DynamicLossScaler, choose_loss_scale
 from zeroshard.step.pending_skip import PendingSkip, unscale
 from zeroshard.step.wrapped import refuse_direct_steps
-from zeroshard.update import SCALED_LOSSES
+from zeroshard.update import SCALED_LOSSES, eager_step
 from zeroshard.validation import check_construction
 
 logger = logging.getLogger("zeroshard")
@@ -181,7 +181,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self.max_grad_norm = max_grad_norm
         self.grad_norm: Tensor | None = None  # 0-dim fp32 (fp64 params: fp64): the last step's pre-clip global norm (unscaled)
         self._step_was_skipped = False
-        self._pending: PendingSkip | None = None  # the last device-decided step's overflow flag (kept once read: its buffer is reused)
+        self._pending: PendingSkip | None = None  # the last device-decided step's overflow flag (kept once read: buffer reused)
         self._skipped_steps = 0
         self._stats: GradStats | ReducedStats | None = None  # from clip_grad_norm_, for the coming step
         self._clip_norm: float | None = None  # max_norm of a clip_grad_norm_ call, for the coming step
@@ -323,6 +323,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         Returns:
             The closure's loss, or ``None``.
         """
+        if torch.compiler.is_compiling():  # compiled: run eagerly
+            return eager_step(ShardedOptimizer.step, self, closure)
         self._shard_set.amp.check_one_scale(self, self._loss_scale_value())  # raises before any collective
         self._settle()
         self.wait_params()

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import datetime
 import math
+import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,6 +28,26 @@ from zeroshard.step.wrapped import grad_multiplier, wrapped_step
 # How many losses any ShardedOptimizer of this process scaled (scale_loss): one backward may carry several optimizers'
 # gradients (Muon + AdamW over one model), each of which takes its gradients as scaled when this moved since its last step.
 SCALED_LOSSES = [0]
+
+_COMPILED = ("zeroshard: ShardedOptimizer.step() runs outside compiled frames (its collectives and gradient bookkeeping cannot be "
+             "traced): call it outside the torch.compile(fullgraph=True) function; compile the model itself (torch.compile(model))")
+
+
+def _run(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+# Made at import where Dynamo is loaded (transformers, Lightning load it; importing it takes seconds), else at the first use, in
+# traced code (a fullgraph=True function then fails at torch.compiler.disable itself, which Dynamo skips).
+_EAGER = [torch.compiler.disable(_run, reason=_COMPILED)] if "torch._dynamo" in sys.modules else []
+
+
+def eager_step(step: Callable[..., Any], optimizer: object, closure: Callable[[], Any] | None) -> Any:
+    """``step(optimizer, closure)`` outside Dynamo's frames, where Dynamo traces ``ShardedOptimizer.step`` (a compiled training
+    step): one graph break there, as ``torch.compiler.disable`` gives (``fullgraph=True``: Dynamo's ``Unsupported``, this reason)."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(_run, reason=_COMPILED))
+    return _EAGER[0](step, optimizer, closure)
 
 
 class UpdateMixin:
