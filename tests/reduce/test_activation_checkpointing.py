@@ -325,3 +325,31 @@ def test_ranks_agree_on_reducing_again_when_a_param_is_used_on_some_ranks_only(p
     for errors, off in pools[2].run(param_on_one_rank_worker, stage, timeout=90):
         assert max(errors) <= 1e-5, errors
         assert off <= 1e-6, off
+
+
+def unfrozen_under_ddp_worker(stage: int) -> float:
+    """A DDP wrapper (adopted), a block unfrozen after the optimizer was built, and a first backward whose shared block gets
+    a gradient after its bucket's reduction: the largest param difference from DDP's after one step."""
+    torch.manual_seed(0)
+    model = CheckpointedNet("shared", True)
+    reference = copy.deepcopy(model)
+    reference.reentrant = False
+    ref = DDP(reference, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    ddp = DDP(model)
+    model.blocks[1].requires_grad_(False)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False), stage=stage, collective_timeout_s=20)
+    model.blocks[1].requires_grad_(True)
+    for wrapper, optimizer in ((ref, ref_opt), (ddp, opt)):
+        _loss(wrapper, *_batch(dist.get_rank(), 0, 0), 0, 1).backward()
+        optimizer.step()
+    opt.close()
+    return max(float((a - b).abs().max()) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_extra_reduction_waits_for_params_unfrozen_since(pools, stage):
+    # The extra reduction checked the DDP wrapper's params before the unfrozen block was sharded: "DistributedDataParallel
+    # wraps 4 trainable param(s) that no ShardedOptimizer holds" on every rank (a review of the change found it).
+    for off in pools[2].run(unfrozen_under_ddp_worker, stage, timeout=90):
+        assert off <= 1e-6, off
