@@ -490,7 +490,7 @@ def compiled_step_worker() -> tuple[bool, str]:
         torch.manual_seed(0)
         model = TinyNet()
         opt = zeroshard.ShardedOptimizer(_adamw(model))
-        step = torch.compile(lambda: opt.step(), backend="eager") if compiled else opt.step
+        step = torch.compile(lambda opt=opt: opt.step(), backend="eager") if compiled else opt.step
         for i in range(3):
             loss_fn(model, *batch(dist.get_rank(), i)).backward()
             step()
@@ -499,7 +499,7 @@ def compiled_step_worker() -> tuple[bool, str]:
         if compiled:
             loss_fn(model, *batch(dist.get_rank(), 3)).backward()
             with pytest.raises(Exception) as raised:  # torch._dynamo.exc.Unsupported
-                torch.compile(lambda: opt.step(), backend="eager", fullgraph=True)()
+                torch.compile(lambda opt=opt: opt.step(), backend="eager", fullgraph=True)()
         opt.close()
     torch._dynamo.reset()
     return all(torch.equal(a, b) for a, b in zip(*finals)), str(raised.value)

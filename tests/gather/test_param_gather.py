@@ -428,3 +428,35 @@ def test_forwards_after_every_step_read_current_params(pools, kind):
         # (under the guard the encoder takes its slow path, the reference after wait_params() its fused one: rounding apart;
         # a stale read is off by about 1)
         assert all(d < 1e-5 for d in differences), differences
+
+
+def test_a_compiled_module_called_on_a_side_stream_settles_every_gather_on_its_launch_stream(monkeypatch):
+    # A compiled module (a teacher under torch.cuda.stream(side)) waits for every gather on its stream and on the launch
+    # stream, which the next forward runs on, so the guard leaves before its frame: else it stayed, unsettled, into it.
+    streams = ["launch"]
+    monkeypatch.setattr(param_gather, "_current_stream", lambda device: types.SimpleNamespace(name=streams[-1], device=device))
+
+    @contextlib.contextmanager
+    def use_stream(stream):
+        streams.append(stream.name)
+        yield
+        streams.pop()
+
+    monkeypatch.setattr(param_gather, "_use_stream", use_stream)
+    gathers = param_gather.ParamGather(group=None, timeout=None, overlap=True)
+    weight = torch.nn.Parameter(torch.ones(3))
+    work = _NcclLikeWork(streams)
+    gathers._pending.append(param_gather.BucketGather(work, (weight,), param_gather._current_stream(weight.device)))
+    assert param_gather._GUARD.watch(gathers)
+    teacher = torch.nn.Linear(2, 2)
+    teacher.compile(backend="eager")
+    try:
+        streams.append("side")
+        param_gather._GUARD._before_module_call(teacher, ())
+        assert work.waited_on[0] == "side" and work.waited_on[-1] == "launch" and gathers.pending == 0
+        assert param_gather._GUARD not in compat.function_mode_stack()
+    finally:
+        gathers._pending.clear()
+        gathers._unsettled.clear()
+        param_gather._GUARD._waiting.clear()
+        param_gather.pop_guard_if_done()

@@ -39,6 +39,9 @@ class BucketGather:
     stream: torch.cuda.Stream | None = None  # on CUDA, the stream current at launch (step()'s, which the next forward runs on)
 
 
+_use_stream = torch.cuda.stream  # a context in which ``stream`` is the current CUDA stream
+
+
 def _current_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The current CUDA stream of ``device``; ``None`` off CUDA (waits there block the host)."""
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
@@ -115,6 +118,14 @@ class ParamGather:
                 return
         for gather in list(self._unsettled):
             self._settle(gather)
+
+    def settle_all(self) -> None:
+        """Wait for every gather on the current stream and, one waited for on another stream only, on its launch stream too
+        (CUDA): nothing stays guarded."""
+        self.wait()
+        for gather in list(self._unsettled):
+            with _use_stream(gather.stream):
+                self._settle(gather)
 
     def _settle(self, gather: BucketGather) -> None:
         """Wait for an unsettled gather on the current stream; drop it from the guard if that settles it."""
@@ -207,7 +218,7 @@ class _ParamGuard(TorchFunctionMode):
             # Compiled code would break its graph at each wait, and recompile as the mode comes and goes: its frame must start
             # with the guard gone, which takes every gather (of its params or not: a teacher, an EMA model) done.
             for gathers in list(self._gathers.values()):
-                gathers.wait()
+                gathers.settle_all()
         self.pop_if_done()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
