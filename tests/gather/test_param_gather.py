@@ -328,6 +328,14 @@ class _NcclLikeWork:
         return self.done
 
 
+def _unwatch(gathers: param_gather.ParamGather) -> None:
+    """Drop a test's simulated gathers from the guard and take the guard off the mode stack."""
+    gathers._pending.clear()
+    gathers._unsettled.clear()
+    param_gather._GUARD._waiting.clear()
+    param_gather.pop_guard_if_done()
+
+
 def test_a_gather_waited_for_on_a_side_stream_is_waited_for_again_on_the_launch_stream(monkeypatch):
     # On CUDA a wait is a fact about one stream. An EMA under torch.cuda.stream(side) touching a param
     # first must not settle the gather for step()'s stream, which the next forward runs on. No GPU
@@ -358,10 +366,7 @@ def test_a_gather_waited_for_on_a_side_stream_is_waited_for_again_on_the_launch_
         assert gathers.pending == 0 and second.waited_on == ["side"]
         assert param_gather._GUARD not in compat.function_mode_stack()
     finally:
-        gathers._pending.clear()
-        gathers._unsettled.clear()
-        param_gather._GUARD._waiting.clear()
-        param_gather.pop_guard_if_done()
+        _unwatch(gathers)
 
 
 class IndexesChildren(torch.nn.Module):
@@ -456,7 +461,4 @@ def test_a_compiled_module_called_on_a_side_stream_settles_every_gather_on_its_l
         assert work.waited_on[0] == "side" and work.waited_on[-1] == "launch" and gathers.pending == 0
         assert param_gather._GUARD not in compat.function_mode_stack()
     finally:
-        gathers._pending.clear()
-        gathers._unsettled.clear()
-        param_gather._GUARD._waiting.clear()
-        param_gather.pop_guard_if_done()
+        _unwatch(gathers)

@@ -108,6 +108,13 @@ def _reference(model: CheckpointedNet, accumulation: str) -> DDP:
     return DDP(model, find_unused_parameters=True)
 
 
+def _reference_of(model: CheckpointedNet) -> tuple[CheckpointedNet, DDP, torch.optim.AdamW]:
+    """A copy of ``model``, DDP (``find_unused_parameters``) over the copy checkpointed without reentrance, and its AdamW."""
+    reference = copy.deepcopy(model)
+    reference.reentrant = False
+    return reference, DDP(reference, find_unused_parameters=True), torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+
+
 def _train(stage: int, accumulation: str, max_grad_norm: float | None, layout: str, reentrant: bool) -> tuple[float, bool, list[float], list[float]]:
     """The worst tolerance ratio against DDP over all steps, whether all were bitwise equal, and per step, per
     reduced backward: the reduce-scatters per bucket, and those issued at the end of backward (not overlapped)."""
@@ -249,11 +256,8 @@ def late_gradient_clip_worker(stage: int, over: str) -> tuple[float, float, floa
     """A reentrant checkpoint whose segment's gradients come after their bucket was reduced, then torch's clip ``over`` the
     model's params or the optimizer's ``param_groups``: (zeroshard's norm, DDP's, the largest param difference after the step)."""
     torch.manual_seed(0)
-    model = CheckpointedNet("shared", True)
-    ours = copy.deepcopy(model)
-    model.reentrant = False  # DDP's reference runs the same checkpoint without reentrance
-    ref = DDP(model, find_unused_parameters=True)
-    ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    ours = CheckpointedNet("shared", True)
+    model, ref, ref_opt = _reference_of(ours)
     opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, foreach=False), stage=stage, bucket_size_mb=60 * 4 / 2**20)
     _loss(ref, *_batch(dist.get_rank(), 0, 0), 0, 1).backward()
     real, calls = collectives.reduce_scatter, []
@@ -298,11 +302,8 @@ class GatedNet(CheckpointedNet):
 def param_on_one_rank_worker(stage: int) -> tuple[list[float], float]:
     """Three steps with a torch clip of the model's params: (|norm - DDP's| / DDP's per step, the largest param difference)."""
     torch.manual_seed(0)
-    model = GatedNet("shared", True)
-    ours = copy.deepcopy(model)
-    model.reentrant = False
-    ref = DDP(model, find_unused_parameters=True)
-    ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    ours = GatedNet("shared", True)
+    model, ref, ref_opt = _reference_of(ours)
     opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, foreach=False), stage=stage, collective_timeout_s=20)
     errors = []
     for step in range(3):
@@ -332,10 +333,7 @@ def unfrozen_under_ddp_worker(stage: int) -> float:
     a gradient after its bucket's reduction: the largest param difference from DDP's after one step."""
     torch.manual_seed(0)
     model = CheckpointedNet("shared", True)
-    reference = copy.deepcopy(model)
-    reference.reentrant = False
-    ref = DDP(reference, find_unused_parameters=True)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    reference, ref, ref_opt = _reference_of(model)
     ddp = DDP(model)
     model.blocks[1].requires_grad_(False)
     opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False), stage=stage, collective_timeout_s=20)
