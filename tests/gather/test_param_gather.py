@@ -216,9 +216,10 @@ def test_overlapped_training_equals_waiting_in_step(pools):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def compiled_training_worker(overlap: bool, how: str) -> tuple[list[torch.Tensor], int, int]:
-    """Train TinyNet compiled (``how``: ``torch.compile(model)`` or ``model.compile()``), a compiled frozen teacher run first
-    after each ``step()``: (the final params, how many compiled graphs ran, how many were compiled)."""
+def compiled_training_worker(overlap: bool, how: str, steps: int = 4) -> tuple[list[torch.Tensor], int, int]:
+    """Train TinyNet compiled (``how``: ``torch.compile(model)``, ``model.compile()``, or a compiled function calling the model),
+    a compiled frozen teacher run first after each ``step()`` (not before the function, which then comes first): (the final
+    params, how many compiled graphs ran, how many were compiled)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model, teacher = TinyNet(), TinyNet().requires_grad_(False)
@@ -235,16 +236,19 @@ def compiled_training_worker(overlap: bool, how: str) -> tuple[list[torch.Tensor
 
     if how == "wrapper":
         student = torch.compile(model, backend=backend)
+    elif how == "function":
+        student = torch.compile(lambda x, use_branch=True: model(x[:, :], use_branch=use_branch), backend=backend)
     else:
         model.compile(backend=backend)
         student = model
     teacher = torch.compile(teacher, backend=backend)
     opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=0.05), bucket_size_mb=SMALL_BUCKETS_MB,
                                      overlap_param_gather=overlap)
-    for step in range(4):
+    for step in range(steps):
         x, y = batch(rank, step)
-        with torch.no_grad():
-            teacher(x)
+        if how != "function":
+            with torch.no_grad():
+                teacher(x)
         loss_fn(student, x, y).backward()
         opt.step()
         opt.zero_grad()
@@ -262,6 +266,17 @@ def test_a_compiled_model_runs_compiled_with_the_gathers_in_flight(pools, how):
     for (params, ran, compiled), (expected, ran_waited, compiled_waited) in zip(overlapped, waited):
         assert all(torch.equal(a, b) for a, b in zip(params, expected))
         assert (ran, compiled) == (ran_waited, compiled_waited), ((ran, compiled), (ran_waited, compiled_waited))
+
+
+def test_a_compiled_function_calling_the_model_compiles_once_with_the_gathers_in_flight(pools):
+    # The guard, traced in the function, looked up each argument's id: Dynamo tied the code to the batch's identity and
+    # recompiled for every batch (10 graphs in 8 steps, 5 in 3) until its recompile limit, then ran the frame eagerly.
+    few = pools[2].run(compiled_training_worker, True, "function", 3)
+    many = pools[2].run(compiled_training_worker, True, "function", 8)
+    waited = pools[2].run(compiled_training_worker, False, "function", 8)
+    for (_, _, compiled_in_3), (params, _, compiled_in_8), (expected, _, _) in zip(few, many, waited):
+        assert all(torch.equal(a, b) for a, b in zip(params, expected))
+        assert compiled_in_8 == compiled_in_3, (compiled_in_3, compiled_in_8)
 
 
 def other_mode_worker() -> tuple[int, int]:

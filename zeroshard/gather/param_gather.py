@@ -147,6 +147,11 @@ def _wait_for(entry: tuple[ParamGather, BucketGather]) -> None:
     entry[0].wait_for(entry[1])
 
 
+def _wait_all(guard: _ParamGuard) -> None:
+    for gathers in list(guard._gathers.values()):
+        gathers.settle_all()
+
+
 def _outside_compiled(fn: Callable) -> Callable:
     """``fn``, made to run outside Dynamo's compiled frames once Dynamo is in use (not before: its import is heavy)."""
     return torch.compiler.disable(fn, reason=_COMPILED) if "torch._dynamo" in sys.modules else fn
@@ -162,6 +167,7 @@ class _ParamGuard(TorchFunctionMode):
         self._gathers: dict[int, ParamGather] = {}  # id -> the optimizers' gathers with buckets in _waiting
         self._pop_hook: torch.utils.hooks.RemovableHandle | None = None
         self._wait_for: Callable = _wait_for
+        self._wait_all: Callable = _wait_all
 
     def watch(self, gathers: ParamGather) -> bool:
         """Register ``gathers``' pending buckets and push the guard on this thread's mode stack; ``False`` where it cannot be pushed.
@@ -174,7 +180,7 @@ class _ParamGuard(TorchFunctionMode):
             if stack:
                 return False
             push_function_mode(self)
-            self._wait_for = _outside_compiled(_wait_for)
+            self._wait_for, self._wait_all = _outside_compiled(_wait_for), _outside_compiled(_wait_all)
             if self._pop_hook is None:
                 self._pop_hook = nn.modules.module.register_module_forward_pre_hook(_outside_compiled(self._before_module_call))
         self._gathers[id(gathers)] = gathers
@@ -217,12 +223,14 @@ class _ParamGuard(TorchFunctionMode):
         elif compiled_module(module):
             # Compiled code would break its graph at each wait, and recompile as the mode comes and goes: its frame must start
             # with the guard gone, which takes every gather (of its params or not: a teacher, an EMA model) done.
-            for gathers in list(self._gathers.values()):
-                gathers.settle_all()
+            _wait_all(self)
         self.pop_if_done()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self._waiting and func not in _METADATA:
+            if torch.compiler.is_compiling():  # Dynamo traces this (a compiled function): looking up each argument's id would
+                self._wait_all(self)  # tie its code to the batch's identity, a recompile per batch; one graph break instead
+                return func(*args, **(kwargs or {}))
             for value in itertools.chain(args, kwargs.values() if kwargs else ()):
                 # A param, or a list of them (``_foreach_*``); any other value's id is not in _waiting.
                 for item in value if isinstance(value, (list, tuple)) else (value,):
