@@ -483,33 +483,38 @@ def test_a_wrapped_optimizer_keying_a_dict_by_the_params_raises_naming_the_param
                          r"param for param_groups\[0\]\['params'\]\[\d+\]", message), message
 
 
-def compiled_step_worker() -> tuple[bool, str]:
-    """Train TinyNet stepping through a ``torch.compile``d function, then the same eagerly: (equal params, what a fullgraph one raised)."""
-    finals = []
+def compiled_step_worker() -> tuple[bool, list[int], str]:
+    """Train TinyNet stepping through a ``torch.compile``d function, then the same eagerly: (equal params, how often a step
+    post-hook ran in 3 steps each, what a fullgraph one raised)."""
+    finals, hooked = [], []
     for compiled in (True, False):
         torch.manual_seed(0)
         model = TinyNet()
         opt = zeroshard.ShardedOptimizer(_adamw(model))
+        calls = []
+        opt.register_step_post_hook(lambda *args, calls=calls: calls.append(1))
         step = torch.compile(lambda opt=opt: opt.step(), backend="eager") if compiled else opt.step
         for i in range(3):
             loss_fn(model, *batch(dist.get_rank(), i)).backward()
             step()
             opt.zero_grad()
         finals.append([p.detach().clone() for p in model.parameters()])
+        hooked.append(len(calls))
         if compiled:
             loss_fn(model, *batch(dist.get_rank(), 3)).backward()
             with pytest.raises(Exception) as raised:  # torch._dynamo.exc.Unsupported
                 torch.compile(lambda opt=opt: opt.step(), backend="eager", fullgraph=True)()
         opt.close()
     torch._dynamo.reset()
-    return all(torch.equal(a, b) for a, b in zip(*finals)), str(raised.value)
+    return all(torch.equal(a, b) for a, b in zip(*finals)), hooked, str(raised.value)
 
 
 def test_a_compiled_function_calling_step_runs_it_eagerly(pools):
     # Dynamo traced step(): graph breaks and recompiles each step until it gave up, and once an internal Dynamo error on one
     # rank only (the other then waited in a collective).
-    for equal, raised in pools[2].run(compiled_step_worker):
+    for equal, hooked, raised in pools[2].run(compiled_step_worker):
         assert equal
+        assert hooked == [3, 3], hooked  # the step hooks' wrapper ran traced, the body eagerly: twice each step before
         assert "zeroshard: ShardedOptimizer.step() runs outside compiled frames" in raised, raised
 
 

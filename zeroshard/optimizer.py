@@ -174,17 +174,17 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self._shard_set = ShardSet(optimizer, self.groups, self.bucket_size_mb, host_master=offload is not None,
                                    partition=self.partition, master_weights=master_weights)
         self._shards = self._shard_set.shards  # the same list, grown in place
-        self.built = next(_BUILT)  # construction order: alike on every rank, which zeroshard.clip_grad_norm_ follows
+        self.built = next(_BUILT)  # construction order, alike on every rank (zeroshard.clip_grad_norm_)
         self._consolidated: dict[str, Any] | None = None  # full state, on the consolidate_state_dict rank
-        self._since_consolidation = False  # a consolidate_state_dict() since the last step (state_dict.py)
-        self._issued: dict[int, weakref.ref] = {}  # id -> tensor, for those the last state_dict() returned
+        self._since_consolidation = False  # consolidate_state_dict() since the last step (state_dict.py)
+        self._issued: dict[int, weakref.ref] = {}  # id -> tensor, those the last state_dict() returned
         self.max_grad_norm = max_grad_norm
-        self.grad_norm: Tensor | None = None  # 0-dim fp32 (fp64 params: fp64): the last step's pre-clip global norm (unscaled)
+        self.grad_norm: Tensor | None = None  # 0-dim fp32 (fp64 params: fp64): last pre-clip global norm, unscaled
         self._step_was_skipped = False
-        self._pending: PendingSkip | None = None  # the last device-decided step's overflow flag (kept once read: buffer reused)
+        self._pending: PendingSkip | None = None  # the last device-decided step's overflow flag (kept once read)
         self._skipped_steps = 0
         self._stats: GradStats | ReducedStats | None = None  # from clip_grad_norm_, for the coming step
-        self._clip_norm: float | None = None  # max_norm of a clip_grad_norm_ call, for the coming step
+        self._clip_norm: float | None = None  # max_norm of a clip_grad_norm_, for the coming step
         self._gather = ParamGather(self.process_group, self._timeout, overlap=overlap_param_gather)
         weakref.finalize(self, self._gather.wait)  # dropped mid-gather: complete, let the guard go
         self._reducer = GradReducer(
@@ -204,7 +204,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         if self.rank == 0:
             logger.info("%s", self._shard_set.layout_summary(stage))
 
-    # -- partitioning ------------------------------------------------------------------------
+    # -- partitioning --
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the wrapped optimizer and shard it (a collective: call on every rank).
@@ -224,11 +224,11 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         shards = self._shard_set.add_param_group(param_group)
         for shard in shards:
             self._reducer.add_shard(shard)
-        if shards and self._reducer.phase is StepPhase.REDUCED:  # the step's gradients are reduced already: the new ones too
+        if shards and self._reducer.phase is StepPhase.REDUCED:  # gradients reduced already: the new ones too
             self._reducer.accumulate_locally()
             self._reducer.reduce_for_step()
 
-    # -- training ----------------------------------------------------------------------------
+    # -- training --
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Context manager: backward passes inside accumulate gradients locally, with no communication.
@@ -282,7 +282,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self._clip_norm, self._clip_task = float(max_norm), self._reducer.followed_task
         if self._on_device(stats):  # step() decides again: a GradScaler may step in since
             self._stats = stats
-            scale = self._loss_scale_value()  # no GradScaler here (_on_device): the loss scale, maybe a device tensor
+            scale = self._loss_scale_value()  # no GradScaler (_on_device): the loss scale, maybe on the device
             return unscale(stats.norm(), 1.0 if scale is None else scale).to(stats.dtype)
         self._stats = stats.read()
         return torch.tensor(self._stats.norm / self._gradient_scale(), dtype=self._stats.dtype)
@@ -323,8 +323,11 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        if torch.compiler.is_compiling():  # compiled: run eagerly
-            return eager_step(ShardedOptimizer.step, self, closure)
+        if torch.compiler.is_compiling():  # compiled: the body eagerly (hooks ran)
+            return eager_step(ShardedOptimizer._step, self, closure)
+        return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         self._shard_set.amp.check_one_scale(self, self._loss_scale_value())  # raises before any collective
         self._settle()
         self.wait_params()
@@ -341,14 +344,14 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             if self._fused is not None:
                 self._fused.check_state(self._shards, self._shard_set.param_steps)
             stats = self._step_stats()
-            if isinstance(stats, ReducedStats) and not self._on_device(stats):  # the one host read (or a GradScaler since clip_grad_norm_)
+            if isinstance(stats, ReducedStats) and not self._on_device(stats):  # the one host read (or GradScaler after clip_grad_norm_)
                 stats = stats.read()
             if self._fused is not None and (placed := self._fused.place_once(self._shards, lambda: self.memory_usage().device_bytes)):
                 if self.rank == 0:
                     logger.info("%s", placed.summary())
             if isinstance(stats, ReducedStats):
                 self._update_on_device(stats)
-            else:  # the scale read after the statistics' device read (GradScaler on CUDA: no 2nd wait)
+            else:  # the scale read after the statistics' device read (GradScaler, CUDA: no 2nd wait)
                 self._update_on_host(stats, self._gradient_scale())
             self._reducer.reset()
             self._stats = self._clip_norm = self._consolidated = None
@@ -401,7 +404,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         self.wait_params()
         self._reducer.close()
 
-    # -- introspection and state -------------------------------------------------------------
+    # -- introspection and state --
 
     def memory_usage(self) -> MemoryUsage:
         """Bytes this optimizer owns on this rank: flat params, gradient buffers, shards, optimizer state."""
