@@ -56,7 +56,7 @@ class Reducer(Protocol):
     def settle_all(self) -> None: ...  # follow what user code did to its params' .grad
     def reduce_everything(self) -> None: ...  # reduce every bucket of this pass (zeros where no gradient came)
     def rebuild_order(self) -> None: ...  # adopt the first reduced backward's launch order (a collective, once)
-    def reduce_late(self) -> None: ...  # a gradient came after its bucket was reduced (reentrant checkpoints): reduce again
+    def reduce_late(self) -> None: ...  # a param got more gradients than ever (reentrant checkpoints): every bucket again
 
 
 class ReduceCoordinator:

@@ -55,10 +55,9 @@ _STEPPING: set[int] = set()  # ids of wrapped optimizers inside wrapped_step
 def _virtual_param_name(shards: list[LocalShard], key: object) -> str | None:
     """How errors name the param whose virtual param ``key`` is (``None``: ``key`` is none of ``shards``' virtual params)."""
     for shard in shards:
-        for chunk in shard.chunks:
-            for piece, vparam in zip(chunk.pieces, chunk.virtual_params):
-                if vparam is key:
-                    return shard.buffer.names[piece.param]
+        for piece, vparam in zip(shard.pieces, shard.virtual_params):
+            if vparam is key:
+                return shard.buffer.names[piece.param]
     return None
 
 
