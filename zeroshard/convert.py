@@ -72,9 +72,9 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
 
     Each param's state is its run of every bucket tensor, reshaped to the param's shape and kept in the saved dtype
     (fp32 for 16-bit params), or with ``partition="param"`` its saved entry, whole; ``step`` (a 0-dim fp32 tensor, as
-    ``torch.optim`` keeps it) comes from the per-param step counts and is written for every optimizer but SGD (a param
-    group with ``dampening``), which keeps none (``partition="param"`` records which groups keep one). Params never
-    stepped get no entry.
+    ``torch.optim`` keeps it) comes from the per-param step counts and is written for each param group whose optimizer
+    keeps one (the checkpoint records which; one saved before it did: every group but SGD's, which has ``dampening``).
+    Params never stepped get no entry.
 
     Args:
         sharded: the ``"optim"`` entry of a loaded checkpoint.
@@ -96,8 +96,10 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
     steps = [int(s) for s in sharded["param_steps"].tolist()]
     state: dict[int, dict[str, Any]] = {}
     masters: dict[int, torch.Tensor] = {}
+    # whether each group's optimizer keeps step; flat checkpoints saved before it was recorded: all but SGD (a group with dampening)
+    keeps = meta.get("keeps_step") or ["dampening" not in group for group in groups]
+    keeps_step = {index: keep for group, keep in zip(groups, keeps) for index in group["params"]}
     if meta.get("partition") == "param":  # each param's state whole, keyed by its index (zeroshard/checkpoint/whole_param.py); none: no state
-        keeps_step = {index: keeps for group, keeps in zip(groups, meta["keeps_step"]) for index in group["params"]}
         for name, entry in sorted((sharded.get("params") or {}).items(), key=lambda item: int(item[0])):
             index = int(name)
             if "master" in entry:
@@ -105,7 +107,7 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
             if steps[index]:
                 state[index] = {**({"step": torch.tensor(float(steps[index]))} if keeps_step[index] else {}),
                                 **_with_subclasses(entry, (meta.get("subclasses") or {}).get(name, {}), source)}
-    place = {param_name(g, j): (g, index) for g, group in enumerate(groups) for j, index in enumerate(group["params"])}
+    place = {param_name(g, j): index for g, group in enumerate(groups) for j, index in enumerate(group["params"])}
     for k, (_, params, per_bucket) in enumerate(meta["layout"] if meta.get("partition") != "param" else []):
         first = 0
         for b, count in enumerate(per_bucket):
@@ -115,7 +117,7 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
             for name, shape in params[first : first + count]:
                 if name not in place:
                     raise ValueError(f"{source}: its layout names a param {name!r}, not one of its param_groups[g]['params'][j]")
-                (g, index), numel = place[name], math.prod(shape)
+                index, numel = place[name], math.prod(shape)
                 for key, value in entry.items():
                     if value.numel() < offset + numel:
                         raise ValueError(f"{source}: bucket {name_of_bucket} {key!r} has {value.numel()} elements, too few for its params ({name} "
@@ -125,7 +127,7 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
                         masters[index] = piece
                     elif steps[index]:
                         state.setdefault(index, {})[key] = piece
-                if steps[index] and "dampening" not in groups[g]:
+                if steps[index] and keeps_step[index]:
                     state.setdefault(index, {})["step"] = torch.tensor(float(steps[index]))
                 offset += numel
             first += count
