@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 
@@ -91,6 +92,39 @@ def bad_input_worker() -> list[str]:
 def test_bad_input_raises_before_any_collective(pools):
     # Every rank raises the same errors; a collective run by some ranks only would hang here.
     pools[2].run(bad_input_worker)
+
+
+def groups_by_hand_worker(how: str, optimizer: str) -> str:
+    """Params given to the optimizer by editing ``param_groups`` rather than through ``add_param_group``."""
+    model = TinyNet()
+    build = torch.optim.AdamW if optimizer == "AdamW" else functools.partial(torch.optim.SGD, momentum=0.9)
+    opt = zeroshard.ShardedOptimizer(build([p for name, p in model.named_parameters() if not name.startswith("branch")], lr=1e-2), stage=2)
+    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    opt.step()
+    opt.zero_grad()
+    if how == "append":
+        opt.param_groups.append({**opt.defaults, "params": list(model.branch.parameters())})
+    else:
+        opt.param_groups[0]["params"].extend(model.branch.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_fn(model, *batch(dist.get_rank(), 1)).backward()
+    with pytest.raises(ValueError) as raised:
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing stepped
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
+def test_params_added_to_param_groups_by_hand_raise_on_every_rank(pools, optimizer):
+    # Before, with AdamW (zeroshard's update) the added params were never trained; with SGD (the wrapped optimizer's own
+    # step) each rank stepped them with its own gradient, unaveraged: the ranks' weights drifted apart. No error either way.
+    appended = pools[2].run(groups_by_hand_worker, "append", optimizer)
+    assert appended[0] == appended[1] and "optimizer.param_groups has 2 groups, the ShardedOptimizer sharded 1" in appended[0]
+    assert "add it with opt.add_param_group(group)" in appended[0]
+    extended = pools[2].run(groups_by_hand_worker, "extend", optimizer)
+    for message in extended:  # each rank's count: its own virtual params, and the 2 added
+        found = re.search(r"param_groups\[0\]\['params'\] has (\d+) entries where zeroshard put (\d+)", message)
+        assert found and int(found[1]) == int(found[2]) + 2, message
 
 
 class MyAdamW(torch.optim.AdamW):

@@ -64,6 +64,7 @@ class ShardSet:
         self._outside_for = (-1, -1)
         self._sharded_ids: frozenset[int] = frozenset()
         self._outside: list[list[nn.Parameter]] = []
+        self._group_lengths: list[int] = []  # len(param_groups[g]["params"]) as sharding left it (this rank's virtual params)
 
     def add_groups(self, indices: range, caller: str = "the ShardedOptimizer constructor", bounded: bool = False) -> list[LocalShard]:
         """Shard the optimizer's param groups ``indices`` (a collective, in ``caller``; ``bounded``: by ``collective_timeout_s``);
@@ -144,6 +145,22 @@ class ShardSet:
                     else:
                         p.grad.requires_grad_(False)
                     p.grad.zero_()
+
+    def check_param_groups(self) -> None:
+        """Raise ``ValueError`` (before any collective) if the optimizer's ``param_groups`` gained a group, or a group's
+        ``"params"`` list changed length, other than through :meth:`add_param_group`: ``torch.optim`` would train such params
+        (``param_groups.append(group)``, ``group["params"].extend(params)``), which nothing here shards or reduces, so the
+        wrapped optimizer would skip them or step each rank's own gradient."""
+        groups, lengths = self.optimizer.param_groups, self._group_lengths
+        if len(groups) != len(lengths):
+            raise ValueError(f"optimizer.param_groups has {len(groups)} groups, the ShardedOptimizer sharded {len(lengths)} (in its constructor "
+                             "or add_param_group): a group appended to param_groups by hand is neither sharded nor reduced; "
+                             "add it with opt.add_param_group(group)")
+        for g, (group, length) in enumerate(zip(groups, lengths)):
+            if len(group["params"]) != length:
+                raise ValueError(f"param_groups[{g}]['params'] has {len(group['params'])} entries where zeroshard put {length} (this rank's "
+                                 "shards of the group's params): params added to or removed from a group's list by hand are neither sharded "
+                                 "nor reduced; add params with opt.add_param_group({'params': [...], ...}) and freeze with requires_grad_(False)")
 
     def add_unfrozen(self) -> list[LocalShard]:
         """Shard the params that were frozen when their group was sharded and are trainable now.
@@ -245,6 +262,7 @@ class ShardSet:
         for g in indices:
             virtual = [v for shard in shards if shard.group == g for v in shard.virtual_params]
             optimizer.param_groups[g]["params"] = (optimizer.param_groups[g]["params"] if already_sharded else []) + virtual
+        self._group_lengths = [len(group["params"]) for group in optimizer.param_groups]
         shard_initial_state(optimizer, shards)
         for shard in shards:
             shard.amp_link = self.amp  # handed to its VirtualGrads (bind_virtual_grads)

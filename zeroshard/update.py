@@ -99,6 +99,7 @@ class UpdateMixin:
         """
         if self._stats is None:
             return self._gather_stats(2.0, "step()", self._max_norm())
+        self._shard_set.check_param_groups()  # as _gather_stats does
         if self._clip_task != self._reducer.followed_task:
             raise RuntimeError("a backward ran after opt.clip_grad_norm_() and before step(): the clip's norm leaves out its gradients, "
                                "which it would not reduce either; call clip_grad_norm_() after the last backward of the step")
@@ -106,6 +107,7 @@ class UpdateMixin:
 
     def _gather_stats(self, norm_type: float, caller: str, max_norm: float | None) -> ReducedStats:
         """The statistics, all-reduced and still on the device (:meth:`_on_device`), with the coming step's clip ``max_norm``."""
+        self._shard_set.check_param_groups()  # before any collective
         if self._shard_unfrozen():
             self._reducer.accumulate_locally()  # their gradients are still local
         self._reducer.reduce_for_step()
