@@ -43,6 +43,7 @@ class StateDictMixin(UpdateMixin):
     _consolidated: dict[str, Any] | None  # the full state, on the rank that ran consolidate_state_dict
     _since_consolidation: bool  # every rank: a consolidate_state_dict() since the last step
     _issued: dict[int, weakref.ref]  # id -> tensor, for those the last state_dict() returned
+    _issued_shards = 0  # how many shards the optimizer had then
     wait_params: Callable[[], None]
     _optimizer_state_dict_pre_hooks: OrderedDict
     _optimizer_state_dict_post_hooks: OrderedDict
@@ -83,6 +84,7 @@ class StateDictMixin(UpdateMixin):
         else:
             state_dict = FORMATS[self.partition].sharded_state_dict(self.checkpoint_view())
             self._issued = {id(t): weakref.ref(t) for t in sharded.issued_tensors(state_dict)}
+            self._issued_shards = len(self._shards)
             if self._since_consolidation:  # a dcp.save now fails unless rank `to` has taken its full state
                 state_dict["zeroshard"]["consolidation"] = sharded.consolidation_marker(self.groups.mesh)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -123,8 +125,10 @@ class StateDictMixin(UpdateMixin):
         unsharded optimizer of the same class on the same params. The checkpoint's hyperparameters win, as in
         ``torch.optim``: the state it must hold is what they keep (an ``SGD(momentum=0.9)`` dict loads into an optimizer
         built as ``SGD(lr=0.01)``). Afterwards the state is exactly the loaded one: params without state in the dict have
-        none, and 16-bit params whose fp32 master the dict lacks take their current value as master. Runs no collective;
-        everything is checked before anything is written, so on error the optimizer is as it was. Hooks registered with
+        none, and 16-bit params whose fp32 master the dict lacks take their current value as master. Runs no collective,
+        unless params were unfrozen since the optimizer was built and not yet sharded: it shards them first, as the next
+        backward would (every rank loads), so that a checkpoint saved after the same unfreezing loads. Everything is checked
+        before anything is written, so on error the optimizer is as it was (those params sharded). Hooks registered with
         ``register_load_state_dict_pre_hook``/``register_load_state_dict_post_hook`` run as in
         ``torch.optim.Optimizer.load_state_dict`` (a pre hook may return a replacement).
 
@@ -140,11 +144,19 @@ class StateDictMixin(UpdateMixin):
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
+        if self._shard_unfrozen():  # unfrozen since the optimizer was built: sharded as the next backward would, so the layout is the saver's
+            self._reducer.accumulate_locally()
         view = self.checkpoint_view()
         meta = state_dict.get("zeroshard") if isinstance(state_dict, dict) else None
         if isinstance(meta, dict) and meta.get("format") == sharded.SHARDED_FORMAT:
             tensors = sharded.issued_tensors(state_dict)
             filled_in_place = bool(tensors) and all(self._issued.get(id(t), lambda: None)() is t for t in tensors)
+            if filled_in_place and len(self._shards) > self._issued_shards:  # sharded just now: DCP filled no entry for them
+                names = [name for shard in self._shards[self._issued_shards :] for name in shard.buffer.names]
+                raise ValueError(f"the state_dict() that dcp.load filled was taken before params unfrozen since the optimizer was built ({names}) "
+                                 "were sharded, which this load did (the checkpoint's layout has them), so it holds nothing of theirs. Take "
+                                 "opt.state_dict() again and dcp.load into it (dcp.load({'optim': opt}): call it again); or shard them before "
+                                 "taking it (a backward or a no_sync() block does)")
             inner, steps, masters = FORMATS[self.partition].load_sharded(view, state_dict, filled_in_place)
         elif isinstance(state_dict, dict) and (meta is None or (isinstance(meta, dict) and meta.get("format") == sharded.FULL_FORMAT)):
             state_dict = full.unnested(self.optimizer, state_dict)  # bitsandbytes' own state_dict() nests its state

@@ -60,6 +60,51 @@ def test_load_into_stepped_optimizer_equals_load_into_fresh_one(pools, tmp_path,
     assert all(pools[2].run(stale_state_worker, method, offload, dtype, str(tmp_path / "dcp")))
 
 
+def unfrozen_resume_worker(partition: str, method: str, directory: str) -> tuple[bool, str]:
+    """Gradual unfreezing: ``fc2.weight`` frozen at build and unfrozen after the first step; saved after the third. Resumed as
+    the script would (built frozen, unfrozen, loaded) and trained 2 more steps: bitwise the run that went on. With DCP, the
+    first load (into a state_dict() taken before the unfrozen param was sharded) raises, saying what to do; the second loads."""
+    def build():
+        torch.manual_seed(0)
+        model = TinyNet()
+        model.fc2.weight.requires_grad_(False)
+        return model, zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), bucket_size_mb=BUCKET_MB, partition=partition)
+
+    model, opt = build()
+    _train(model, opt, range(1))
+    model.fc2.weight.requires_grad_(True)
+    _train(model, opt, range(1, 3))
+    model_state = copy.deepcopy(model.state_dict())
+    if method == "dcp":
+        dcp.save({"optim": opt}, checkpoint_id=directory)
+    else:
+        saved = _full(opt) if method == "full" else copy.deepcopy(opt.state_dict())
+    _train(model, opt, range(3, 5))
+    fresh, fresh_opt = build()
+    fresh.load_state_dict(model_state)
+    fresh.fc2.weight.requires_grad_(True)
+    first = ""
+    if method == "dcp":
+        with pytest.raises(ValueError, match="taken before params unfrozen since the optimizer was built") as raised:
+            dcp.load({"optim": fresh_opt}, checkpoint_id=directory)
+        first = str(raised.value)
+        dcp.load({"optim": fresh_opt}, checkpoint_id=directory)
+    else:
+        fresh_opt.load_state_dict(saved)
+    _train(fresh, fresh_opt, range(3, 5))
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters())), first
+
+
+@pytest.mark.parametrize("partition", ["flat", "param"])
+@pytest.mark.parametrize("method", ["sharded", "full", "dcp"])
+def test_a_checkpoint_after_gradual_unfreezing_resumes_unfrozen_then_loaded(pools, tmp_path, partition, method):
+    # Before, the load ran before the unfrozen param was sharded (at the next backward): "state_dict has optimizer state for
+    # 8 params, this optimizer trains 7" (sharded), or "... frozen when this optimizer was built" (full), in every order.
+    for equal, first in pools[2].run(unfrozen_resume_worker, partition, method, str(tmp_path / "dcp")):
+        assert equal
+        assert method != "dcp" or "Take opt.state_dict() again and dcp.load into it" in first
+
+
 def mixed_dtype_worker() -> None:
     """An fp32 and an fp64 param group: the consolidated state equals unsharded AdamW's, bitwise, each in its own dtype."""
     torch.manual_seed(0)

@@ -100,8 +100,8 @@ def check_full(view: CheckpointView, state_dict: dict[str, Any]) -> tuple[list[i
     if frozen:  # no shard to hold it: dropped, its moments would restart from zero when unfrozen, its step count not
         names = param_names(view)
         raise ValueError(f"state_dict holds optimizer state for {[names[i] for i in frozen]}, frozen (requires_grad=False) when this "
-                         "optimizer was built, so not sharded: unfreeze them before building the ShardedOptimizer, as when the "
-                         "state was saved, or delete their entries from state_dict['state'] to train them from fresh state")
+                         "optimizer was built, so not sharded: unfreeze them (before building the ShardedOptimizer or before this load), as "
+                         "when the state was saved, or delete their entries from state_dict['state'] to train them from fresh state")
     return order, meta
 
 
