@@ -70,6 +70,8 @@ def bad_input_worker() -> list[str]:
         (ValueError, r"collective_timeout_s=0 must be", lambda: zeroshard.ShardedOptimizer(_adamw(model), collective_timeout_s=0)),
         (ValueError, r"param_groups\[0\]\['params'\]\[3\] \(shape \(29, 13\)\) is listed earlier in its param group too",
          lambda: zeroshard.ShardedOptimizer(torch.optim.AdamW([model.embed.weight, model.fc1.bias, model.fc1.weight, model.fc1.weight]))),
+        (ValueError, r"param_groups\[0\]\['params'\]\[1\] \(shape \(4, 3\), stride \(0, 1\)\) has elements that share memory",  # trained as 12 values
+         lambda: zeroshard.ShardedOptimizer(torch.optim.AdamW([nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3).expand(4, 3))]))),
         (ValueError, r"param_groups\[0\]\['params'\]\[0\] \(shape \(2, 3\)\) is on the meta device",
          lambda: zeroshard.ShardedOptimizer(torch.optim.AdamW(nn.Linear(3, 2, device="meta").parameters()))),
     ]
@@ -125,6 +127,35 @@ def test_params_added_to_param_groups_by_hand_raise_on_every_rank(pools, optimiz
     for message in extended:  # each rank's count: its own virtual params, and the 2 added
         found = re.search(r"param_groups\[0\]\['params'\] has (\d+) entries where zeroshard put (\d+)", message)
         assert found and int(found[1]) == int(found[2]) + 2, message
+
+
+def frozen_odd_dtypes_worker() -> bool:
+    """A frozen integer and a frozen complex param in the optimizer's list (a lookup table, a fixed filter), as torch.optim
+    takes them: trained as DDP + AdamW trains the rest, the frozen values untouched."""
+    def build():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        model.table = nn.Parameter(torch.arange(4), requires_grad=False)
+        model.filter = nn.Parameter(torch.randn(3, dtype=torch.complex64), requires_grad=False)
+        return model
+
+    reference, model = build(), build()
+    ddp = torch.nn.parallel.DistributedDataParallel(reference)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), stage=2)
+    for step in range(2):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * dist.get_rank() + step))
+        for m, o in ((ddp, plain), (model, opt)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    return all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters())) and torch.equal(model.table, torch.arange(4))
+
+
+def test_frozen_integer_and_complex_params_are_taken(pools):
+    # Before, the constructor's check of the params' order took their norm: torch's "linalg.vector_norm: Expected a floating
+    # point or complex tensor as input. Got Long" (and "dtype should be complex" for the complex one), naming no param.
+    assert all(pools[2].run(frozen_odd_dtypes_worker))
 
 
 class MyAdamW(torch.optim.AdamW):

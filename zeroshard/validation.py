@@ -242,7 +242,8 @@ def check_params(params_of: list[list[nn.Parameter]], groups: range, device: tor
 
     Raises:
         ValueError: no trainable param with elements (first groups only), non-leaf params, sparse params, non-floating trainable
-            params, params on several devices, or on the meta device (named as ``param_groups[g]['params'][j]``).
+            params, trainable params whose elements share memory (a stride of 0), params on several devices, or on the meta
+            device (named as ``param_groups[g]['params'][j]``).
     """
     named = [(param_name(g, j), p) for g, params in zip(groups, params_of) for j, p in enumerate(params)]
     params = [p for _, p in named]
@@ -255,6 +256,12 @@ def check_params(params_of: list[list[nn.Parameter]], groups: range, device: tor
                          "autograd accumulates no .grad into it. Pass the model's nn.Parameters (model.parameters()), not results of ops on them")
     if bad := [(tuple(p.shape), str(p.dtype)) for p in params if p.requires_grad and not p.dtype.is_floating_point]:
         raise ValueError(f"only real floating-point params can be sharded; got (shape, dtype) {bad[:5]}")
+    if overlapping := [(name, tuple(p.shape), p.stride()) for name, p in named
+                       if is_sharded(p) and any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape))]:
+        name, shape, stride = overlapping[0]
+        raise ValueError(f"{name} (shape {shape}, stride {stride}) has elements that share memory (an expand()ed tensor): torch.optim refuses "
+                         "to update it in place, and sharded it would train each element on its own. Make it a param of its own values "
+                         "(nn.Parameter(t.clone()), or of the unexpanded shape)")
     devices = {p.device for p in params} | ({device} if device is not None else set())
     if len(devices) > 1:
         raise ValueError(f"all params must be on one device; got params on {sorted(map(str, devices))}")
@@ -276,8 +283,9 @@ def check_same_order(named: Sequence[tuple[str, Tensor]], group: ProcessGroup, c
     """
     if not named or dist.get_world_size(group) == 1:
         return
-    with torch.no_grad():  # fp64 norms, sent as their int64 bit patterns
-        norms = torch.stack([torch.linalg.vector_norm(p.detach(), dtype=torch.float64) for _, p in named]).view(torch.int64)
+    with torch.no_grad():  # fp64 norms, sent as their int64 bit patterns; of a frozen complex param its real pairs', of an integer one its values'
+        values = [torch.view_as_real(p.detach()) if p.is_complex() else p.detach() if p.is_floating_point() else p.detach().double() for _, p in named]
+        norms = torch.stack([torch.linalg.vector_norm(v, dtype=torch.float64) for v in values]).view(torch.int64)
     keys = [tuple(p.shape) for _, p in named]
     what = f"{caller}: the check that every rank lists the params in the same order"
     sent = norms.to(collectives.collective_device(group))
