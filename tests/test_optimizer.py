@@ -108,6 +108,9 @@ def groups_by_hand_worker(how: str, optimizer: str) -> str:
         opt.param_groups.append({**opt.defaults, "params": list(model.branch.parameters())})
     else:
         opt.param_groups[0]["params"].extend(model.branch.parameters())
+    # add_param_group() after the edit raises too (it took the edited lengths for zeroshard's before), nothing added
+    with pytest.raises(ValueError, match="by hand"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(3))]})
     before = [p.detach().clone() for p in model.parameters()]
     loss_fn(model, *batch(dist.get_rank(), 1)).backward()
     with pytest.raises(ValueError) as raised:

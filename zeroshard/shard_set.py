@@ -115,6 +115,7 @@ class ShardSet:
             again = [tuple(p.shape) for p in params if id(p) in sharded]
             if again:
                 raise ValueError(f"param_group holds params already in another param group (shapes {again[:5]}); a param can be in one group only")
+            self.check_param_groups()
             self.optimizer.add_param_group(param_group)
         except (TypeError, ValueError) as raised:
             error = raised
@@ -162,6 +163,24 @@ class ShardSet:
                                  "shards of the group's params): params added to or removed from a group's list by hand are neither sharded "
                                  "nor reduced; add params with opt.add_param_group({'params': [...], ...}) and freeze with requires_grad_(False)")
 
+    def unfrozen(self) -> list[tuple[int, str]]:
+        """``(torch.optim index, name)`` of each param trainable now that is in no flat buffer: frozen when its group was
+        sharded and unfrozen since (the next :meth:`add_unfrozen` shards it)."""
+        self._note_outside()
+        found, start = [], 0
+        for g, params in enumerate(self.group_params):
+            trainable = {id(p) for p in self._outside[g] if is_sharded(p)}
+            found += [(start + j, param_name(g, j)) for j, p in enumerate(params) if id(p) in trainable]
+            start += len(params)
+        return found
+
+    def _note_outside(self) -> None:
+        """Recompute the params outside every flat buffer, if shards or groups were added since."""
+        if self._outside_for != (len(self.shards), len(self.group_params)):
+            self._sharded_ids = frozenset(id(p) for shard in self.shards for p in shard.buffer.params)
+            self._outside = [[p for p in params if id(p) not in self._sharded_ids] for params in self.group_params]
+            self._outside_for = (len(self.shards), len(self.group_params))
+
     def add_unfrozen(self) -> list[LocalShard]:
         """Shard the params that were frozen when their group was sharded and are trainable now.
 
@@ -171,14 +190,12 @@ class ShardSet:
         ``collective_timeout_s``, or the process group's timeout). Returns the new shards (none: no
         collective ran); their gradients are still local, for the caller to reduce.
         """
-        if self._outside_for != (len(self.shards), len(self.group_params)):  # recomputed only when shards were added
-            self._sharded_ids = frozenset(id(p) for shard in self.shards for p in shard.buffer.params)
-            self._outside = [[p for p in params if id(p) not in self._sharded_ids] for params in self.group_params]
-            self._outside_for = (len(self.shards), len(self.group_params))
+        self._note_outside()
         added: list[LocalShard] = []
         first_param_index = 0
         for g, params in enumerate(self.group_params):
             if any(is_sharded(p) for p in self._outside[g]):
+                self.check_param_groups()  # before its length is taken anew
                 # Not agreed: a rank that unfroze alone would pair that all-reduce with the others' next collective (a gradient-norm
                 # all-reduce or reduce-scatter) of another size (gloo aborts the process); the fingerprint's all-gather times out instead.
                 new = self._shard(range(g, g + 1), [params], first_param_index,
@@ -262,7 +279,8 @@ class ShardSet:
         for g in indices:
             virtual = [v for shard in shards if shard.group == g for v in shard.virtual_params]
             optimizer.param_groups[g]["params"] = (optimizer.param_groups[g]["params"] if already_sharded else []) + virtual
-        self._group_lengths = [len(group["params"]) for group in optimizer.param_groups]
+        for g in indices:  # these groups only (a hand edit of another stays for check_param_groups to see); a new one is appended
+            self._group_lengths[g : g + 1] = [len(optimizer.param_groups[g]["params"])]
         shard_initial_state(optimizer, shards)
         for shard in shards:
             shard.amp_link = self.amp  # handed to its VirtualGrads (bind_virtual_grads)

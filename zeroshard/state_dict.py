@@ -126,9 +126,9 @@ class StateDictMixin(UpdateMixin):
         ``torch.optim``: the state it must hold is what they keep (an ``SGD(momentum=0.9)`` dict loads into an optimizer
         built as ``SGD(lr=0.01)``). Afterwards the state is exactly the loaded one: params without state in the dict have
         none, and 16-bit params whose fp32 master the dict lacks take their current value as master. Runs no collective,
-        unless params were unfrozen since the optimizer was built and not yet sharded: it shards them first, as the next
-        backward would (every rank loads), so that a checkpoint saved after the same unfreezing loads. Everything is checked
-        before anything is written, so on error the optimizer is as it was (those params sharded). Hooks registered with
+        unless the dict holds params unfrozen since the optimizer was built and not yet sharded (saved after the same
+        unfreezing): it shards them first, as the next backward would (every rank loads). Everything is checked before
+        anything is written, so on error the optimizer is as it was (those params sharded). Hooks registered with
         ``register_load_state_dict_pre_hook``/``register_load_state_dict_post_hook`` run as in
         ``torch.optim.Optimizer.load_state_dict`` (a pre hook may return a replacement).
 
@@ -144,7 +144,7 @@ class StateDictMixin(UpdateMixin):
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
-        if self._shard_unfrozen():  # unfrozen since the optimizer was built: sharded as the next backward would, so the layout is the saver's
+        if self._holds_unfrozen(state_dict) and self._shard_unfrozen():  # as the next backward would: the layout is the saver's
             self._reducer.accumulate_locally()
         view = self.checkpoint_view()
         meta = state_dict.get("zeroshard") if isinstance(state_dict, dict) else None
@@ -180,6 +180,20 @@ class StateDictMixin(UpdateMixin):
         self._consolidated = None  # the marker stays until step(), a collective: a load on some ranks only must not end it
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _holds_unfrozen(self, state_dict: Any) -> bool:
+        """Whether ``state_dict`` holds params unfrozen since this optimizer was built and not sharded yet (in a sharded
+        dict's layout, or with state in a full one), which the load must shard first; the same on every rank when every rank
+        unfroze the same params (as training needs) and loads the same checkpoint."""
+        unfrozen = self._shard_set.unfrozen()
+        if not unfrozen or not isinstance(state_dict, dict):
+            return False
+        meta = state_dict.get("zeroshard")
+        if isinstance(meta, dict) and meta.get("format") == sharded.SHARDED_FORMAT:
+            saved = {name for _, params, _ in meta.get("layout", []) for name, _ in params}
+            return any(name in saved for _, name in unfrozen)
+        state = state_dict.get("state")
+        return isinstance(state, dict) and any(state.get(index) for index, _ in unfrozen)
 
     @contextlib.contextmanager
     def params_own_storage(self) -> Iterator[None]:

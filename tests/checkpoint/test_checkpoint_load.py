@@ -60,49 +60,59 @@ def test_load_into_stepped_optimizer_equals_load_into_fresh_one(pools, tmp_path,
     assert all(pools[2].run(stale_state_worker, method, offload, dtype, str(tmp_path / "dcp")))
 
 
-def unfrozen_resume_worker(partition: str, method: str, directory: str) -> tuple[bool, str]:
-    """Gradual unfreezing: ``fc2.weight`` frozen at build and unfrozen after the first step; saved after the third. Resumed as
-    the script would (built frozen, unfrozen, loaded) and trained 2 more steps: bitwise the run that went on. With DCP, the
-    first load (into a state_dict() taken before the unfrozen param was sharded) raises, saying what to do; the second loads."""
+def unfrozen_resume_worker(partition: str, method: str, saved_when: str, directory: str) -> tuple[bool, str]:
+    """Gradual unfreezing: ``fc2.weight`` frozen at build and unfrozen after the first step; saved after the third
+    (``saved_when="after"``) or after the first, before the unfreezing (``"before"``). Resumed as the script would (built
+    frozen, unfrozen, loaded) and trained to step 5: bitwise the run that went on. With DCP and a checkpoint that holds the
+    unfrozen param, the first load (into a state_dict() taken before the param was sharded) raises, saying what to do; the
+    second loads."""
     def build():
         torch.manual_seed(0)
         model = TinyNet()
         model.fc2.weight.requires_grad_(False)
         return model, zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), bucket_size_mb=BUCKET_MB, partition=partition)
 
+    def save(model, opt):
+        if method == "dcp":
+            dcp.save({"optim": opt}, checkpoint_id=directory)
+            return copy.deepcopy(model.state_dict()), None
+        return copy.deepcopy(model.state_dict()), _full(opt) if method == "full" else copy.deepcopy(opt.state_dict())
+
     model, opt = build()
     _train(model, opt, range(1))
+    if saved_when == "before":
+        (model_state, saved), start = save(model, opt), 1
     model.fc2.weight.requires_grad_(True)
     _train(model, opt, range(1, 3))
-    model_state = copy.deepcopy(model.state_dict())
-    if method == "dcp":
-        dcp.save({"optim": opt}, checkpoint_id=directory)
-    else:
-        saved = _full(opt) if method == "full" else copy.deepcopy(opt.state_dict())
+    if saved_when == "after":
+        (model_state, saved), start = save(model, opt), 3
     _train(model, opt, range(3, 5))
     fresh, fresh_opt = build()
     fresh.load_state_dict(model_state)
     fresh.fc2.weight.requires_grad_(True)
     first = ""
-    if method == "dcp":
+    if method == "dcp" and saved_when == "after":
         with pytest.raises(ValueError, match="taken before params unfrozen since the optimizer was built") as raised:
             dcp.load({"optim": fresh_opt}, checkpoint_id=directory)
         first = str(raised.value)
+    if method == "dcp":
         dcp.load({"optim": fresh_opt}, checkpoint_id=directory)
     else:
         fresh_opt.load_state_dict(saved)
-    _train(fresh, fresh_opt, range(3, 5))
+    _train(fresh, fresh_opt, range(start, 5))
     return all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters())), first
 
 
 @pytest.mark.parametrize("partition", ["flat", "param"])
 @pytest.mark.parametrize("method", ["sharded", "full", "dcp"])
-def test_a_checkpoint_after_gradual_unfreezing_resumes_unfrozen_then_loaded(pools, tmp_path, partition, method):
-    # Before, the load ran before the unfrozen param was sharded (at the next backward): "state_dict has optimizer state for
-    # 8 params, this optimizer trains 7" (sharded), or "... frozen when this optimizer was built" (full), in every order.
-    for equal, first in pools[2].run(unfrozen_resume_worker, partition, method, str(tmp_path / "dcp")):
+@pytest.mark.parametrize("saved_when", ["after", "before"])
+def test_a_checkpoint_around_gradual_unfreezing_resumes_unfrozen_then_loaded(pools, tmp_path, partition, method, saved_when):
+    # Before, a checkpoint saved after the unfreezing did not load: the load ran before the unfrozen param was sharded (at the
+    # next backward): "state_dict has optimizer state for 9 params, this optimizer trains 8" (sharded), or "... frozen when
+    # this optimizer was built" (full). One saved before it (no state for the param) loads as it did: the load shards nothing.
+    for equal, first in pools[2].run(unfrozen_resume_worker, partition, method, saved_when, str(tmp_path / "dcp")):
         assert equal
-        assert method != "dcp" or "Take opt.state_dict() again and dcp.load into it" in first
+        assert not first or "Take opt.state_dict() again and dcp.load into it" in first
 
 
 def mixed_dtype_worker() -> None:

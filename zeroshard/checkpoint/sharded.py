@@ -118,9 +118,10 @@ def check_layout(view: CheckpointView, saved_layout: Any) -> None:
         raise ValueError(f"state_dict has params of this model's shapes, but in other places of param_groups ({name}: saved "
                          f"{saved.get(name, 'with no param there')}, this model {here[name]}): saved with other param groups, or the params in another order")
     if len(saved) != len(here):  # not a reshaped param either: the params after it moved up or down
+        hint = " (unfrozen in the saved run: unfreeze it before the load)" if saved.keys() - here.keys() else ""
         raise ValueError(f"state_dict has optimizer state for {len(saved)} params, this optimizer trains {len(here)}: a param added, removed "
-                         f"or frozen since the save (unfrozen in the saved run: unfreeze it before the load), or another model (saved only: "
-                         f"{sorted(saved.keys() - here.keys())}; here only: {sorted(here.keys() - saved.keys())})")
+                         f"or frozen since the save{hint}, or another model (saved only: {sorted(saved.keys() - here.keys())}; here only: "
+                         f"{sorted(here.keys() - saved.keys())})")
     reshaped = [f"{name} was saved with shape {saved[name]}, this model has {shape}" for name, shape in here.items() if name in saved and saved[name] != shape]
     if reshaped:
         raise ValueError("; ".join(reshaped))
