@@ -97,19 +97,25 @@ def test_bad_input_raises_before_any_collective(pools):
 
 
 def groups_by_hand_worker(how: str, optimizer: str) -> str:
-    """Params given to the optimizer by editing ``param_groups`` rather than through ``add_param_group``."""
+    """``param_groups`` edited by hand rather than through ``add_param_group``: params added, groups reordered, an entry replaced."""
     model = TinyNet()
     build = torch.optim.AdamW if optimizer == "AdamW" else functools.partial(torch.optim.SGD, momentum=0.9)
-    opt = zeroshard.ShardedOptimizer(build([p for name, p in model.named_parameters() if not name.startswith("branch")], lr=1e-2), stage=2)
+    trained = [p for name, p in model.named_parameters() if not name.startswith("branch")]
+    opt = zeroshard.ShardedOptimizer(build([{"params": [p for p in trained if p.dim() > 1]}, {"params": [p for p in trained if p.dim() < 2],
+                                                                                               "weight_decay": 0.0}], lr=1e-2), stage=2)
     loss_fn(model, *batch(dist.get_rank(), 0)).backward()
     opt.step()
     opt.zero_grad()
     if how == "append":
         opt.param_groups.append({**opt.defaults, "params": list(model.branch.parameters())})
-    else:
+    elif how == "extend":
         opt.param_groups[0]["params"].extend(model.branch.parameters())
-    # add_param_group() after the edit raises too (it took the edited lengths for zeroshard's before), nothing added
-    with pytest.raises(ValueError, match="by hand"):
+    elif how == "reverse":  # AdamW stepped each group with the other's weight decay
+        opt.param_groups.reverse()
+    else:  # AdamW went on stepping the replaced entry
+        opt.param_groups[0]["params"][0] = nn.Parameter(torch.zeros_like(opt.param_groups[0]["params"][0]))
+    # add_param_group() after the edit raises too (it took the edited lists for zeroshard's before), nothing added
+    with pytest.raises(ValueError, match="by hand|reordered"):
         opt.add_param_group({"params": [nn.Parameter(torch.ones(3))]})
     before = [p.detach().clone() for p in model.parameters()]
     loss_fn(model, *batch(dist.get_rank(), 1)).backward()
@@ -120,16 +126,19 @@ def groups_by_hand_worker(how: str, optimizer: str) -> str:
 
 
 @pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
-def test_params_added_to_param_groups_by_hand_raise_on_every_rank(pools, optimizer):
+def test_param_groups_edited_by_hand_raise_on_every_rank(pools, optimizer):
     # Before, with AdamW (zeroshard's update) the added params were never trained; with SGD (the wrapped optimizer's own
     # step) each rank stepped them with its own gradient, unaveraged: the ranks' weights drifted apart. No error either way.
     appended = pools[2].run(groups_by_hand_worker, "append", optimizer)
-    assert appended[0] == appended[1] and "optimizer.param_groups has 2 groups, the ShardedOptimizer sharded 1" in appended[0]
+    assert appended[0] == appended[1] and "optimizer.param_groups has 3 groups, the ShardedOptimizer sharded 2" in appended[0]
     assert "add it with opt.add_param_group(group)" in appended[0]
     extended = pools[2].run(groups_by_hand_worker, "extend", optimizer)
     for message in extended:  # each rank's count: its own virtual params, and the 2 added
         found = re.search(r"param_groups\[0\]\['params'\] has (\d+) entries where zeroshard put (\d+)", message)
         assert found and int(found[1]) == int(found[2]) + 2, message
+    for how, found in (("reverse", "in another order or group: param_groups reordered"), ("replace", "some of them others")):
+        for message in pools[2].run(groups_by_hand_worker, how, optimizer):
+            assert "param_groups[0]['params'] has" in message and found in message, message
 
 
 def frozen_odd_dtypes_worker() -> bool:

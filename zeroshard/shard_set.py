@@ -64,7 +64,7 @@ class ShardSet:
         self._outside_for = (-1, -1)
         self._sharded_ids: frozenset[int] = frozenset()
         self._outside: list[list[nn.Parameter]] = []
-        self._group_lengths: list[int] = []  # len(param_groups[g]["params"]) as sharding left it (this rank's virtual params)
+        self._group_ids: list[list[int]] = []  # ids of param_groups[g]["params"] as sharding left them (this rank's virtual params)
 
     def add_groups(self, indices: range, caller: str = "the ShardedOptimizer constructor", bounded: bool = False) -> list[LocalShard]:
         """Shard the optimizer's param groups ``indices`` (a collective, in ``caller``; ``bounded``: by ``collective_timeout_s``);
@@ -149,19 +149,27 @@ class ShardSet:
 
     def check_param_groups(self) -> None:
         """Raise ``ValueError`` (before any collective) if the optimizer's ``param_groups`` gained a group, or a group's
-        ``"params"`` list changed length, other than through :meth:`add_param_group`: ``torch.optim`` would train such params
+        ``"params"`` list changed, other than through :meth:`add_param_group`: ``torch.optim`` would train params added by hand
         (``param_groups.append(group)``, ``group["params"].extend(params)``), which nothing here shards or reduces, so the
-        wrapped optimizer would skip them or step each rank's own gradient."""
-        groups, lengths = self.optimizer.param_groups, self._group_lengths
-        if len(groups) != len(lengths):
-            raise ValueError(f"optimizer.param_groups has {len(groups)} groups, the ShardedOptimizer sharded {len(lengths)} (in its constructor "
+        wrapped optimizer would skip them or step each rank's own gradient; groups reordered (``param_groups.reverse()``) would
+        be stepped with each other's hyperparameters. One ``id`` per virtual param and step."""
+        groups, sharded = self.optimizer.param_groups, self._group_ids
+        if len(groups) != len(sharded):
+            raise ValueError(f"optimizer.param_groups has {len(groups)} groups, the ShardedOptimizer sharded {len(sharded)} (in its constructor "
                              "or add_param_group): a group appended to param_groups by hand is neither sharded nor reduced; "
                              "add it with opt.add_param_group(group)")
-        for g, (group, length) in enumerate(zip(groups, lengths)):
-            if len(group["params"]) != length:
-                raise ValueError(f"param_groups[{g}]['params'] has {len(group['params'])} entries where zeroshard put {length} (this rank's "
-                                 "shards of the group's params): params added to or removed from a group's list by hand are neither sharded "
-                                 "nor reduced; add params with opt.add_param_group({'params': [...], ...}) and freeze with requires_grad_(False)")
+        known = {i for ids in sharded for i in ids}
+        for g, (group, ids) in enumerate(zip(groups, sharded)):
+            now = list(map(id, group["params"]))
+            if now == ids:
+                continue
+            where = f"param_groups[{g}]['params'] has {len(now)} entries where zeroshard put {len(ids)} (this rank's shards of the group's params)"
+            if any(i not in known for i in now):
+                raise ValueError(f"{where}, some of them others: params added to a group's list, or an entry replaced, by hand are neither "
+                                 "sharded nor reduced; add params with opt.add_param_group({'params': [...], ...})")
+            raise ValueError(f"{where}, in another order or group: param_groups reordered, or params moved or removed by hand, would be "
+                             "stepped with another group's hyperparameters or not at all; change hyperparameters in place, freeze with "
+                             "requires_grad_(False)")
 
     def unfrozen(self) -> list[tuple[int, str]]:
         """``(torch.optim index, name)`` of each param trainable now that is in no flat buffer: frozen when its group was
@@ -280,7 +288,7 @@ class ShardSet:
             virtual = [v for shard in shards if shard.group == g for v in shard.virtual_params]
             optimizer.param_groups[g]["params"] = (optimizer.param_groups[g]["params"] if already_sharded else []) + virtual
         for g in indices:  # these groups only (a hand edit of another stays for check_param_groups to see); a new one is appended
-            self._group_lengths[g : g + 1] = [len(optimizer.param_groups[g]["params"])]
+            self._group_ids[g : g + 1] = [list(map(id, optimizer.param_groups[g]["params"]))]
         shard_initial_state(optimizer, shards)
         for shard in shards:
             shard.amp_link = self.amp  # handed to its VirtualGrads (bind_virtual_grads)
