@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
+import pickle
 import re
 
 import pytest
@@ -79,6 +81,9 @@ def bad_input_worker() -> list[str]:
         with pytest.raises(error, match=match):
             build()
     opt = zeroshard.ShardedOptimizer(_adamw(model))
+    for copied in (copy.deepcopy, copy.copy, pickle.dumps):  # pickle.dumps and torch.save(opt) wrote a file whose load failed
+        with pytest.raises(TypeError, match=r"cannot be pickled or copied .* save its state with opt.state_dict\(\)"):
+            copied(opt)
     with pytest.raises(TypeError, match="already a ShardedOptimizer"):
         zeroshard.ShardedOptimizer(opt)
     with pytest.raises(TypeError, match=r"AdamW is already wrapped by a ShardedOptimizer: its param_groups\[0\]\['params'\]\[0\] is a virtual parameter"):

@@ -50,6 +50,18 @@ class StateDictMixin(UpdateMixin):
     _optimizer_load_state_dict_pre_hooks: OrderedDict
     _optimizer_load_state_dict_post_hooks: OrderedDict
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Refuse ``pickle``, ``torch.save(opt)``, ``copy.copy`` and ``copy.deepcopy`` (which ``torch.optim.Optimizer`` allows):
+        a copy would hold process groups, autograd hooks and views of the model's flat buffers, and its load failed far from
+        the save (``AttributeError: ... no attribute 'optimizer'``).
+
+        Raises:
+            TypeError: always, naming what to save or copy instead.
+        """
+        raise TypeError("a ShardedOptimizer cannot be pickled or copied (it holds process groups, hooks and views of the model's flat "
+                        "buffers): save its state with opt.state_dict() (docs/checkpoint.md) and build a new one to load it into; a copy "
+                        "of the model (an EMA, a teacher) takes copy.deepcopy(model)")
+
     def checkpoint_view(self) -> sharded.CheckpointView:
         """What this optimizer's checkpoints record of it (layout, param groups, steps, mesh, loss scaler), for the checks of a load."""
         self._settle()
