@@ -111,6 +111,8 @@ class UpdateMixin:
         if self._shard_unfrozen():
             self._reducer.accumulate_locally()  # their gradients are still local
         self._reducer.reduce_for_step()
+        for shard in self._shards:
+            shard.take_replaced_grads()
         return reduce_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._timeout, caller, max_norm or 0.0)
 
     def _shard_unfrozen(self) -> bool:

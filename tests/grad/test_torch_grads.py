@@ -113,6 +113,15 @@ def _replacements(model, opt):
     return [torch.linalg.vector_norm(p.grad, keepdim=True).reshape(-1).tolist()[0] for p in params]
 
 
+def _replacements_over_param_groups(model, opt):  # the optimizer's params: under zeroshard its virtual params (pieces)
+    params = [p for p in _optimizer_params(opt) if p.grad is not None]  # every one alike: pieces are not params
+    for p in params:
+        p.grad = p.grad.clamp(-0.01, 0.01)  # before, ignored: the step took the gradient as reduced
+    for p in params:
+        p.grad.data = p.grad.data * 0.5  # likewise
+    return []
+
+
 VARIANTS = {
     "clip_grad_norm_": lambda m, o: _clip(m, o, foreach=False),
     "clip_grad_norm_(foreach=True)": lambda m, o: _clip(m, o, foreach=True),
@@ -122,7 +131,30 @@ VARIANTS = {
     "div_, _foreach_mul_, nan_to_num_, clamp_, add_": _edits,
     "norms, isfinite, sum": _reads,
     "p.grad = t, .data = t, out=, _foreach_maximum_, _foreach_addcmul_": _replacements,
+    "p.grad = t, .data = t over param_groups": _replacements_over_param_groups,
 }
+
+
+def dropped_virtual_grad_worker(stage: int) -> str:
+    """``p.grad = None`` for a param of ``param_groups`` (a piece of a model param): forgotten before a backward (as a
+    zero_grad of the optimizer's params), refused after it (torch.optim would skip the param, which other ranks step)."""
+    _, _, model, opt = _pair(stage)
+    for p in _optimizer_params(opt):
+        p.grad = None
+    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    opt.step()
+    opt.zero_grad()
+    loss_fn(model, *batch(dist.get_rank(), 1)).backward()
+    _optimizer_params(opt)[0].grad = None
+    with pytest.raises(RuntimeError) as raised:
+        opt.step()
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_virtual_params_grad_dropped_after_backward_raises(pools, stage):
+    for message in pools[2].run(dropped_virtual_grad_worker, stage):
+        assert "was given .grad = None after the backward: its gradient cannot be dropped" in message
 
 
 def torch_code_worker(stage: int, variant: str, accumulate: str, shard_size: int | None = None) -> None:

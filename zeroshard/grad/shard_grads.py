@@ -288,9 +288,11 @@ class ShardGrads:
         self.reduced_versions.pop(i, None)
 
     def note_kept(self) -> None:
-        """As the step's first backward, ``no_sync()`` or ``step()`` begins: note which params have a ``.grad`` (:attr:`kept`)."""
+        """As the step's first backward, ``no_sync()`` or ``step()`` begins: note which params have a ``.grad`` (:attr:`kept`); a
+        ``.grad`` user code gave a virtual param before then is forgotten (after: ``LocalShard.take_replaced_grads``)."""
         with DisableTorchFunction():  # no Python call per param while a gather's guard is on
             self.kept = [param.grad is not None for param in self.shard.buffer.params]
+        self.shard.detach_grads()
 
     def refuse_edits_before_rereduction(self, early: bool) -> None:
         """At a backward after one that reduced this step: raise ``RuntimeError`` if a ``ShardedGrad`` or ``VirtualGrad`` was edited

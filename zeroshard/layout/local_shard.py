@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from zeroshard.compat import DisableTorchFunctionSubclass
 from zeroshard.layout.chunk import Chunk
 from zeroshard.layout.flat_buffer import FlatParamBuffer
 from zeroshard.layout.partition import ShardPiece
@@ -111,6 +112,35 @@ class LocalShard:
         rank since the last step (``used[i]``): as in ``torch.optim``, it is skipped, its state untouched."""
         for piece, vparam in zip(self.pieces, self.virtual_params):
             vparam.grad = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape) if used[piece.param] else None
+
+    @torch.no_grad()
+    def take_replaced_grads(self) -> None:
+        """At ``step()`` (and a clip): follow a ``.grad`` that user code gave a virtual param since this step's first backward,
+        as ``torch.optim`` would step it (``p.grad = p.grad.clamp(-1, 1)`` over ``param_groups``): its values go into the
+        piece's slice of the grad shard, and the param gets its between-step ``.grad`` back.
+
+        Raises:
+            RuntimeError: one set to ``None`` (``torch.optim`` would skip that param; here it is a piece of a model param,
+                which the other ranks step), or to a tensor of another shape, naming the param.
+        """
+        base, size = self.grad_shard.data_ptr(), self.grad_shard.element_size()
+        with DisableTorchFunctionSubclass():  # where each VirtualGrad's storage is, without a Python call each (offload: elsewhere)
+            moved = {i for i, (piece, idle) in enumerate(zip(self.pieces, self.idle_grads))
+                     if idle.device == self.grad_shard.device and idle.data_ptr() != base + piece.shard_offset * size}
+        for i, (piece, vparam, idle) in enumerate(zip(self.pieces, self.virtual_params, self.idle_grads)):
+            grad = vparam.grad
+            if grad is idle and i not in moved:
+                continue
+            if grad is idle:  # grad.data = t: followed the same way, and the VirtualGrad is its piece of the grad shard again
+                grad = grad.detach().clone()
+                idle.data = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape)
+            if grad is None or grad.shape != vparam.shape:
+                found = "None" if grad is None else f"a tensor of shape {tuple(grad.shape)}"
+                raise RuntimeError(f"a virtual param of {self.buffer.names[piece.param]} (one of optimizer.param_groups' params, shape "
+                                   f"{tuple(vparam.shape)}) was given .grad = {found} after the backward: its gradient cannot be dropped "
+                                   "or reshaped there. Edit it in place, or set the model param's .grad (model.parameters()) instead")
+            self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(grad.detach().reshape(-1))
+            vparam.grad = idle
 
     def detach_grads(self) -> None:
         """Give the virtual params their between-step ``.grad`` s (:attr:`idle_grads`) again (after ``attach_grads``)."""
