@@ -206,6 +206,26 @@ def test_a_scheduler_reads_the_step_mark_that_note_step_sets():
         assert warned is not noted, f"torch {torch.__version__}: LRScheduler no longer reads optimizer._opt_called"
 
 
+def test_step_with_own_hooks_runs_the_optimizers_hooks_and_step_but_not_the_global_ones():
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    param = nn.Parameter(torch.ones(2))
+    param.grad = torch.ones(2)
+    opt = torch.optim.SGD([param], lr=0.5)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", args)))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", args)))
+    handle = register_optimizer_step_pre_hook(lambda o, args, kwargs: calls.append(("global", args)))
+    try:
+        compat.step_with_own_hooks(opt)
+    finally:
+        handle.remove()
+    step = type(opt).step
+    assert getattr(step, "hooked", False) and hasattr(step, "__wrapped__"), f"torch {torch.__version__}: Optimizer.profile_hook_step changed"
+    assert calls == [("pre", (opt,)), ("post", (opt,))], f"torch {torch.__version__}: {calls}"
+    assert torch.equal(param.detach(), torch.full((2,), 0.5)) and opt._opt_called  # the step ran, and was noted
+
+
 def test_compiling_is_true_while_dynamo_compiles_a_frame_only():
     seen = []
 

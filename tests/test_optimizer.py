@@ -175,6 +175,42 @@ def test_frozen_integer_and_complex_params_are_taken(pools):
     assert all(pools[2].run(frozen_odd_dtypes_worker))
 
 
+def step_hooks_worker(optimizer: str) -> dict[str, int]:
+    """Step hooks on the wrapped optimizer (registered before or after wrapping), on the ShardedOptimizer, and torch's global ones."""
+    model = TinyNet()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "AdamW" else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    calls: dict[str, int] = {}
+
+    def count(what: str):
+        return lambda o, args, kwargs: calls.update({f"{what} {type(o).__name__}": calls.get(f"{what} {type(o).__name__}", 0) + 1})
+
+    inner.register_step_pre_hook(count("pre"))
+    opt = zeroshard.ShardedOptimizer(inner)
+    inner.register_step_post_hook(count("post"))
+    opt.register_step_pre_hook(count("pre"))
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    handles = [register_optimizer_step_pre_hook(count("global pre")), register_optimizer_step_post_hook(count("global post"))]
+    try:
+        for step in range(3):
+            loss_fn(model, *batch(dist.get_rank(), step)).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
+def test_step_hooks_of_the_wrapped_optimizer_run_once_and_global_ones_once(pools, optimizer):
+    # Before: with AdamW (zeroshard's fused update) the wrapped optimizer's own hooks never ran; with SGD (its own step)
+    # torch's global hooks ran twice per step, once for each optimizer (a global hook halving the gradients halved them twice).
+    for calls in pools[2].run(step_hooks_worker, optimizer):
+        assert calls == {f"pre {optimizer}": 3, f"post {optimizer}": 3, "pre ShardedOptimizer": 3, "global pre ShardedOptimizer": 3,
+                         "global post ShardedOptimizer": 3}, calls
+
+
 class MyAdamW(torch.optim.AdamW):
     """A user's subclass: zeroshard cannot know its update is still element-wise."""
 

@@ -186,6 +186,31 @@ def compiled_module(module: nn.Module) -> bool:
     return dynamo is not None and isinstance(module, dynamo.eval_frame.OptimizedModule)
 
 
+def step_with_own_hooks(optimizer: torch.optim.Optimizer, update: Callable[[], None] | None = None) -> None:
+    """Run ``update`` (``None``: ``optimizer``'s own step) as ``optimizer.step()`` runs, with the step pre- and post-hooks
+    registered on ``optimizer`` (``register_step_pre_hook``; a pre hook's ``(args, kwargs)`` are passed on) but not torch's
+    global ones (``torch.optim.optimizer.register_optimizer_step_pre_hook``), which ran once around the ShardedOptimizer's
+    ``step``; then :func:`note_step`.
+
+    update.py and step/wrapped.py: torch's wrapper around every optimizer class's ``step`` (``Optimizer.profile_hook_step``,
+    marked ``hooked``; the function under it is its ``__wrapped__``) runs both kinds together, and the registries are private.
+    """
+    args: tuple[Any, ...] = (optimizer,)
+    kwargs: dict[str, Any] = {}
+    for pre_hook in list(optimizer._optimizer_step_pre_hooks.values()):
+        result = pre_hook(optimizer, args, kwargs)
+        if result is not None:
+            args, kwargs = result
+    if update is not None:
+        update()
+    else:
+        step = type(optimizer).step
+        (step.__wrapped__ if getattr(step, "hooked", False) else step)(*args, **kwargs)  # type: ignore[attr-defined]
+    for post_hook in list(optimizer._optimizer_step_post_hooks.values()):
+        post_hook(optimizer, args, kwargs)
+    note_step(optimizer)
+
+
 def note_step(optimizer: torch.optim.Optimizer) -> None:
     """Record on ``optimizer`` that its step ran, as the ``step`` wrapper a ``torch.optim.lr_scheduler.LRScheduler`` built on
     it records (``optimizer._opt_called``), so that the scheduler does not warn that its ``step()`` came first.

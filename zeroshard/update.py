@@ -14,7 +14,6 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from zeroshard.comm.groups import ShardingGroups
-from zeroshard.compat import note_step
 from zeroshard.gather.param_gather import ParamGather
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce.grad_reducer import GradReducer
@@ -23,7 +22,7 @@ from zeroshard.step.fused_adam import FusedAdam, takes_device_scalars
 from zeroshard.step.grad_norm import GradStats, ReducedStats, reduce_grad_stats
 from zeroshard.step.loss_scaler import DynamicLossScaler, log_skip
 from zeroshard.step.pending_skip import PendingSkip, device_multiplier, unscale
-from zeroshard.step.wrapped import grad_multiplier, wrapped_step
+from zeroshard.step.wrapped import grad_multiplier, step_as_wrapped, wrapped_step
 
 # How many losses any ShardedOptimizer of this process scaled (scale_loss): one backward may carry several optimizers'
 # gradients (Muon + AdamW over one model), each of which takes its gradients as scaled when this moved since its last step.
@@ -209,9 +208,9 @@ class UpdateMixin:
         steps = self._shard_set.count_steps(used)
         for shard in self._shards:
             shard.refresh_master()
-        if self._fused is not None:
-            self._fused.step(self._shards, steps, multiplier, found_inf)
-            note_step(self.optimizer)  # a scheduler built on the wrapped optimizer sees its step
+        if self._fused is not None:  # as the wrapped optimizer's step: its own hooks run, a scheduler built on it sees the step
+            fused = self._fused
+            step_as_wrapped(self.optimizer, lambda: fused.step(self._shards, steps, multiplier, found_inf))
         else:  # only with a float multiplier (_on_device needs the fused update)
             wrapped_step(self.optimizer, self._shards, used, multiplier)  # type: ignore[arg-type]
         self._gather.launch(self._shards)  # waited for before the params are next read (param_gather.py)

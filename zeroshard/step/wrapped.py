@@ -4,11 +4,13 @@ path applies to the gradients, and what state the wrapped optimizer keeps for a 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
+from zeroshard.compat import step_with_own_hooks
 from zeroshard.layout.local_shard import LocalShard
 
 
@@ -32,9 +34,8 @@ def wrapped_step(optimizer: torch.optim.Optimizer, shards: list[LocalShard], use
         if multiplier != 1.0:
             shard.grad_shard.mul_(multiplier)
         shard.attach_grads(flags)
-    _STEPPING.add(id(optimizer))
     try:
-        optimizer.step()
+        step_as_wrapped(optimizer)
     except KeyError as error:
         if (name := _virtual_param_name(shards, error.args[0] if error.args else None)) is not None:
             raise RuntimeError(f"{type(optimizer).__name__}.step() looked up a param in a dict of its own and got a KeyError: zeroshard "
@@ -42,14 +43,23 @@ def wrapped_step(optimizer: torch.optim.Optimizer, shards: list[LocalShard], use
                                "by when it was built. Keep per-param data in the param group (an option of its own) or in optimizer.state "
                                "(zeroshard shards it), or build the dict from param_groups in step()") from error
         raise
-    finally:
-        _STEPPING.discard(id(optimizer))
     for shard in shards:
         shard.detach_grads()
         shard.write_back()
 
 
-_STEPPING: set[int] = set()  # ids of wrapped optimizers inside wrapped_step
+_STEPPING: set[int] = set()  # ids of wrapped optimizers inside step_as_wrapped
+
+
+def step_as_wrapped(optimizer: torch.optim.Optimizer, update: Callable[[], None] | None = None) -> None:
+    """Run ``update`` (the fused update; ``None``: ``optimizer``'s own ``step``) as ``optimizer``'s step: its own step hooks run
+    around it once, torch's global ones not again (:func:`~zeroshard.compat.step_with_own_hooks`), and
+    :func:`refuse_direct_steps` lets it through."""
+    _STEPPING.add(id(optimizer))
+    try:
+        step_with_own_hooks(optimizer, update)
+    finally:
+        _STEPPING.discard(id(optimizer))
 
 
 def _virtual_param_name(shards: list[LocalShard], key: object) -> str | None:
@@ -62,7 +72,7 @@ def _virtual_param_name(shards: list[LocalShard], key: object) -> str | None:
 
 
 def refuse_direct_steps(optimizer: torch.optim.Optimizer) -> None:
-    """Make ``optimizer.step()`` raise ``RuntimeError`` outside :func:`wrapped_step`: it would update this rank's shard alone."""
+    """Make ``optimizer.step()`` raise ``RuntimeError`` outside :func:`step_as_wrapped`: it would update this rank's shard alone."""
     def refuse(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if id(stepped) not in _STEPPING:
             raise RuntimeError(f"{type(stepped).__name__}.step() was called on the optimizer a ShardedOptimizer wraps: it updates this rank's "
