@@ -42,6 +42,7 @@ _METADATA = frozenset({
     "requires_grad_", "detach_", "_is_view", "_has_compatible_shallow_copy_type", "data_ptr", "storage_offset", "__len__",
     "get_device", "is_sparse", "is_pinned", "is_conj", "is_neg", "is_inference",
 })
+_SET_DATA = Tensor.data.__set__  # type: ignore[attr-defined]
 _METADATA_OR_GET = _METADATA | {"__get__"}  # VirtualGrad: property reads, too, need no gradient piece
 # Properties that return a tensor: these would read the expanded placeholder's values.
 _VALUE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
@@ -242,6 +243,7 @@ class VirtualGrad(Tensor):
     comm: GradComm  # where the other ranks' pieces are
     space: ParamSpace
     slot: int  # its param's torch.optim index in ``space``
+    shard: LocalShard  # whose grad shard it is a piece of
     amp_link: GradScalerLink | None = None  # the optimizer's (zeroshard/grad/amp.py)
     elsewhere: str = ""  # the param's name when the piece is on another device (offload on CUDA)
 
@@ -257,7 +259,7 @@ class VirtualGrad(Tensor):
         else:
             grad = make_subclass(VirtualGrad, torch.zeros((), dtype=values.dtype, device=vparam.device).expand(values.shape))
             grad.elsewhere = shard.buffer.names[piece.param]
-        grad.comm, grad.space, grad.slot = comm, space, shard.param_indices[piece.param]
+        grad.comm, grad.space, grad.slot, grad.shard = comm, space, shard.param_indices[piece.param], shard
         grad.amp_link = cast("GradScalerLink | None", shard.amp_link)
         return grad
 
@@ -267,6 +269,8 @@ class VirtualGrad(Tensor):
         name = getattr(func, "__name__", "")
         if name in _METADATA_OR_GET:
             return _disabled(func, *args, **kwargs)
+        if name == "__set__" and func == _SET_DATA:  # grad.data = t moves it off the grad shard: step() follows (take_replaced_grads)
+            args[0].shard.grads_moved = True
         grads = [g for a in args for g in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(g, VirtualGrad)]
         placeholder = next((g.elsewhere for g in grads if g.elsewhere), "")
         if placeholder:

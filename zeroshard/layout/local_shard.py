@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -13,6 +14,8 @@ from zeroshard.compat import DisableTorchFunctionSubclass
 from zeroshard.layout.chunk import Chunk
 from zeroshard.layout.flat_buffer import FlatParamBuffer
 from zeroshard.layout.partition import ShardPiece
+
+_GRAD = operator.attrgetter("grad")
 
 
 class LocalShard:
@@ -52,6 +55,7 @@ class LocalShard:
         # the optimizer's param_groups would take None for "nothing to clip". Typed loosely: grad/ sits above layout/.
         self.idle_grads: list[Tensor] = []
         self.amp_link: object | None = None  # the optimizer's GradScalerLink, handed to each idle grad
+        self.grads_moved = False  # an idle grad's .data was set since take_replaced_grads (VirtualGrad.__torch_function__)
         self._seen_versions = [p._version for p in buffer.params]
 
     @property
@@ -123,17 +127,22 @@ class LocalShard:
             RuntimeError: one set to ``None`` (``torch.optim`` would skip that param; here it is a piece of a model param,
                 which the other ranks step), or to a tensor of another shape, naming the param.
         """
-        base, size = self.grad_shard.data_ptr(), self.grad_shard.element_size()
-        with DisableTorchFunctionSubclass():  # where each VirtualGrad's storage is, without a Python call each (offload: elsewhere)
-            moved = {i for i, (piece, idle) in enumerate(zip(self.pieces, self.idle_grads))
-                     if idle.device == self.grad_shard.device and idle.data_ptr() != base + piece.shard_offset * size}
-        for i, (piece, vparam, idle) in enumerate(zip(self.pieces, self.virtual_params, self.idle_grads)):
-            grad = vparam.grad
+        grads = list(map(_GRAD, self.virtual_params))
+        if not self.grads_moved and all(map(operator.is_, grads, self.idle_grads)):
+            return  # nothing replaced (one pass in C)
+        moved: set[int] = set()
+        if self.grads_moved:  # a VirtualGrad's .data was set: which ones hold other storage now (offload: elsewhere)
+            base, size = self.grad_shard.data_ptr(), self.grad_shard.element_size()
+            with DisableTorchFunctionSubclass():
+                moved = {i for i, (piece, idle) in enumerate(zip(self.pieces, self.idle_grads))
+                         if idle.device == self.grad_shard.device and idle.data_ptr() != base + piece.shard_offset * size}
+        for i, (piece, vparam, idle, grad) in enumerate(zip(self.pieces, self.virtual_params, self.idle_grads, grads)):
             if grad is idle and i not in moved:
                 continue
             if grad is idle:  # grad.data = t: followed the same way, and the VirtualGrad is its piece of the grad shard again
                 grad = grad.detach().clone()
-                idle.data = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape)
+                with DisableTorchFunctionSubclass():
+                    idle.data = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape)
             if grad is None or grad.shape != vparam.shape:
                 found = "None" if grad is None else f"a tensor of shape {tuple(grad.shape)}"
                 raise RuntimeError(f"a virtual param of {self.buffer.names[piece.param]} (one of optimizer.param_groups' params, shape "
@@ -141,9 +150,12 @@ class LocalShard:
                                    "or reshaped there. Edit it in place, or set the model param's .grad (model.parameters()) instead")
             self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(grad.detach().reshape(-1))
             vparam.grad = idle
+        self.grads_moved = False
 
     def detach_grads(self) -> None:
         """Give the virtual params their between-step ``.grad`` s (:attr:`idle_grads`) again (after ``attach_grads``)."""
+        if all(map(operator.is_, map(_GRAD, self.virtual_params), self.idle_grads)):
+            return  # as they are (one pass in C)
         for vparam, idle in zip(self.virtual_params, self.idle_grads):
             vparam.grad = idle
 
