@@ -113,12 +113,12 @@ def _replacements(model, opt):
     return [torch.linalg.vector_norm(p.grad, keepdim=True).reshape(-1).tolist()[0] for p in params]
 
 
-def _replacements_over_param_groups(model, opt):  # the optimizer's params: under zeroshard its virtual params (pieces)
-    params = [p for p in _optimizer_params(opt) if p.grad is not None]  # every one alike: pieces are not params
-    for p in params:
-        p.grad = p.grad.clamp(-0.01, 0.01)  # before, ignored: the step took the gradient as reduced
-    for p in params:
-        p.grad.data = p.grad.data * 0.5  # likewise
+def _replacements_over_param_groups(model, opt, how: str):  # the optimizer's params: under zeroshard its virtual params (pieces)
+    for p in [p for p in _optimizer_params(opt) if p.grad is not None]:  # every one alike: pieces are not params
+        if how == "assign":
+            p.grad = p.grad.clamp(-0.01, 0.01)  # before, ignored: the step took the gradient as reduced
+        else:
+            p.grad.data = p.grad.detach() * 0.5  # likewise
     return []
 
 
@@ -131,7 +131,8 @@ VARIANTS = {
     "div_, _foreach_mul_, nan_to_num_, clamp_, add_": _edits,
     "norms, isfinite, sum": _reads,
     "p.grad = t, .data = t, out=, _foreach_maximum_, _foreach_addcmul_": _replacements,
-    "p.grad = t, .data = t over param_groups": _replacements_over_param_groups,
+    "p.grad = t over param_groups": functools.partial(_replacements_over_param_groups, how="assign"),
+    "p.grad.data = t over param_groups": functools.partial(_replacements_over_param_groups, how="data"),
 }
 
 

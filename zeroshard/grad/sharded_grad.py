@@ -267,10 +267,10 @@ class VirtualGrad(Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in _METADATA_OR_GET:
-            return _disabled(func, *args, **kwargs)
         if name == "__set__" and func == _SET_DATA:  # grad.data = t moves it off the grad shard: step() follows (take_replaced_grads)
             args[0].shard.grads_moved = True
+        if name in _METADATA_OR_GET:
+            return _disabled(func, *args, **kwargs)
         grads = [g for a in args for g in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(g, VirtualGrad)]
         placeholder = next((g.elsewhere for g in grads if g.elsewhere), "")
         if placeholder:
