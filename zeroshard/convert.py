@@ -73,8 +73,8 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
     Each param's state is its run of every bucket tensor, reshaped to the param's shape and kept in the saved dtype
     (fp32 for 16-bit params), or with ``partition="param"`` its saved entry, whole; ``step`` (a 0-dim fp32 tensor, as
     ``torch.optim`` keeps it) comes from the per-param step counts and is written for each param group whose optimizer
-    keeps one (the checkpoint records which; one saved before it did: every group but SGD's, which has ``dampening``).
-    Params never stepped get no entry.
+    keeps one (``partition="param"`` records which; flat: every group but SGD's, which has ``dampening``). Params never
+    stepped get no entry.
 
     Args:
         sharded: the ``"optim"`` entry of a loaded checkpoint.
@@ -96,7 +96,7 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
     steps = [int(s) for s in sharded["param_steps"].tolist()]
     state: dict[int, dict[str, Any]] = {}
     masters: dict[int, torch.Tensor] = {}
-    # whether each group's optimizer keeps step; flat checkpoints saved before it was recorded: all but SGD (a group with dampening)
+    # whether each group's optimizer keeps step: recorded with partition="param"; flat: every optimizer but SGD (a group with dampening)
     keeps = meta.get("keeps_step") or ["dampening" not in group for group in groups]
     keeps_step = {index: keep for group, keep in zip(groups, keeps) for index in group["params"]}
     if meta.get("partition") == "param":  # each param's state whole, keyed by its index (zeroshard/checkpoint/whole_param.py); none: no state

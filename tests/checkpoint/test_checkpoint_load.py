@@ -115,6 +115,26 @@ def test_a_checkpoint_around_gradual_unfreezing_resumes_unfrozen_then_loaded(poo
         assert not first or "Take opt.state_dict() again and dcp.load into it" in first
 
 
+def template_keys_worker() -> dict[str, list[str]]:
+    keys = {}
+    for partition in ("flat", "param"):
+        model = TinyNet()
+        sd = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), partition=partition).state_dict()
+        keys[partition] = sorted(sd) + sorted(f"zeroshard.{k}" for k in sd["zeroshard"])
+    return keys
+
+
+def test_the_sharded_formats_entries_are_those_of_its_version(pools):
+    # dcp.load asks the checkpoint for every entry of the state_dict() it fills: an entry added without a new format version
+    # makes every checkpoint saved before fail inside DCP ("Missing key in checkpoint state_dict: optim.zeroshard.keeps_step",
+    # as a probe found one this session would have). Adding one takes a new SHARDED_FORMAT_VERSION and a reader of the old.
+    common = ["param_groups", "param_steps", "zeroshard", "zeroshard.format", "zeroshard.layout", "zeroshard.loss_scaler",
+              "zeroshard.partition", "zeroshard.rank", "zeroshard.version", "zeroshard.world_size"]
+    for keys in pools[2].run(template_keys_worker):
+        assert keys["flat"] == sorted(["buckets", "shapes", *common[:3]]) + sorted([*common[3:], "zeroshard.state_keys"]), keys
+        assert keys["param"] == sorted(["params", *common[:3]]) + sorted([*common[3:], "zeroshard.keeps_step", "zeroshard.subclasses"]), keys
+
+
 def mixed_dtype_worker() -> None:
     """An fp32 and an fp64 param group: the consolidated state equals unsharded AdamW's, bitwise, each in its own dtype."""
     torch.manual_seed(0)

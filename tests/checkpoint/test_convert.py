@@ -99,42 +99,6 @@ def test_converted_checkpoint_continues_bitwise_in_plain_adamw(pools, saved, tmp
     assert all(pools[1].run(continue_worker, directory, converted_file))
 
 
-class CountingSGD(torch.optim.SGD):
-    """SGD that also counts each param's steps in its state, as an optimizer with a warm-up inside would: a param group
-    with ``dampening`` whose optimizer keeps ``step`` (convert took every such group for plain SGD's, which keeps none)."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self.state[p]["step"] = self.state[p].get("step", torch.tensor(0.0)) + 1
-        return super().step(closure)
-
-
-def save_counting_worker(directory: str) -> dict | None:
-    torch.manual_seed(0)
-    model = TinyNet()
-    opt = zeroshard.ShardedOptimizer(CountingSGD(param_groups(model), lr=1e-2, momentum=0.9), assume_elementwise=True)
-    for step in range(2):
-        loss_fn(model, *batch(dist.get_rank(), step)).backward()
-        opt.step()
-        opt.zero_grad()
-    dcp.save({"optim": opt}, checkpoint_id=directory)
-    opt.consolidate_state_dict(to=0)
-    return opt.state_dict() if dist.get_rank() == 0 else None
-
-
-def test_converted_state_keeps_step_where_the_optimizer_keeps_one(pools, tmp_path):
-    consolidated = pools[2].run(save_counting_worker, str(tmp_path / "ckpt"))[0]
-    _run_converter(str(tmp_path / "ckpt"), str(tmp_path / "full.pt"), "--optim-key", "optim")
-    state = torch.load(tmp_path / "full.pt", weights_only=False)["optim"]["state"]
-    assert state.keys() == consolidated["state"].keys()
-    for index, expected in consolidated["state"].items():
-        assert state[index].keys() == expected.keys() == {"step", "momentum_buffer"}
-        assert all(torch.equal(state[index][key], value) for key, value in expected.items())
-
-
 def test_safetensors_output_holds_the_model(saved, tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

@@ -236,8 +236,8 @@ def sharded_state_dict(view: CheckpointView) -> dict[str, Any]:
             if saves_master(shard):  # this rank's slice starts the bucket's part of the master shard
                 entry["master"] = _dtensor(view, shard.master_view(bucket.shard_offset, hi - lo).to(shard.buffer.device, copy=True), bucket.numel)
             buckets[f"{k}.{bucket.index}"] = entry
-    meta = {"state_keys": [keys for keys, _ in group_keys], "keeps_step": [keeps for _, keeps in group_keys]}
-    return sharded_envelope(view, meta, shapes=param_shapes(view), buckets=buckets)
+    # No entry may be added to it without a new format version: dcp.load asks the checkpoint for every entry of this template.
+    return sharded_envelope(view, {"state_keys": [keys for keys, _ in group_keys]}, shapes=param_shapes(view), buckets=buckets)
 
 
 def sharded_envelope(view: CheckpointView, meta: dict[str, Any], shapes: dict[str, Tensor] | None = None, **entries: Any) -> dict[str, Any]:
