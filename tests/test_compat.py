@@ -224,6 +224,12 @@ def test_step_with_own_hooks_runs_the_optimizers_hooks_and_step_but_not_the_glob
     assert getattr(step, "hooked", False) and hasattr(step, "__wrapped__"), f"torch {torch.__version__}: Optimizer.profile_hook_step changed"
     assert calls == [("pre", (opt,)), ("post", (opt,))], f"torch {torch.__version__}: {calls}"
     assert torch.equal(param.detach(), torch.full((2,), 0.5)) and opt._opt_called  # the step ran, and was noted
+    # A step patched on the instance (by a library) is called as it is; an LR scheduler's patch is not needed (note_step).
+    patched = []
+    opt.step = lambda *args, **kwargs: patched.append(args)
+    compat.step_with_own_hooks(opt)
+    assert patched == [()]
+    torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([param], lr=0.5), lambda step: 1.0)  # patches that optimizer's step
 
 
 def test_compiling_is_true_while_dynamo_compiles_a_frame_only():

@@ -187,27 +187,39 @@ def compiled_module(module: nn.Module) -> bool:
 
 
 def step_with_own_hooks(optimizer: torch.optim.Optimizer, update: Callable[[], None] | None = None) -> None:
-    """Run ``update`` (``None``: ``optimizer``'s own step) as ``optimizer.step()`` runs, with the step pre- and post-hooks
-    registered on ``optimizer`` (``register_step_pre_hook``; a pre hook's ``(args, kwargs)`` are passed on) but not torch's
-    global ones (``torch.optim.optimizer.register_optimizer_step_pre_hook``), which ran once around the ShardedOptimizer's
-    ``step``; then :func:`note_step`.
+    """Run ``update`` (``None``: ``optimizer``'s own step) as ``optimizer.step()`` runs — under the profiler's
+    ``Optimizer.step#<class>.step`` label, with the step pre- and post-hooks registered on ``optimizer``
+    (``register_step_pre_hook``; a pre hook's ``(args, kwargs)`` are passed on) — but not torch's global hooks
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``), which ran once around the ShardedOptimizer's ``step``;
+    then :func:`note_step`. A ``step`` patched on the instance (not an LR scheduler's, which only marks the step) is called
+    as it is, its class's wrapper and global hooks included.
 
     update.py and step/wrapped.py: torch's wrapper around every optimizer class's ``step`` (``Optimizer.profile_hook_step``,
     marked ``hooked``; the function under it is its ``__wrapped__``) runs both kinds together, and the registries are private.
+
+    Raises:
+        RuntimeError: a pre hook returned something other than ``None`` or ``(args, kwargs)``, as torch's wrapper raises.
     """
+    patched = vars(optimizer).get("step")
+    if update is None and patched is not None and not getattr(patched, "_wrapped_by_lr_sched", False):
+        patched()
+        return
     args: tuple[Any, ...] = (optimizer,)
     kwargs: dict[str, Any] = {}
-    for pre_hook in list(optimizer._optimizer_step_pre_hooks.values()):
-        result = pre_hook(optimizer, args, kwargs)
-        if result is not None:
-            args, kwargs = result
-    if update is not None:
-        update()
-    else:
-        step = type(optimizer).step
-        (step.__wrapped__ if getattr(step, "hooked", False) else step)(*args, **kwargs)  # type: ignore[attr-defined]
-    for post_hook in list(optimizer._optimizer_step_post_hooks.values()):
-        post_hook(optimizer, args, kwargs)
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
+        for pre_hook in list(optimizer._optimizer_step_pre_hooks.values()):
+            result = pre_hook(optimizer, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"{pre_hook} must return None or a tuple of (new_args, new_kwargs), but got {result}")
+                args, kwargs = result
+        if update is not None:
+            update()
+        else:
+            step = type(optimizer).step
+            (step.__wrapped__ if getattr(step, "hooked", False) else step)(*args, **kwargs)  # type: ignore[attr-defined]
+        for post_hook in list(optimizer._optimizer_step_post_hooks.values()):
+            post_hook(optimizer, args, kwargs)
     note_step(optimizer)
 
 

@@ -158,11 +158,11 @@ class ShardSet:
             raise ValueError(f"optimizer.param_groups has {len(groups)} groups, the ShardedOptimizer sharded {len(sharded)} (in its constructor "
                              "or add_param_group): a group appended to param_groups by hand is neither sharded nor reduced; "
                              "add it with opt.add_param_group(group)")
-        known = {i for ids in sharded for i in ids}
         for g, (group, ids) in enumerate(zip(groups, sharded)):
             now = list(map(id, group["params"]))
             if now == ids:
                 continue
+            known = {i for other in sharded for i in other}
             where = f"param_groups[{g}]['params'] has {len(now)} entries where zeroshard put {len(ids)} (this rank's shards of the group's params)"
             if any(i not in known for i in now):
                 raise ValueError(f"{where}, some of them others: params added to a group's list, or an entry replaced, by hand are neither "

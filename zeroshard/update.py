@@ -102,11 +102,15 @@ class UpdateMixin:
         if self._clip_task != self._reducer.followed_task:
             raise RuntimeError("a backward ran after opt.clip_grad_norm_() and before step(): the clip's norm leaves out its gradients, "
                                "which it would not reduce either; call clip_grad_norm_() after the last backward of the step")
+        for shard in self._shards:  # assigned since the clip: taken, and multiplied by its coefficient as edits in place are
+            shard.take_replaced_grads()
         return self._stats
 
     def _gather_stats(self, norm_type: float, caller: str, max_norm: float | None) -> ReducedStats:
         """The statistics, all-reduced and still on the device (:meth:`_on_device`), with the coming step's clip ``max_norm``."""
         self._shard_set.check_param_groups()  # before any collective
+        for shard in self._shards:
+            shard.take_replaced_grads(write=False)  # a .grad = None raises here, before any collective
         if self._shard_unfrozen():
             self._reducer.accumulate_locally()  # their gradients are still local
         self._reducer.reduce_for_step()

@@ -152,6 +152,25 @@ def dropped_virtual_grad_worker(stage: int) -> str:
     return str(raised.value)
 
 
+def replaced_after_clip_worker(stage: int) -> bool:
+    """SGD without momentum: gradients replaced by zeros over ``param_groups`` after ``opt.clip_grad_norm_`` leave the params as they are."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=stage, bucket_size_mb=BUCKET_MB)
+    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    opt.clip_grad_norm_(1.0)
+    for p in _optimizer_params(opt):
+        p.grad = torch.zeros_like(p.grad)  # before, ignored after a clip: the step reused the clip's gradients
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    return all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_grad_assigned_after_the_clip_is_what_the_step_takes(pools, stage):
+    assert all(pools[2].run(replaced_after_clip_worker, stage))
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_virtual_params_grad_dropped_after_backward_raises(pools, stage):
     for message in pools[2].run(dropped_virtual_grad_worker, stage):

@@ -118,10 +118,10 @@ class LocalShard:
             vparam.grad = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape) if used[piece.param] else None
 
     @torch.no_grad()
-    def take_replaced_grads(self) -> None:
+    def take_replaced_grads(self, write: bool = True) -> None:
         """At ``step()`` (and a clip): follow a ``.grad`` that user code gave a virtual param since this step's first backward,
         as ``torch.optim`` would step it (``p.grad = p.grad.clamp(-1, 1)`` over ``param_groups``): its values go into the
-        piece's slice of the grad shard, and the param gets its between-step ``.grad`` back.
+        piece's slice of the grad shard, and the param gets its between-step ``.grad`` back. ``write=False``: only the checks.
 
         Raises:
             RuntimeError: one set to ``None`` (``torch.optim`` would skip that param; here it is a piece of a model param,
@@ -131,7 +131,7 @@ class LocalShard:
         if not self.grads_moved and all(map(operator.is_, grads, self.idle_grads)):
             return  # nothing replaced (one pass in C)
         moved: set[int] = set()
-        if self.grads_moved:  # a VirtualGrad's .data was set: which ones hold other storage now (offload: elsewhere)
+        if self.grads_moved and write:  # a VirtualGrad's .data was set: which ones hold other storage now (offload: elsewhere)
             base, size = self.grad_shard.data_ptr(), self.grad_shard.element_size()
             with DisableTorchFunctionSubclass():
                 moved = {i for i, (piece, idle) in enumerate(zip(self.pieces, self.idle_grads))
@@ -139,18 +139,22 @@ class LocalShard:
         for i, (piece, vparam, idle, grad) in enumerate(zip(self.pieces, self.virtual_params, self.idle_grads, grads)):
             if grad is idle and i not in moved:
                 continue
-            if grad is idle:  # grad.data = t: followed the same way, and the VirtualGrad is its piece of the grad shard again
-                grad = grad.detach().clone()
-                with DisableTorchFunctionSubclass():
-                    idle.data = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape)
             if grad is None or grad.shape != vparam.shape:
                 found = "None" if grad is None else f"a tensor of shape {tuple(grad.shape)}"
                 raise RuntimeError(f"a virtual param of {self.buffer.names[piece.param]} (one of optimizer.param_groups' params, shape "
                                    f"{tuple(vparam.shape)}) was given .grad = {found} after the backward: its gradient cannot be dropped "
                                    "or reshaped there. Edit it in place, or set the model param's .grad (model.parameters()) instead")
-            self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(grad.detach().reshape(-1))
+            if not write:
+                continue
+            values = grad.detach()
+            if grad is idle:  # grad.data = t: followed the same way, and the VirtualGrad is its piece of the grad shard again
+                values = values.clone()
+                with DisableTorchFunctionSubclass():
+                    idle.data = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape)
+            self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(values.reshape(-1))
             vparam.grad = idle
-        self.grads_moved = False
+        if write:
+            self.grads_moved = False
 
     def detach_grads(self) -> None:
         """Give the virtual params their between-step ``.grad`` s (:attr:`idle_grads`) again (after ``attach_grads``)."""
