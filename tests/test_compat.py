@@ -229,7 +229,15 @@ def test_step_with_own_hooks_runs_the_optimizers_hooks_and_step_but_not_the_glob
     opt.step = lambda *args, **kwargs: patched.append(args)
     compat.step_with_own_hooks(opt)
     assert patched == [()]
-    torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([param], lr=0.5), lambda step: 1.0)  # patches that optimizer's step
+    # Patched as a method, then wrapped by a scheduler: the patch still runs (the scheduler's wrapper calls it).
+    import types
+
+    again = torch.optim.SGD([param], lr=0.5)
+    again.step = types.MethodType(lambda self, *args, **kwargs: patched.append("method"), again)
+    torch.optim.lr_scheduler.LambdaLR(again, lambda step: 1.0)
+    assert getattr(again.step, "_wrapped_by_lr_sched", False), f"torch {torch.__version__}: LRScheduler no longer marks its step patch"
+    compat.step_with_own_hooks(again)
+    assert patched == [(), "method"] and again._opt_called
 
 
 def test_compiling_is_true_while_dynamo_compiles_a_frame_only():

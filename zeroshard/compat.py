@@ -191,8 +191,8 @@ def step_with_own_hooks(optimizer: torch.optim.Optimizer, update: Callable[[], N
     ``Optimizer.step#<class>.step`` label, with the step pre- and post-hooks registered on ``optimizer``
     (``register_step_pre_hook``; a pre hook's ``(args, kwargs)`` are passed on) — but not torch's global hooks
     (``torch.optim.optimizer.register_optimizer_step_pre_hook``), which ran once around the ShardedOptimizer's ``step``;
-    then :func:`note_step`. A ``step`` patched on the instance (not an LR scheduler's, which only marks the step) is called
-    as it is, its class's wrapper and global hooks included.
+    then :func:`note_step`. A ``step`` patched on the instance (but by an LR scheduler around the class's own, which only
+    marks the step) is called as it is, its class's wrapper and global hooks included.
 
     update.py and step/wrapped.py: torch's wrapper around every optimizer class's ``step`` (``Optimizer.profile_hook_step``,
     marked ``hooked``; the function under it is its ``__wrapped__``) runs both kinds together, and the registries are private.
@@ -201,8 +201,11 @@ def step_with_own_hooks(optimizer: torch.optim.Optimizer, update: Callable[[], N
         RuntimeError: a pre hook returned something other than ``None`` or ``(args, kwargs)``, as torch's wrapper raises.
     """
     patched = vars(optimizer).get("step")
-    if update is None and patched is not None and not getattr(patched, "_wrapped_by_lr_sched", False):
+    # an LR scheduler's patch around the class's step only marks the step (note_step); around another patch, it is a patch
+    marks_only = getattr(patched, "_wrapped_by_lr_sched", False) and getattr(patched, "__wrapped__", None) is type(optimizer).step
+    if update is None and patched is not None and not marks_only:
         patched()
+        note_step(optimizer)
         return
     args: tuple[Any, ...] = (optimizer,)
     kwargs: dict[str, Any] = {}

@@ -131,7 +131,7 @@ class LocalShard:
         if not self.grads_moved and all(map(operator.is_, grads, self.idle_grads)):
             return  # nothing replaced (one pass in C)
         moved: set[int] = set()
-        if self.grads_moved and write:  # a VirtualGrad's .data was set: which ones hold other storage now (offload: elsewhere)
+        if self.grads_moved:  # a VirtualGrad's .data was set: which ones hold other storage now (offload: elsewhere)
             base, size = self.grad_shard.data_ptr(), self.grad_shard.element_size()
             with DisableTorchFunctionSubclass():
                 moved = {i for i, (piece, idle) in enumerate(zip(self.pieces, self.idle_grads))
