@@ -253,7 +253,7 @@ class VirtualGrad(Tensor):
 
         A ``vparam`` in host memory (offload) with its piece on the GPU gets instead a placeholder on its own device (``.grad``
         must be on the param's) that refuses every torch function but metadata."""
-        values = shard.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape)
+        values = shard.grad_piece(piece, vparam.shape)
         if values.device == vparam.device:
             grad = make_subclass(VirtualGrad, values)
         else:

@@ -115,7 +115,11 @@ class LocalShard:
         """Point each virtual param's ``.grad`` at its grad-shard piece, or ``None`` where param ``i`` got no gradient on any
         rank since the last step (``used[i]``): as in ``torch.optim``, it is skipped, its state untouched."""
         for piece, vparam in zip(self.pieces, self.virtual_params):
-            vparam.grad = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape) if used[piece.param] else None
+            vparam.grad = self.grad_piece(piece, vparam.shape) if used[piece.param] else None
+
+    def grad_piece(self, piece: ShardPiece, shape: torch.Size) -> Tensor:
+        """``piece``'s slice of the grad shard, viewed in its virtual param's ``shape``."""
+        return self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(shape)
 
     @torch.no_grad()
     def take_replaced_grads(self, write: bool = True) -> None:
@@ -146,12 +150,12 @@ class LocalShard:
                                    "or reshaped there. Edit it in place, or set the model param's .grad (model.parameters()) instead")
             if not write:
                 continue
-            values = grad.detach()
+            values, home = grad.detach(), self.grad_piece(piece, vparam.shape)
             if grad is idle:  # grad.data = t: followed the same way, and the VirtualGrad is its piece of the grad shard again
                 values = values.clone()
                 with DisableTorchFunctionSubclass():
-                    idle.data = self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].view(vparam.shape)
-            self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(values.reshape(-1))
+                    idle.data = home
+            home.copy_(values)
             vparam.grad = idle
         if write:
             self.grads_moved = False
