@@ -21,6 +21,7 @@ from zeroshard.checkpoint.dirs import METADATA, verify_checkpoint
 from zeroshard.checkpoint.sharded import FULL_FORMAT, FULL_FORMAT_VERSION, SHARDED_FORMAT, _check_version
 from zeroshard.compat import load_checkpoint_without_process_group
 from zeroshard.layout.flat_buffer import param_name
+from zeroshard.layout.partition import param_align, round_up
 from zeroshard.step.wrapped import rebuild
 
 __all__ = ["convert", "load_checkpoint", "main", "optimizer_to_torch"]
@@ -70,7 +71,8 @@ def _sharded_meta(value: Any) -> dict[str, Any] | None:
 def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") -> dict[str, Any]:
     """A zeroshard sharded optimizer state dict with full tensors (as :func:`load_checkpoint` gives it) in ``torch.optim`` format.
 
-    Each param's state is its run of every bucket tensor, reshaped to the param's shape and kept in the saved dtype
+    Each param's state is its run of every bucket tensor (from a multiple of 64 bytes into the bucket in format version 3,
+    packed in version 2), reshaped to the param's shape and kept in the saved dtype
     (fp32 for 16-bit params), or with ``partition="param"`` its saved entry, whole; ``step`` (a 0-dim fp32 tensor, as
     ``torch.optim`` keeps it) comes from the per-param step counts and is written for each param group whose optimizer
     keeps one (``partition="param"`` records which; flat: every group but SGD's, which has ``dampening``). Params never
@@ -89,7 +91,7 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
         found = sorted(sharded) if isinstance(sharded, dict) else type(sharded).__name__
         raise ValueError(f"{source}: the optimizer entry is not a zeroshard sharded state dict (found {found})")
     try:
-        _check_version(meta)
+        _check_version(meta)  # every version this zeroshard reads: both flat layouts are cut here
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from error
     groups = sharded["param_groups"]
@@ -108,7 +110,8 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
                 state[index] = {**({"step": torch.tensor(float(steps[index]))} if keeps_step[index] else {}),
                                 **_with_subclasses(entry, (meta.get("subclasses") or {}).get(name, {}), source)}
     place = {param_name(g, j): index for g, group in enumerate(groups) for j, index in enumerate(group["params"])}
-    for k, (_, params, per_bucket) in enumerate(meta["layout"] if meta.get("partition") != "param" else []):
+    for k, (dtype, params, per_bucket) in enumerate(meta["layout"] if meta.get("partition") != "param" else []):
+        align = param_align(getattr(torch, dtype.removeprefix("torch.")).itemsize) if meta["version"] > 2 else 1
         first = 0
         for b, count in enumerate(per_bucket):
             name_of_bucket = f"{k}.{b}"
@@ -118,6 +121,7 @@ def optimizer_to_torch(sharded: dict[str, Any], source: str = "the state dict") 
                 if name not in place:
                     raise ValueError(f"{source}: its layout names a param {name!r}, not one of its param_groups[g]['params'][j]")
                 index, numel = place[name], math.prod(shape)
+                offset = round_up(offset, align)
                 for key, value in entry.items():
                     if value.numel() < offset + numel:
                         raise ValueError(f"{source}: bucket {name_of_bucket} {key!r} has {value.numel()} elements, too few for its params ({name} "

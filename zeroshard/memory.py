@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from zeroshard.layout.chunk import chunks_of
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.layout.ownership import assign_owners, default_cost
-from zeroshard.layout.partition import build_layout
+from zeroshard.layout.partition import build_layout, param_align
 from zeroshard.shard_set import bucket_numel
 from zeroshard.step.wrapped import is_subclass_state
 from zeroshard.validation import check_offload, check_stage_and_bucket_size
@@ -198,7 +198,7 @@ def estimate_memory(model_or_numel: nn.Module | int, *, stage: int = 2, world_si
         item = param_dtype.itemsize
         master_item = max(4, item) if master_weights else item
         owners = assign_owners([default_cost(shape, param_dtype) for shape in shapes], shards) if whole else None  # as param_costs
-        layout = build_layout(numels, bucket_numel(bucket_size_mb, param_dtype), shards, owners)
+        layout = build_layout(numels, bucket_numel(bucket_size_mb, param_dtype), shards, owners, param_align(item))
         shard = layout.shard_numel
         pieces = [layout.pieces(rank) for rank in range(shards)]
         if whole:  # per rank: the wrapped optimizer's own state for the params it owns, and a step each

@@ -13,12 +13,13 @@ from zeroshard.layout.local_shard import LocalShard
 from zeroshard.layout.partition import build_layout
 
 numels = st.lists(st.integers(1, 300), min_size=1, max_size=12)
+aligns = st.sampled_from([1, 2, 16, 32])  # param_align of fp64, and of fp32 / bf16 (16 / 32 elements: 64 bytes)
 
 
 @settings(max_examples=300, deadline=None)
-@given(numels=numels, bucket_numel=st.integers(1, 700), world_size=st.integers(1, 8))
-def test_every_element_owned_by_exactly_one_rank(numels, bucket_numel, world_size):
-    layout = build_layout(numels, bucket_numel, world_size)
+@given(numels=numels, bucket_numel=st.integers(1, 700), world_size=st.integers(1, 8), align=aligns)
+def test_every_element_owned_by_exactly_one_rank(numels, bucket_numel, world_size, align):
+    layout = build_layout(numels, bucket_numel, world_size, align=align)
     owners = [torch.zeros(n, dtype=torch.int64) for n in numels]
     for rank in range(world_size):
         shard_positions = []
@@ -30,17 +31,35 @@ def test_every_element_owned_by_exactly_one_rank(numels, bucket_numel, world_siz
     assert all(bool((o == 1).all()) for o in owners)
     for bucket in layout.buckets:
         assert bucket.padded_numel % world_size == 0
-        assert 0 <= bucket.padded_numel - bucket.numel < world_size
-        assert bucket.numel <= bucket_numel or len(bucket.params) == 1
-    assert layout.numel == sum(b.padded_numel for b in layout.buckets)
-    assert layout.shard_numel * world_size == layout.numel
+        assert 0 <= bucket.padded_numel - bucket.numel < world_size  # slices of ceil(numel / N), as torch.chunk splits (DCP)
+        assert sum(numels[i] for i in bucket.params) <= bucket_numel or len(bucket.params) == 1
+        assert bucket.offset % align == 0 and all(layout.slots[i].offset % align == 0 for i in bucket.params)
+        last = layout.slots[bucket.params[-1]]
+        assert bucket.numel == last.offset + last.numel - bucket.offset
+        assert bucket.numel - sum(numels[i] for i in bucket.params) < align * len(bucket.params)  # gaps: under align before each param
+    ends = [b.offset + b.padded_numel for b in layout.buckets]
+    assert [b.offset for b in layout.buckets] == [0, *(-(-end // align) * align for end in ends[:-1])]
+    assert layout.numel == -(-ends[-1] // align) * align
+    assert layout.shard_numel * world_size == sum(b.padded_numel for b in layout.buckets)
+
+
+@settings(max_examples=100, deadline=None)
+@given(numels=numels, bucket_numel=st.integers(1, 700), align=aligns)
+def test_a_bucket_holds_its_params_alike_at_every_world_size(numels, bucket_numel, align):
+    # The sharded checkpoint saves each bucket as one tensor of bucket.numel elements and reshards it by DCP: a param must
+    # sit at the same place in its bucket whatever the world size.
+    def within(world_size):
+        layout = build_layout(numels, bucket_numel, world_size, align=align)
+        return [(b.numel, [layout.slots[i].offset - b.offset for i in b.params]) for b in layout.buckets]
+    assert all(within(world_size) == within(1) for world_size in range(2, 9))
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.data(), numels=numels, bucket_numel=st.integers(1, 700), world_size=st.integers(1, 8))
-def test_owned_layout_puts_each_param_whole_in_its_owners_slice(data, numels, bucket_numel, world_size):
+@given(data=st.data(), numels=numels, bucket_numel=st.integers(1, 700), world_size=st.integers(1, 8), align=aligns)
+def test_owned_layout_puts_each_param_whole_in_its_owners_slice(data, numels, bucket_numel, world_size, align):
     owners = data.draw(st.lists(st.integers(0, world_size - 1), min_size=len(numels), max_size=len(numels)))
-    layout = build_layout(numels, bucket_numel, world_size, owners)
+    layout = build_layout(numels, bucket_numel, world_size, owners, align)
+    footprints = [-(-n // align) * align for n in numels]
     assert layout.whole_params and layout.owners == tuple(owners)
     seen = []
     for rank in range(world_size):
@@ -49,15 +68,15 @@ def test_owned_layout_puts_each_param_whole_in_its_owners_slice(data, numels, bu
         for piece in pieces:
             assert (piece.param_offset, piece.numel) == (0, numels[piece.param])  # whole
             lo, hi = layout.buckets[layout.slots[piece.param].bucket].rank_range(rank, world_size)
-            assert lo <= piece.flat_offset and piece.flat_offset + piece.numel <= hi
+            assert lo <= piece.flat_offset and piece.flat_offset + piece.numel <= hi and piece.flat_offset % align == 0
             seen.extend(range(piece.flat_offset, piece.flat_offset + piece.numel))
     assert len(seen) == len(set(seen)) == sum(numels)  # no overlap, nothing lost
     for bucket in layout.buckets:
         size = bucket.shard_numel(world_size)
         assert bucket.padded_numel == size * world_size
-        assert size <= max(-(-bucket_numel // world_size), *(numels[i] for i in bucket.params))  # no slice larger than needed
+        assert size <= max(-(-bucket_numel // world_size), *(footprints[i] for i in bucket.params))  # no slice larger than needed
         assert bucket.numel == sum(numels[i] for i in bucket.params)
-        fill = [sum(numels[i] for i in bucket.params if owners[i] == r) for r in range(world_size)]
+        fill = [sum(footprints[i] for i in bucket.params if owners[i] == r) for r in range(world_size)]
         assert max(fill) == size  # slices are padded to the fullest one, no further
     assert layout.numel == sum(b.padded_numel for b in layout.buckets) and layout.shard_numel * world_size == layout.numel
 
@@ -93,6 +112,7 @@ def test_flatten_shard_gather_unflatten_round_trip(shapes, bucket_numel, world_s
     for p, t in zip(params, originals):  # params are now views with their old values
         assert p.shape == t.shape and torch.equal(p, t)
         assert p.untyped_storage().data_ptr() == buffer.data.untyped_storage().data_ptr()
+        assert (p.data_ptr() - buffer.data.data_ptr()) % 64 == 0  # a 64-byte boundary, as torch's allocators place a tensor
     shards = [LocalShard(buffer, rank) for rank in range(world_size)]
 
     # Each rank's virtual params hold exactly its pieces of the originals (in master precision).
@@ -141,14 +161,14 @@ def test_large_param_gets_own_bucket_and_padding_goes_last():
 
 @settings(max_examples=200, deadline=None)
 @given(data=st.data(), numels=numels, bucket_numel=st.integers(1, 700), world_size=st.integers(1, 4), owned=st.booleans(),
-       grad_dtype=st.sampled_from([torch.float64, torch.float32]))
-def test_staging_bucket_equals_zeros_plus_every_gradient(data, numels, bucket_numel, world_size, owned, grad_dtype):
+       grad_dtype=st.sampled_from([torch.float64, torch.float32]), align=aligns)
+def test_staging_bucket_equals_zeros_plus_every_gradient(data, numels, bucket_numel, world_size, owned, grad_dtype, align):
     """Stage 2's staging (held gradients written per run of adjacent slots, only what none wrote zeroed) equals zero-fill + add,
     reused buffers included, gradients of another dtype cast."""
     from zeroshard.reduce.bucket import StagingBuckets
 
     owners = data.draw(st.lists(st.integers(0, world_size - 1), min_size=len(numels), max_size=len(numels))) if owned else None
-    layout = build_layout(numels, bucket_numel, world_size, owners)
+    layout = build_layout(numels, bucket_numel, world_size, owners, align)
     staging = StagingBuckets()
     for _ in range(2):  # the second round reuses the first round's buffers, dirty
         writes = data.draw(st.lists(st.integers(0, len(numels) - 1), max_size=2 * len(numels)))

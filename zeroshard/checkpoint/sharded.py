@@ -32,7 +32,8 @@ SHARDED_FORMAT = "zeroshard.sharded"
 FULL_FORMAT = "zeroshard.full"
 # 2: the layout signature names each param (``param_groups[g]['params'][j]``) with its shape, and
 # ``state_keys`` is per param group. Version 1 recorded param indices only.
-SHARDED_FORMAT_VERSION = 2
+# 3: flat buckets start each param on a 64-byte boundary (``param_align``), 2 packed them; 2 loads where that left no gap.
+SHARDED_FORMAT_VERSION = 3
 FULL_FORMAT_VERSION = 1
 # What a load hands the optimizer: the wrapped optimizer's state dict, the per-param step counts, and the masters to
 # copy as (shard, offset in its master shard, 1-D values).
@@ -260,14 +261,26 @@ def param_shapes(view: CheckpointView) -> dict[str, Tensor]:
     return {name: torch.empty((0, *param.shape)) for shard in view.shards for name, param in zip(shard.buffer.names, shard.buffer.params)}
 
 
-def _check_version(meta: dict[str, Any]) -> None:
+def packed(view: CheckpointView) -> bool:
+    """Whether no flat bucket of this optimizer has a gap between its params: its buckets are then format version 2's."""
+    return all(b.numel == sum(s.buffer.layout.slots[i].numel for i in b.params) for s in view.shards for b in s.buffer.layout.buckets)
+
+
+def _check_version(meta: dict[str, Any], packed: bool = True) -> None:
+    """Raise ``ValueError`` unless a sharded checkpoint of ``meta``'s version loads: this one, or 2 where the buckets are
+    ``packed`` or with ``partition="param"`` (the converter reads every 2)."""
     version = meta.get("version")
+    if version == 2 and not packed and meta.get("partition", "flat") == "flat":
+        raise ValueError("state_dict is a sharded zeroshard checkpoint of format version 2, whose buckets hold the params packed end to end; "
+                         f"this version (format {SHARDED_FORMAT_VERSION}) starts each param on a 64-byte boundary, which moves some of this "
+                         "model's params. Convert it without a process group (python -m zeroshard.convert CHECKPOINT OUT) and load the "
+                         "full format it writes (torch.load(OUT)[key], the key it was saved under), which loads here at any world size")
     if version == 1:
         raise ValueError("state_dict is a sharded zeroshard checkpoint of format version 1, whose layout signature does not record param shapes, "
                          f"so it cannot be checked against this model; this version reads version {SHARDED_FORMAT_VERSION}. Load it with the "
                          "zeroshard version that saved it, call consolidate_state_dict(to=0) and save the full format, which loads here at any world size")
-    if version != SHARDED_FORMAT_VERSION:
-        raise ValueError(f"state_dict has zeroshard sharded format version {version!r}; this version reads {SHARDED_FORMAT_VERSION}")
+    if version not in (2, SHARDED_FORMAT_VERSION):
+        raise ValueError(f"state_dict has zeroshard sharded format version {version!r}; this version reads 2 and {SHARDED_FORMAT_VERSION}")
 
 
 def check_meta(view: CheckpointView, meta: dict[str, Any], filled_in_place: bool) -> None:
@@ -275,7 +288,7 @@ def check_meta(view: CheckpointView, meta: dict[str, Any], filled_in_place: bool
     naming the way out: the full format), unless ``filled_in_place`` by this rank at this world size (DCP overwrites plain
     entries such as the saver's rank with one rank's copy, so they only mean something in a file saved by one rank), and
     with this layout (:func:`check_layout`)."""
-    _check_version(meta)
+    _check_version(meta, packed(view))
     saved, partition = meta.get("partition", "flat"), view.partition  # checkpoints from before partition="param" are flat
     if saved != partition:
         raise ValueError(f"state_dict is a sharded checkpoint of partition={saved!r}, this optimizer has partition={partition!r}: call "

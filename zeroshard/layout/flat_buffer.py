@@ -6,8 +6,8 @@ D = data-parallel size, r = this rank):
 
 * **flat param buffer** (1-D, param dtype, on the params' device): all trainable params of one
   param group and dtype, in reverse registration order, bucket after bucket, each bucket padded to
-  a multiple of N (``FlatParamBuffer``). The model's params are views of it, so the model always
-  sees full params.
+  a multiple of N, each param and bucket starting on a 64-byte boundary (``FlatParamBuffer``).
+  The model's params are views of it, so the model always sees full params.
 * **bucket** (a contiguous part of a flat buffer): whole params (a param larger than
   ``bucket_size_mb`` gets a bucket of its own); the unit of one gradient reduce-scatter and one
   param all-gather.
@@ -49,7 +49,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from zeroshard.layout.partition import FlatLayout, build_layout
+from zeroshard.layout.partition import FlatLayout, build_layout, param_align
 
 
 def param_name(group: int, index: int) -> str:
@@ -84,7 +84,7 @@ class FlatParamBuffer:
             raise ValueError(f"a flat buffer needs params of one dtype and device; got {kinds}")
         self.params = list(params)  # in layout order; params[i].data is param_view(i)
         self.names = list(names) if names is not None else [f"param {i}" for i in range(len(self.params))]
-        self.layout: FlatLayout = build_layout([p.numel() for p in params], bucket_numel, world_size, owners)
+        self.layout: FlatLayout = build_layout([p.numel() for p in params], bucket_numel, world_size, owners, param_align(params[0].element_size()))
         first = self.params[0]
         self.data: Tensor = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)  # 1-D, layout.numel elements; padding is zero
         self._expected: tuple[int, list[int], list[int]] | None = None  # (data's address, each slot's address, each slot's size)

@@ -4,6 +4,10 @@
 Layout rules (Rajbhandari et al., "ZeRO", SC'20, §5.2 and §5.3): params are laid out one after another in the order given
 (reverse registration order, which approximates the order gradients become ready in backward) and cut into buckets of at
 most ``bucket_numel`` elements; a param never straddles two buckets. Each bucket is padded to a multiple of ``world_size``.
+With ``align``, every param and bucket starts a multiple of ``align`` elements into the buffer (the caller passes 64 bytes'
+worth: where torch's allocators put a tensor, so that kernels whose rounding or speed depends on alignment see a param
+as they would outside the buffer; Megatron-LM's distributed optimizer pads param starts alike). Bucket membership does not
+depend on ``align``; a bucket's ``numel`` counts the gaps between its params, which do not depend on the world size.
 
 With ``owners`` (``partition="param"``, for optimizers that need each param whole: issue #14), each param lies whole in its
 owner's slice instead (docs/shape_aware.md, "Communication": how a bucket's slices are filled). Every slice is padded to the
@@ -32,7 +36,7 @@ class Bucket:
 
     index: int  # position of the bucket in the flat buffer
     offset: int  # first element of the bucket in the flat buffer
-    numel: int  # elements used by params, without padding
+    numel: int  # elements from the bucket's start to its last param's end (alignment gaps included), without end padding
     padded_numel: int  # world size x slice size: numel rounded up to a multiple of it, or with owners every slice padded to the largest
     params: tuple[int, ...]  # indices of the params in the bucket, in layout (flat) order
     shard_offset: int  # first element of this bucket's slice within a rank's shard
@@ -66,7 +70,7 @@ class FlatLayout:
     slots: tuple[ParamSlot, ...]  # one per param, in the order given
     buckets: tuple[Bucket, ...]  # in flat-buffer order
     world_size: int
-    numel: int  # elements of the flat buffer, padding included
+    numel: int  # elements of the flat buffer, padding and alignment gaps included
     shard_numel: int  # elements of each rank's shard (its slices of all buckets)
     owners: tuple[int, ...] | None = None  # per param, the rank whose slice holds it whole (partition="param"); None: params may span slices
 
@@ -102,7 +106,20 @@ class FlatLayout:
         return pieces
 
 
-def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owners: Sequence[int] | None = None) -> FlatLayout:
+ALIGN_BYTES = 64  # where a param starts in its flat buffer: as torch's CPU allocator aligns a tensor (the CUDA one, to 512)
+
+
+def param_align(itemsize: int) -> int:
+    """``build_layout``'s ``align`` for params of ``itemsize`` bytes: ``ALIGN_BYTES`` worth of elements."""
+    return max(1, ALIGN_BYTES // itemsize)
+
+
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` (>= 1) that is >= ``value``."""
+    return -(-value // multiple) * multiple
+
+
+def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owners: Sequence[int] | None = None, align: int = 1) -> FlatLayout:
     """Cut params of the given sizes into padded buckets shared by ``world_size`` ranks.
 
     Args:
@@ -112,25 +129,30 @@ def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owne
         world_size: number of ranks (>= 1).
         owners: per param, the rank in ``[0, world_size)`` that must hold it whole; ``None`` lays params out flat (see the
             module docstring for both rules).
+        align: every param and bucket starts a multiple of this many elements into the buffer (>= 1; with ``owners``, every
+            slice too).
 
     Returns:
-        The :class:`FlatLayout`. Without ``owners`` padding is at the end of each bucket only; with them, at the end of each slice.
+        The :class:`FlatLayout`. Without ``owners`` padding is at the end of each bucket (and, with ``align``, before a
+        param or bucket that would start unaligned); with them, at the end of each param (with ``align``) and slice.
 
     Raises:
-        ValueError: on an empty ``numels``, a param with fewer than one element, a ``bucket_numel`` / ``world_size`` below
-            one, or ``owners`` of another length or naming a rank outside ``[0, world_size)``.
+        ValueError: on an empty ``numels``, a param with fewer than one element, a ``bucket_numel`` / ``world_size`` / ``align``
+            below one, or ``owners`` of another length or naming a rank outside ``[0, world_size)``.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
+    if align < 1:
+        raise ValueError(f"align={align} must be >= 1")
     if len(numels) == 0:
         raise ValueError("numels is empty: a flat buffer needs at least one param")
     bad = [(i, n) for i, n in enumerate(numels) if n < 1]
     if bad:
         raise ValueError(f"params must have at least one element; got (index, numel) {bad[:5]}")
     if owners is not None:
-        return _build_owned_layout(numels, bucket_numel, world_size, owners)
+        return _build_owned_layout(numels, bucket_numel, world_size, owners, align)
 
     groups: list[list[int]] = []
     group_numel = 0
@@ -148,12 +170,13 @@ def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owne
     for bucket_index, members in enumerate(groups):
         start = offset
         for index in members:
+            offset = round_up(offset, align)
             slots.append(ParamSlot(index, offset, numels[index], bucket_index))
             offset += numels[index]
         used = offset - start
-        padded = -(-used // world_size) * world_size
+        padded = round_up(used, world_size)  # slices of ceil(used / N): torch.chunk's split, which the sharded checkpoint relies on
         buckets.append(Bucket(bucket_index, start, used, padded, tuple(members), shard_offset))
-        offset = start + padded
+        offset = round_up(start + padded, align)
         shard_offset += padded // world_size
     return FlatLayout(tuple(slots), tuple(buckets), world_size, offset, shard_offset)
 
@@ -193,8 +216,9 @@ def _waste(taken: list[list[int]], numels: Sequence[int]) -> float:
     return 1.0 - sum(fills) / (len(fills) * max(fills))
 
 
-def _build_owned_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owners: Sequence[int]) -> FlatLayout:
-    """:func:`build_layout` with each param whole in its owner's slice (arguments checked there but ``owners``)."""
+def _build_owned_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owners: Sequence[int], align: int) -> FlatLayout:
+    """:func:`build_layout` with each param whole in its owner's slice (arguments checked there but ``owners``); slices are
+    filled with each param's footprint, its size rounded up to ``align``, so every slice and param starts aligned."""
     if len(owners) != len(numels):
         raise ValueError(f"owners has {len(owners)} entries for {len(numels)} params")
     bad = [(i, r) for i, r in enumerate(owners) if not 0 <= r < world_size]
@@ -203,22 +227,23 @@ def _build_owned_layout(numels: Sequence[int], bucket_numel: int, world_size: in
     queues = [[i for i in range(len(numels)) if owners[i] == rank] for rank in range(world_size)]
     heads = [0] * world_size  # next param of each rank's queue
     cap = -(-bucket_numel // world_size)
+    footprints = [round_up(n, align) for n in numels]
     slots: dict[int, ParamSlot] = {}
     buckets: list[Bucket] = []
     offset = shard_offset = 0
     while any(head < len(queue) for head, queue in zip(heads, queues)):
-        largest = max(numels[queue[head]] for head, queue in zip(heads, queues) if head < len(queue))
+        largest = max(footprints[queue[head]] for head, queue in zip(heads, queues) if head < len(queue))
         limit = max(cap, largest)
-        taken = min((_fill(queues, heads, numels, candidate) for candidate in _slice_sizes(queues, heads, numels, limit, largest)),
-                    key=lambda members: _waste(members, numels))
+        taken = min((_fill(queues, heads, footprints, candidate) for candidate in _slice_sizes(queues, heads, footprints, limit, largest)),
+                    key=lambda members: _waste(members, footprints))
         for rank, members in enumerate(taken):
             heads[rank] += len(members)
-        size = max(sum(numels[i] for i in members) for members in taken)  # the fullest slice; the others are padded to it
+        size = max(sum(footprints[i] for i in members) for members in taken)  # the fullest slice; the others are padded to it
         for rank, members in enumerate(taken):
             start = offset + rank * size
             for index in members:
                 slots[index] = ParamSlot(index, start, numels[index], len(buckets))
-                start += numels[index]
+                start += footprints[index]
         used = sum(numels[i] for members in taken for i in members)
         buckets.append(Bucket(len(buckets), offset, used, size * world_size, tuple(i for members in taken for i in members), shard_offset))
         offset += size * world_size
