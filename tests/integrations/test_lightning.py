@@ -1,8 +1,9 @@
 """Lightning's Trainer and Fabric with a ShardedOptimizer and their plain ``strategy="ddp"``, against the
-same runs with AdamW: the runs are in ``lightning_child.py`` under torchrun (2 gloo ranks). No
-zeroshard class: Lightning clips the optimizer's ``param_groups`` (``VirtualGrad`` s) and the model's
-gradients (``ShardedGrad`` s) with torch's own code, and gathers the optimizer state for its
-checkpoints through ``consolidate_state_dict()``."""
+same runs with AdamW: the runs are in ``lightning_child.py`` under torchrun (2 gloo ranks). No zeroshard
+class but the finetuning callbacks (``zeroshard.integrations.lightning``): Lightning clips the
+optimizer's ``param_groups`` (``VirtualGrad`` s) and the model's gradients (``ShardedGrad`` s) with
+torch's own code, and gathers the optimizer state for its checkpoints through
+``consolidate_state_dict()``."""
 
 from __future__ import annotations
 
@@ -31,6 +32,15 @@ def test_lightning_trains_like_ddp_with_accumulation_clipping_and_resume(result,
     # The logged norm (Trainer: get_total_norm over the model's params before clipping; Fabric: what
     # clip_gradients returns) is DDP's global pre-clip norm.
     assert run["norms"] == pytest.approx(run["ddp_norms"], rel=1e-5)
+
+
+def test_finetuning_callbacks_unfreeze_into_a_sharded_optimizer_and_resume(result):
+    # zeroshard.integrations.lightning's BaseFinetuning (Lightning's raises KeyError naming a virtual param at the epoch it
+    # adds a group): the backbone joins at epoch 1 and trains as under DDP + AdamW, bitwise; BackboneFinetuning resumed
+    # after the unfreezing adds the group again, trainable, and goes on bitwise as the uninterrupted run.
+    run = result["finetune"]
+    assert run["same_on_all_ranks"] and run["backbone_trained"], run
+    assert run["vs_ddp"] == 0.0 and run["resumed_vs_uninterrupted"] == 0.0, run
 
 
 def test_lightning_clips_by_value_like_ddp(result):

@@ -88,8 +88,81 @@ def fabric_run(sharded: bool, epochs: int, save: Path | None = None, resume: Pat
     return [p.detach().clone() for p in model.parameters()], norms
 
 
+class LitFinetune(LitLlama):
+    """The decoder layers as ``backbone``: frozen for epoch 0, trained from epoch 1 in a group of their own at ``BACKBONE_LR``.
+    The reference (``manual``) trains them through the optimizer alone: trainable throughout, so that plain DDP, built at
+    setup, reduces their gradients (it leaves out params frozen then, and ranks drift apart under Lightning's own
+    ``BaseFinetuning``: DDP's limit, not this test's), zeroed by the module each step, and added to AdamW at epoch 1."""
+
+    def __init__(self, sharded: bool, manual: bool = False) -> None:
+        super().__init__(sharded)
+        self.backbone, self.manual = self.model.model.layers, manual
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return adamw([p for n, p in self.model.named_parameters() if p.requires_grad and ".layers." not in n], self.sharded)
+
+    def on_before_optimizer_step(self, optimizer) -> None:  # no norm logged: frozen params have no gradient
+        pass
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer) -> None:
+        self.zero_grad() if self.manual else optimizer.zero_grad()
+
+    def on_train_epoch_start(self) -> None:
+        if self.manual and self.current_epoch == 1:
+            self.optimizers().optimizer.add_param_group({"params": list(self.backbone.parameters()), "lr": BACKBONE_LR})
+
+
+BACKBONE_LR = 1e-3
+
+
+def finetuning_callback(backbone: bool):
+    """zeroshard's ``BaseFinetuning`` unfreezing the backbone at epoch 1 at ``BACKBONE_LR``, or its ``BackboneFinetuning``."""
+    from zeroshard.integrations.lightning import BackboneFinetuning, BaseFinetuning
+
+    class Unfreeze(BaseFinetuning):
+        def freeze_before_training(self, pl_module) -> None:
+            self.freeze(pl_module.backbone)
+
+        def finetune_function(self, pl_module, epoch: int, optimizer) -> None:
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, lr=BACKBONE_LR)
+
+    return BackboneFinetuning(unfreeze_backbone_at_epoch=1) if backbone else Unfreeze()
+
+
+def finetune(epochs: int, manual: bool = False, backbone: bool = False, save: Path | None = None, resume: Path | None = None) -> list[torch.Tensor]:
+    module = LitFinetune(not manual, manual)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=epochs, accumulate_grad_batches=ACCUMULATION, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[] if manual else [finetuning_callback(backbone)],
+    )
+    trainer.fit(module, loader(), ckpt_path=str(resume) if resume else None)
+    if save is not None:
+        trainer.save_checkpoint(str(save))
+    return [p.detach().clone() for p in module.model.parameters()]
+
+
+def _backbone(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p for (name, _), p in zip(tiny_llama().named_parameters(), params) if ".layers." in name]
+
+
+def _same_on_all_ranks(params: list[torch.Tensor]) -> bool:
+    flat = torch.cat([p.reshape(-1) for p in params])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(g, flat) for g in gathered)
+
+
 def main(out: Path) -> None:
     result = {}
+    reference, tuned = finetune(3, manual=True), finetune(3)
+    finetune(2, backbone=True, save=out / "finetune.ckpt")
+    result["finetune"] = {
+        "vs_ddp": tolerance_ratio(tuned, reference), "same_on_all_ranks": _same_on_all_ranks(tuned),
+        "backbone_trained": not any(torch.equal(a, b) for a, b in zip(_backbone(tuned), _backbone([p.detach() for p in tiny_llama().parameters()]))),
+        "resumed_vs_uninterrupted": tolerance_ratio(finetune(4, backbone=True, resume=out / "finetune.ckpt"), finetune(4, backbone=True)),
+    }
     ddp, _ = fit(False, 1, gradient_clip_algorithm="value", gradient_clip_val=1e-3)
     sharded, _ = fit(True, 1, gradient_clip_algorithm="value", gradient_clip_val=1e-3)
     result["clip_by_value_vs_ddp"] = tolerance_ratio(sharded, ddp)
