@@ -214,17 +214,19 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         buffers, buckets and virtual parameters of its own.
 
         Gradients the new params got in a backward of this step (this rank's own) are reduced at
-        once, as DDP's were: a clip and ``step()`` see the average.
+        once, as DDP's were: a clip and ``step()`` see the average. Params unfrozen before are sharded
+        first (a resumed run repeating the calls gets the saved layout).
 
         Raises:
             TypeError, ValueError: as ``torch.optim.Optimizer.add_param_group`` does, and for the
                 param checks of the constructor. On error the optimizer is left as it was.
         """
         self.wait_params()
+        grown = self._shard_unfrozen()
         shards = self._shard_set.add_param_group(param_group)
         for shard in shards:
             self._reducer.add_shard(shard)
-        if shards and self._reducer.phase is StepPhase.REDUCED:  # gradients reduced already: the new ones too
+        if (shards or grown) and self._reducer.phase is StepPhase.REDUCED:  # gradients reduced already: the new ones too
             self._reducer.accumulate_locally()
             self._reducer.reduce_for_step()
 

@@ -115,6 +115,45 @@ def test_a_checkpoint_around_gradual_unfreezing_resumes_unfrozen_then_loaded(poo
         assert not first or "Take opt.state_dict() again and dcp.load into it" in first
 
 
+def unfrozen_then_added_worker(method: str, directory: str) -> bool:
+    """``fc2.weight`` (decay group) frozen at build and unfrozen after step 1; the no-decay group added by
+    ``add_param_group`` after step 2; saved after step 3 and resumed by repeating the calls (build frozen, unfreeze, add
+    the group, load): bitwise the run that went on. The unfrozen param is sharded before the added group in both runs,
+    ahead of the group, as the saving run's backward sharded it (they were laid out the other way round when resumed)."""
+    def build():
+        torch.manual_seed(0)
+        model = TinyNet()
+        model.fc2.weight.requires_grad_(False)
+        decay, no_decay = param_groups(model)
+        return model, zeroshard.ShardedOptimizer(torch.optim.AdamW([decay], lr=1e-2), bucket_size_mb=BUCKET_MB), no_decay
+
+    model, opt, later = build()
+    _train(model, opt, range(1))
+    model.fc2.weight.requires_grad_(True)
+    _train(model, opt, range(1, 2))
+    opt.add_param_group(later)
+    _train(model, opt, range(2, 3))
+    if method == "dcp":
+        dcp.save({"optim": opt}, checkpoint_id=directory)
+    saved, model_state = copy.deepcopy(opt.state_dict()) if method == "sharded" else None, copy.deepcopy(model.state_dict())
+    _train(model, opt, range(3, 5))
+    fresh, fresh_opt, later = build()
+    fresh.load_state_dict(model_state)
+    fresh.fc2.weight.requires_grad_(True)
+    fresh_opt.add_param_group(later)
+    if method == "dcp":
+        dcp.load({"optim": fresh_opt}, checkpoint_id=directory)
+    else:
+        fresh_opt.load_state_dict(saved)
+    _train(fresh, fresh_opt, range(3, 5))
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+@pytest.mark.parametrize("method", ["sharded", "dcp"])
+def test_params_unfrozen_then_a_group_added_resume_by_repeating_the_calls(pools, tmp_path, method):
+    assert all(pools[2].run(unfrozen_then_added_worker, method, str(tmp_path / "dcp")))
+
+
 def template_keys_worker() -> dict[str, list[str]]:
     keys = {}
     for partition in ("flat", "param"):

@@ -6,8 +6,9 @@ Layout rules (Rajbhandari et al., "ZeRO", SC'20, §5.2 and §5.3): params are la
 most ``bucket_numel`` elements; a param never straddles two buckets. Each bucket is padded to a multiple of ``world_size``.
 With ``align``, every param and bucket starts a multiple of ``align`` elements into the buffer (the caller passes 64 bytes'
 worth: where torch's allocators put a tensor, so that kernels whose rounding or speed depends on alignment see a param
-as they would outside the buffer; Megatron-LM's distributed optimizer pads param starts alike). Bucket membership does not
-depend on ``align``; a bucket's ``numel`` counts the gaps between its params, which do not depend on the world size.
+as they would outside the buffer; Megatron-LM's distributed optimizer pads param starts alike). A bucket's ``numel``
+counts the gaps between its params (under ``align`` elements before each), which do not depend on the world size, and
+stays within ``bucket_numel`` unless it holds one param.
 
 With ``owners`` (``partition="param"``, for optimizers that need each param whole: issue #14), each param lies whole in its
 owner's slice instead (docs/shape_aware.md, "Communication": how a bucket's slices are filled). Every slice is padded to the
@@ -155,14 +156,14 @@ def build_layout(numels: Sequence[int], bucket_numel: int, world_size: int, owne
         return _build_owned_layout(numels, bucket_numel, world_size, owners, align)
 
     groups: list[list[int]] = []
-    group_numel = 0
+    extent = 0  # elements from the bucket's start to the end of its last param, gaps included
     for index, numel in enumerate(numels):
-        if groups and group_numel + numel <= bucket_numel:
+        if groups and round_up(extent, align) + numel <= bucket_numel:
             groups[-1].append(index)
-            group_numel += numel
+            extent = round_up(extent, align) + numel
         else:
             groups.append([index])
-            group_numel = numel
+            extent = numel
 
     slots: list[ParamSlot] = []
     buckets: list[Bucket] = []
