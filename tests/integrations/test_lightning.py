@@ -8,6 +8,7 @@ torch's own code, and gathers the optimizer state for its checkpoints through
 from __future__ import annotations
 
 import pytest
+import torch
 from torchrun_child import run_child
 
 pytest.importorskip("lightning")
@@ -41,6 +42,35 @@ def test_finetuning_callbacks_unfreeze_into_a_sharded_optimizer_and_resume(resul
     run = result["finetune"]
     assert run["same_on_all_ranks"] and run["backbone_trained"], run
     assert run["vs_ddp"] == 0.0 and run["resumed_vs_uninterrupted"] == 0.0, run
+
+
+def filter_worker() -> tuple[list[bool], list[bool], list[str]]:
+    import warnings
+
+    from lightning.pytorch.callbacks import BaseFinetuning as LightningFinetuning
+    from torch import nn
+
+    import zeroshard
+    from zeroshard.integrations.lightning import BaseFinetuning
+
+    head = nn.Linear(4, 3)
+    nn.init.zeros_(head.bias)
+    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(head.parameters()))
+    new_bias = nn.Parameter(torch.zeros(3))  # the values of the head's bias (a virtual param here), not the same param
+    candidates = [new_bias, head.weight]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = BaseFinetuning.filter_on_optimizer(opt, candidates)
+        lightnings = LightningFinetuning.filter_on_optimizer(opt, candidates)
+    return [any(p is c for p in ours) for c in candidates], [any(p is c for p in lightnings) for c in candidates], [str(w.message) for w in caught]
+
+
+def test_finetuning_skips_params_already_in_a_group_by_identity_and_warns(pools):
+    # Lightning's filter compares values: a new param equal to a virtual param of the optimizer (zero biases) is skipped, and
+    # a held param is not recognised in a ShardedOptimizer's virtual params.
+    ours, lightnings, warned = pools[1].run(filter_worker)[0]
+    assert ours == [True, False] and lightnings == [False, True]
+    assert sum("already exist within another group" in w for w in warned) == 2
 
 
 def test_lightning_clips_by_value_like_ddp(result):

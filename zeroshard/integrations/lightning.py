@@ -16,6 +16,7 @@ from typing import Any
 try:
     from lightning.pytorch.callbacks import BackboneFinetuning as _BackboneFinetuning
     from lightning.pytorch.callbacks import BaseFinetuning as _BaseFinetuning
+    from lightning.pytorch.utilities import rank_zero_warn
 except ModuleNotFoundError as error:  # an optional adapter: say how to get what it needs
     raise ModuleNotFoundError(f"{__name__} needs lightning: pip install 'zeroshard[integrations]' ({error})") from error
 import torch
@@ -45,10 +46,16 @@ class BaseFinetuning(_BaseFinetuning):
     @staticmethod
     def filter_on_optimizer(optimizer: torch.optim.Optimizer, params: Iterable) -> list:
         """``params`` not in any of ``optimizer``'s groups: by identity for a ``ShardedOptimizer`` (Lightning compares values,
-        which a virtual param holding equal values would match, on some ranks only), else Lightning's own."""
+        which a virtual param holding equal values would match, on some ranks only), else Lightning's own; warns as Lightning's
+        does when it skips some."""
         if not isinstance(optimizer, ShardedOptimizer):
             return _BaseFinetuning.filter_on_optimizer(optimizer, params)
         held = {id(p) for group in _model_param_groups(optimizer) for p in group["params"]}
+        params = list(params)
+        if any(id(p) in held for p in params):
+            rank_zero_warn("The provided params to be frozen already exist within another group of this optimizer. Those parameters will be "
+                           "skipped.\nHINT: Did you init your optimizer in `configure_optimizer` as such:\n ShardedOptimizer(torch.optim.AdamW("
+                           "filter(lambda p: p.requires_grad, self.parameters()), ...))")
         return [p for p in params if id(p) not in held]
 
     @staticmethod
