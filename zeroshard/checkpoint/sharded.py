@@ -272,9 +272,9 @@ def _check_version(meta: dict[str, Any], packed: bool = True) -> None:
     version = meta.get("version")
     if version == 2 and not packed and meta.get("partition", "flat") == "flat":
         raise ValueError("state_dict is a sharded zeroshard checkpoint of format version 2, whose buckets hold the params packed end to end; "
-                         f"this version (format {SHARDED_FORMAT_VERSION}) starts each param on a 64-byte boundary, which moves some of this "
-                         "model's params. Convert it without a process group (python -m zeroshard.convert CHECKPOINT OUT) and load the "
-                         "full format it writes (torch.load(OUT)[key], the key it was saved under), which loads here at any world size")
+                         f"format {SHARDED_FORMAT_VERSION} starts each param on a 64-byte boundary, which moves some of this model's params. "
+                         "A DCP checkpoint: python -m zeroshard.convert CHECKPOINT OUT writes the full format (torch.load(OUT)[key]), which "
+                         "loads here at any world size; a per-rank file: load it with the zeroshard that saved it, and save the full format")
     if version == 1:
         raise ValueError("state_dict is a sharded zeroshard checkpoint of format version 1, whose layout signature does not record param shapes, "
                          f"so it cannot be checked against this model; this version reads version {SHARDED_FORMAT_VERSION}. Load it with the "
