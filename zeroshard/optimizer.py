@@ -215,7 +215,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
 
         Gradients the new params got in a backward of this step (this rank's own) are reduced at
         once, as DDP's were: a clip and ``step()`` see the average. Params unfrozen before are sharded
-        first (a resumed run repeating the calls gets the saved layout).
+        first, even on error (a resume repeating the calls gets the saved layout).
 
         Raises:
             TypeError, ValueError: as ``torch.optim.Optimizer.add_param_group`` does, and for the

@@ -114,7 +114,8 @@ class ShardSet:
             sharded = {id(p) for group in self.group_params for p in group}
             again = [tuple(p.shape) for p in params if id(p) in sharded]
             if again:
-                raise ValueError(f"param_group holds params already in another param group (shapes {again[:5]}); a param can be in one group only")
+                raise ValueError(f"param_group holds params already in another param group (shapes {again[:5]}); a param can be in one group only "
+                                 "(one frozen in its group's list joins it when unfrozen, at the next backward)")
             self.check_param_groups()
             self.optimizer.add_param_group(param_group)
         except (TypeError, ValueError) as raised:

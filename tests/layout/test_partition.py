@@ -54,6 +54,19 @@ def test_a_bucket_holds_its_params_alike_at_every_world_size(numels, bucket_nume
     assert all(within(world_size) == within(1) for world_size in range(2, 9))
 
 
+@settings(max_examples=100, deadline=None)
+@given(lines=st.lists(st.integers(1, 20), min_size=1, max_size=12), bucket_numel=st.integers(1, 700), world_size=st.integers(1, 8),
+       align=aligns)
+def test_params_of_whole_lines_are_laid_out_as_without_alignment(lines, bucket_numel, world_size, align):
+    # Format version 2's buckets (packed end to end) are format 3's exactly when every param is a whole number of lines:
+    # the rule by which a version-2 checkpoint loads as it is (zeroshard.checkpoint.sharded.packed).
+    numels = [n * align for n in lines]
+
+    def buckets(layout):  # what a checkpoint's bucket holds: its params, where in it, its size (not where it starts)
+        return [(b.params, b.numel, b.padded_numel, [layout.slots[i].offset - b.offset for i in b.params]) for b in layout.buckets]
+    assert buckets(build_layout(numels, bucket_numel, world_size, align=align)) == buckets(build_layout(numels, bucket_numel, world_size))
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), numels=numels, bucket_numel=st.integers(1, 700), world_size=st.integers(1, 8), align=aligns)
 def test_owned_layout_puts_each_param_whole_in_its_owners_slice(data, numels, bucket_numel, world_size, align):

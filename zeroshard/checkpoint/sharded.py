@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.layout.flat_buffer import param_name
 from zeroshard.layout.local_shard import LocalShard
+from zeroshard.layout.partition import param_align
 from zeroshard.step.loss_scaler import DynamicLossScaler
 from zeroshard.step.wrapped import state_keys
 
@@ -32,7 +33,7 @@ SHARDED_FORMAT = "zeroshard.sharded"
 FULL_FORMAT = "zeroshard.full"
 # 2: the layout signature names each param (``param_groups[g]['params'][j]``) with its shape, and
 # ``state_keys`` is per param group. Version 1 recorded param indices only.
-# 3: flat buckets start each param on a 64-byte boundary (``param_align``), 2 packed them; 2 loads where that left no gap.
+# 3: flat buckets start each param on a 64-byte boundary (``param_align``), 2 packed them; 2 loads where no param leaves a gap.
 SHARDED_FORMAT_VERSION = 3
 FULL_FORMAT_VERSION = 1
 # What a load hands the optimizer: the wrapped optimizer's state dict, the per-param step counts, and the masters to
@@ -262,8 +263,8 @@ def param_shapes(view: CheckpointView) -> dict[str, Tensor]:
 
 
 def packed(view: CheckpointView) -> bool:
-    """Whether no flat bucket of this optimizer has a gap between its params: its buckets are then format version 2's."""
-    return all(b.numel == sum(s.buffer.layout.slots[i].numel for i in b.params) for s in view.shards for b in s.buffer.layout.buckets)
+    """Whether every param of a flat buffer is a whole number of 64 bytes: its buckets are then format version 2's."""
+    return all(p.numel() % param_align(p.element_size()) == 0 for s in view.shards for p in s.buffer.params)
 
 
 def _check_version(meta: dict[str, Any], packed: bool = True) -> None:
