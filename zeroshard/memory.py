@@ -121,7 +121,7 @@ def estimate_memory(model_or_numel: nn.Module | int, *, stage: int = 2, world_si
 
     Ψ_pad is Ψ with padding: params are laid out in reverse registration order, one flat buffer per dtype, in buckets of
     at most ``bucket_size_mb`` MiB of the param dtype (a larger param gets its own), each param starting on a 64-byte
-    boundary and each bucket padded to a multiple of N, so Ψ_pad - Ψ is below 64 bytes per param and N elements per bucket
+    boundary and each bucket padded to a multiple of N, so Ψ_pad - Ψ is below 64 bytes per param, N elements and 64 bytes per bucket
     (``zeroshard/layout/partition.py``). This is exactly the optimizer's layout
     when built on ``model.parameters()`` in one param group; each more group adds its own buckets' padding. An ``int``
     counts as one param of that many elements.

@@ -130,7 +130,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
             2-D mesh with other dims; no trainable params, params on several devices or the meta
             device (named), non-leaf, sparse or complex params; an optimizer that already holds state.
             Then on every rank: ranks passing different options, param group settings (``lr``, ...)
-            or params (named, with both values). Afterwards the wrapped optimizer's own ``step()`` raises. ``docs/api.md`` lists every check.
+            or params (named, with both values). Then the wrapped optimizer's ``step()`` raises. ``docs/api.md`` lists every check.
     """
 
     def __init__(
@@ -215,11 +215,11 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
 
         Gradients the new params got in a backward of this step (this rank's own) are reduced at
         once, as DDP's were: a clip and ``step()`` see the average. Params unfrozen before are sharded
-        first, even on error (a resume repeating the calls gets the saved layout).
+        first (a resume repeating the calls gets the saved layout).
 
         Raises:
             TypeError, ValueError: as ``torch.optim.Optimizer.add_param_group`` does, and for the
-                param checks of the constructor. On error the optimizer is left as it was.
+                param checks of the constructor. On error the optimizer is left as it was (the unfrozen aside).
         """
         self.wait_params()
         grown = self._shard_unfrozen()

@@ -115,7 +115,7 @@ class ShardSet:
             again = [tuple(p.shape) for p in params if id(p) in sharded]
             if again:
                 raise ValueError(f"param_group holds params already in another param group (shapes {again[:5]}); a param can be in one group only "
-                                 "(one frozen in its group's list joins it when unfrozen, at the next backward)")
+                                 "(one frozen in its group's list joins it once unfrozen)")
             self.check_param_groups()
             self.optimizer.add_param_group(param_group)
         except (TypeError, ValueError) as raised:

@@ -70,15 +70,16 @@ def test_a_format_2_checkpoint_with_gaps_now_names_the_converter_and_converts(po
 
 
 def packed_worker() -> None:
-    """Format 2 of a model whose params all start 64 bytes apart: its buckets are format 3's, and it loads as it is."""
+    """Format 2 of a model whose params all start 64 bytes apart, or whose one odd-sized param ends its bucket: its buckets
+    are format 3's, and it loads as it is."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32))
-    opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), stage=2)
-    model(torch.randn(4, 16)).sum().backward()
-    opt.step()
-    saved = opt.state_dict()
-    saved["zeroshard"]["version"] = 2
-    opt.load_state_dict(copy.deepcopy(saved))
+    for model in (nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32)), nn.Linear(13, 1, bias=False)):
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), stage=2)
+        model(torch.randn(4, model[0].in_features if isinstance(model, nn.Sequential) else 13)).sum().backward()
+        opt.step()
+        saved = opt.state_dict()
+        saved["zeroshard"]["version"] = 2
+        opt.load_state_dict(copy.deepcopy(saved))
     _, gapped = _model_and_optimizer()
     gapped_saved = gapped.state_dict()
     gapped_saved["zeroshard"]["version"] = 2

@@ -10,7 +10,7 @@ from torch import nn
 
 from zeroshard.layout.flat_buffer import FlatParamBuffer
 from zeroshard.layout.local_shard import LocalShard
-from zeroshard.layout.partition import build_layout
+from zeroshard.layout.partition import bucket_contents, build_layout
 
 numels = st.lists(st.integers(1, 300), min_size=1, max_size=12)
 aligns = st.sampled_from([1, 2, 16, 32])  # param_align of fp64, and of fp32 / bf16 (16 / 32 elements: 64 bytes)
@@ -58,13 +58,10 @@ def test_a_bucket_holds_its_params_alike_at_every_world_size(numels, bucket_nume
 @given(lines=st.lists(st.integers(1, 20), min_size=1, max_size=12), bucket_numel=st.integers(1, 700), world_size=st.integers(1, 8),
        align=aligns)
 def test_params_of_whole_lines_are_laid_out_as_without_alignment(lines, bucket_numel, world_size, align):
-    # Format version 2's buckets (packed end to end) are format 3's exactly when every param is a whole number of lines:
-    # the rule by which a version-2 checkpoint loads as it is (zeroshard.checkpoint.sharded.packed).
+    # Format version 2's buckets (packed end to end) are format 3's when every param is a whole number of lines (as for
+    # most of a transformer's), so that such a version-2 checkpoint loads as it is (FlatParamBuffer.packed checks each bucket).
     numels = [n * align for n in lines]
-
-    def buckets(layout):  # what a checkpoint's bucket holds: its params, where in it, its size (not where it starts)
-        return [(b.params, b.numel, b.padded_numel, [layout.slots[i].offset - b.offset for i in b.params]) for b in layout.buckets]
-    assert buckets(build_layout(numels, bucket_numel, world_size, align=align)) == buckets(build_layout(numels, bucket_numel, world_size))
+    assert bucket_contents(build_layout(numels, bucket_numel, world_size, align=align)) == bucket_contents(build_layout(numels, bucket_numel, world_size))
 
 
 @settings(max_examples=300, deadline=None)

@@ -22,7 +22,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.layout.flat_buffer import param_name
 from zeroshard.layout.local_shard import LocalShard
-from zeroshard.layout.partition import param_align
 from zeroshard.step.loss_scaler import DynamicLossScaler
 from zeroshard.step.wrapped import state_keys
 
@@ -263,8 +262,8 @@ def param_shapes(view: CheckpointView) -> dict[str, Tensor]:
 
 
 def packed(view: CheckpointView) -> bool:
-    """Whether every param of a flat buffer is a whole number of 64 bytes: its buckets are then format version 2's."""
-    return all(p.numel() % param_align(p.element_size()) == 0 for s in view.shards for p in s.buffer.params)
+    """Whether every bucket holds what format version 2's did (:meth:`FlatParamBuffer.packed`)."""
+    return all(s.buffer.packed() for s in view.shards)
 
 
 def _check_version(meta: dict[str, Any], packed: bool = True) -> None:

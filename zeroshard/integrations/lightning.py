@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 try:
     from lightning.pytorch.callbacks import BackboneFinetuning as _BackboneFinetuning
     from lightning.pytorch.callbacks import BaseFinetuning as _BaseFinetuning
     from lightning.pytorch.utilities import rank_zero_warn
 except ModuleNotFoundError as error:  # an optional adapter: say how to get what it needs
     raise ModuleNotFoundError(f"{__name__} needs lightning: pip install 'zeroshard[integrations]' ({error})") from error
-import torch
 
 from zeroshard.optimizer import ShardedOptimizer
 
@@ -63,13 +64,13 @@ class BaseFinetuning(_BaseFinetuning):
                                      train_bn: bool = True) -> None:
         """Lightning's, with :meth:`filter_on_optimizer` (Lightning's calls its own by class name)."""
         if not isinstance(optimizer, ShardedOptimizer):
-            return _BaseFinetuning.unfreeze_and_add_param_group(modules, optimizer, lr, initial_denom_lr, train_bn)
+            _BaseFinetuning.unfreeze_and_add_param_group(modules, optimizer, lr, initial_denom_lr, train_bn)
+            return
         _BaseFinetuning.make_trainable(modules)
         group_lr = optimizer.param_groups[0]["lr"] / initial_denom_lr if lr is None else float(lr)
         params = BaseFinetuning.filter_on_optimizer(optimizer, _BaseFinetuning.filter_params(modules, train_bn=train_bn, requires_grad=True))
         if params:
             optimizer.add_param_group({"params": params, "lr": group_lr})
-        return None
 
     def _store(self, pl_module: Any, opt_idx: int, num_param_groups: int, current_param_groups: list[dict[str, Any]]) -> None:
         optimizer = pl_module.trainer.optimizers[opt_idx]

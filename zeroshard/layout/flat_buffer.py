@@ -49,7 +49,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from zeroshard.layout.partition import FlatLayout, build_layout, param_align
+from zeroshard.layout.partition import FlatLayout, bucket_contents, build_layout, param_align
 
 
 def param_name(group: int, index: int) -> str:
@@ -84,6 +84,7 @@ class FlatParamBuffer:
             raise ValueError(f"a flat buffer needs params of one dtype and device; got {kinds}")
         self.params = list(params)  # in layout order; params[i].data is param_view(i)
         self.names = list(names) if names is not None else [f"param {i}" for i in range(len(self.params))]
+        self.bucket_numel = bucket_numel  # the cap it was laid out with
         self.layout: FlatLayout = build_layout([p.numel() for p in params], bucket_numel, world_size, owners, param_align(params[0].element_size()))
         first = self.params[0]
         self.data: Tensor = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)  # 1-D, layout.numel elements; padding is zero
@@ -103,6 +104,11 @@ class FlatParamBuffer:
     def device(self) -> torch.device:
         """The params' device."""
         return self.data.device
+
+    def packed(self) -> bool:
+        """Whether each bucket holds what it did with params packed end to end (no ``align``: sharded format version 2)."""
+        numels = [p.numel() for p in self.params]
+        return self.layout.whole_params or bucket_contents(self.layout) == bucket_contents(build_layout(numels, self.bucket_numel, self.layout.world_size))
 
     def param_view(self, index: int, of: Tensor | None = None) -> Tensor:
         """1-D view of param ``index`` in ``of``, any 1-D tensor with this buffer's layout (default: the flat param buffer)."""

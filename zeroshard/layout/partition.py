@@ -37,7 +37,7 @@ class Bucket:
 
     index: int  # position of the bucket in the flat buffer
     offset: int  # first element of the bucket in the flat buffer
-    numel: int  # elements from the bucket's start to its last param's end (alignment gaps included), without end padding
+    numel: int  # flat: from the bucket's start to its last param's end (alignment gaps included); owned: its params' elements
     padded_numel: int  # world size x slice size: numel rounded up to a multiple of it, or with owners every slice padded to the largest
     params: tuple[int, ...]  # indices of the params in the bucket, in layout (flat) order
     shard_offset: int  # first element of this bucket's slice within a rank's shard
@@ -113,6 +113,11 @@ ALIGN_BYTES = 64  # where a param starts in its flat buffer: as torch's CPU allo
 def param_align(itemsize: int) -> int:
     """``build_layout``'s ``align`` for params of ``itemsize`` bytes: ``ALIGN_BYTES`` worth of elements."""
     return max(1, ALIGN_BYTES // itemsize)
+
+
+def bucket_contents(layout: FlatLayout) -> list[tuple[tuple[int, ...], int, list[int]]]:
+    """Per bucket, what the sharded checkpoint's bucket entry holds: its params, its ``numel`` and where each param starts in it."""
+    return [(b.params, b.numel, [layout.slots[i].offset - b.offset for i in b.params]) for b in layout.buckets]
 
 
 def round_up(value: int, multiple: int) -> int:
