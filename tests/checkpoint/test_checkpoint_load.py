@@ -154,6 +154,35 @@ def test_params_unfrozen_then_a_group_added_resume_by_repeating_the_calls(pools,
     assert all(pools[2].run(unfrozen_then_added_worker, method, str(tmp_path / "dcp")))
 
 
+def other_order_worker() -> str:
+    """The run of :func:`unfrozen_then_added_worker` saved after the unfreezing, resumed with the group added first and the param
+    unfrozen after: its flat buffers come in another order, which the error names."""
+    def build():
+        torch.manual_seed(0)
+        model = TinyNet()
+        model.fc2.weight.requires_grad_(False)
+        decay, no_decay = param_groups(model)
+        return model, zeroshard.ShardedOptimizer(torch.optim.AdamW([decay], lr=1e-2), bucket_size_mb=BUCKET_MB), no_decay
+
+    model, opt, later = build()
+    model.fc2.weight.requires_grad_(True)
+    _train(model, opt, range(1))
+    opt.add_param_group(later)
+    _train(model, opt, range(1, 2))
+    saved = opt.state_dict()
+    fresh, fresh_opt, later = build()
+    fresh_opt.add_param_group(later)
+    fresh.fc2.weight.requires_grad_(True)
+    _train(fresh, fresh_opt, range(1))  # shards the unfrozen param after the added group
+    with pytest.raises(ValueError, match="flat buffers in another order") as raised:
+        fresh_opt.load_state_dict(saved)
+    return str(raised.value)
+
+
+def test_a_resume_that_unfroze_and_added_in_another_order_is_told_so(pools):
+    assert all("repeat its calls in their order" in message for message in pools[2].run(other_order_worker))
+
+
 def template_keys_worker() -> dict[str, list[str]]:
     keys = {}
     for partition in ("flat", "param"):

@@ -1,9 +1,9 @@
 """The sharded (DCP) checkpoint format of ``partition="flat"``, and what all formats share (``docs/checkpoint.md``).
 
 Bucket boundaries depend on the params and ``bucket_size_mb`` only, and ``DTensor``'s ``Shard(0)`` splits a bucket like
-``torch.chunk`` (``ceil(n/N)`` per rank), exactly as zeroshard pads it to a multiple of N, ``1/N`` each: every rank's
-slice is its local shard, and ``torch.distributed.checkpoint`` reshards it onto any world size. The hyperparameters saved
-with a checkpoint win on load (as in ``torch.optim``): its state is checked against what they keep (:func:`state_keys`).
+``torch.chunk`` (``ceil(n/N)`` per rank), as zeroshard slices it: every rank's slice is its local shard, and
+``torch.distributed.checkpoint`` reshards it onto any world size. The hyperparameters saved with a checkpoint win on load
+(as in ``torch.optim``): its state is checked against what they keep (:func:`state_keys`).
 The buffers are those of [Note: zeroshard buffers] in ``zeroshard/layout/flat_buffer.py``.
 """
 
@@ -32,7 +32,7 @@ SHARDED_FORMAT = "zeroshard.sharded"
 FULL_FORMAT = "zeroshard.full"
 # 2: the layout signature names each param (``param_groups[g]['params'][j]``) with its shape, and
 # ``state_keys`` is per param group. Version 1 recorded param indices only.
-# 3: flat buckets start each param on a 64-byte boundary (``param_align``), 2 packed them; 2 loads where no param leaves a gap.
+# 3: flat buckets start each param on a 64-byte boundary (``param_align``); 2 loads where its buckets are 3's.
 SHARDED_FORMAT_VERSION = 3
 FULL_FORMAT_VERSION = 1
 # What a load hands the optimizer: the wrapped optimizer's state dict, the per-param step counts, and the masters to
@@ -129,6 +129,9 @@ def check_layout(view: CheckpointView, saved_layout: Any) -> None:
     if saved.keys() != here.keys():
         raise ValueError(f"state_dict has optimizer state for {sorted(saved.keys() - here.keys())} that this optimizer does not train, and none for "
                          f"{sorted(here.keys() - saved.keys())}: saved for another model, param groups or frozen params")
+    if sorted(theirs, key=repr) == sorted(ours, key=repr):
+        raise ValueError("state_dict has this optimizer's flat buffers in another order: params unfrozen and groups added in another "
+                         "order than when saved; repeat its calls in their order")
     for k, (a, b) in enumerate(zip(theirs, ours)):
         if a[0] != b[0]:
             raise ValueError(f"state_dict flat buffer {k} holds {a[0]} params, this optimizer's are {b[0]}: saved with the model in another dtype")
@@ -276,8 +279,8 @@ def _check_version(meta: dict[str, Any], packed: bool = True) -> None:
                          "A DCP checkpoint: python -m zeroshard.convert CHECKPOINT OUT writes the full format (torch.load(OUT)[key]), which "
                          "loads here at any world size; a per-rank file: load it with the zeroshard that saved it, and save the full format")
     if version == 1:
-        raise ValueError("state_dict is a sharded zeroshard checkpoint of format version 1, whose layout signature does not record param shapes, "
-                         f"so it cannot be checked against this model; this version reads version {SHARDED_FORMAT_VERSION}. Load it with the "
+        raise ValueError("state_dict is a sharded zeroshard checkpoint of format version 1, whose layout signature does not record param shapes; "
+                         f"this version reads version {SHARDED_FORMAT_VERSION}. Load it with the "
                          "zeroshard version that saved it, call consolidate_state_dict(to=0) and save the full format, which loads here at any world size")
     if version not in (2, SHARDED_FORMAT_VERSION):
         raise ValueError(f"state_dict has zeroshard sharded format version {version!r}; this version reads 2 and {SHARDED_FORMAT_VERSION}")
