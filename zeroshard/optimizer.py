@@ -26,7 +26,7 @@ from zeroshard.memory import MemoryUsage, owned_memory
 from zeroshard.offload.placement import Placement
 from zeroshard.reduce.coordinator import coordinator_of
 from zeroshard.reduce.grad_reducer import GradReducer
-from zeroshard.reduce.records import StepPhase, weak_method
+from zeroshard.reduce.records import weak_method
 from zeroshard.shard_set import ShardSet
 from zeroshard.state_dict import StateDictMixin
 from zeroshard.step.fused_adam import FusedAdam, fused_adam_kind
@@ -222,13 +222,13 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
                 param checks of the constructor. On error the optimizer is left as it was (the unfrozen aside).
         """
         self.wait_params()
-        grown = self._shard_unfrozen()
+        if self._shard_unfrozen():
+            self._reduce_added()  # before the group's checks, which may raise
         shards = self._shard_set.add_param_group(param_group)
         for shard in shards:
             self._reducer.add_shard(shard)
-        if (shards or grown) and self._reducer.phase is StepPhase.REDUCED:  # gradients reduced already: the new ones too
-            self._reducer.accumulate_locally()
-            self._reducer.reduce_for_step()
+        if shards:
+            self._reduce_added()
 
     # -- training --
 

@@ -17,6 +17,7 @@ from zeroshard.comm.groups import ShardingGroups
 from zeroshard.gather.param_gather import ParamGather
 from zeroshard.layout.local_shard import LocalShard
 from zeroshard.reduce.grad_reducer import GradReducer
+from zeroshard.reduce.records import StepPhase
 from zeroshard.shard_set import ShardSet
 from zeroshard.step.fused_adam import FusedAdam, takes_device_scalars
 from zeroshard.step.grad_norm import GradStats, ReducedStats, reduce_grad_stats
@@ -128,6 +129,13 @@ class UpdateMixin:
             for shard in unfrozen:
                 self._reducer.add_shard(shard)
         return bool(unfrozen)
+
+    def _reduce_added(self) -> None:
+        """After shards were added mid-step: if this step's gradients are reduced already, reduce theirs too (still this rank's
+        own), so that a clip and ``step()`` see the average, as DDP's."""
+        if self._reducer.phase is StepPhase.REDUCED:
+            self._reducer.accumulate_locally()
+            self._reducer.reduce_for_step()
 
     def _note_scaled_losses(self) -> None:
         """At a step's end (or ``zero_grad()``): the losses scaled so far are this step's, not the next one's."""
