@@ -115,19 +115,21 @@ def test_a_checkpoint_around_gradual_unfreezing_resumes_unfrozen_then_loaded(poo
         assert not first or "Take opt.state_dict() again and dcp.load into it" in first
 
 
+def _frozen_fc2_and_held_group():
+    """TinyNet with ``fc2.weight`` frozen, a ShardedOptimizer over its decay group, and the no-decay group held back."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    model.fc2.weight.requires_grad_(False)
+    decay, no_decay = param_groups(model)
+    return model, zeroshard.ShardedOptimizer(torch.optim.AdamW([decay], lr=1e-2), bucket_size_mb=BUCKET_MB), no_decay
+
+
 def unfrozen_then_added_worker(method: str, directory: str) -> bool:
     """``fc2.weight`` (decay group) frozen at build and unfrozen after step 1; the no-decay group added by
     ``add_param_group`` after step 2; saved after step 3 and resumed by repeating the calls (build frozen, unfreeze, add
-    the group, load): bitwise the run that went on. The unfrozen param is sharded before the added group in both runs,
-    ahead of the group, as the saving run's backward sharded it (they were laid out the other way round when resumed)."""
-    def build():
-        torch.manual_seed(0)
-        model = TinyNet()
-        model.fc2.weight.requires_grad_(False)
-        decay, no_decay = param_groups(model)
-        return model, zeroshard.ShardedOptimizer(torch.optim.AdamW([decay], lr=1e-2), bucket_size_mb=BUCKET_MB), no_decay
-
-    model, opt, later = build()
+    the group, load): bitwise the run that went on. The unfrozen param is sharded before the added group in both runs, as
+    the saving run's backward sharded it (the resumed run laid them out the other way round before)."""
+    model, opt, later = _frozen_fc2_and_held_group()
     _train(model, opt, range(1))
     model.fc2.weight.requires_grad_(True)
     _train(model, opt, range(1, 2))
@@ -137,7 +139,7 @@ def unfrozen_then_added_worker(method: str, directory: str) -> bool:
         dcp.save({"optim": opt}, checkpoint_id=directory)
     saved, model_state = copy.deepcopy(opt.state_dict()) if method == "sharded" else None, copy.deepcopy(model.state_dict())
     _train(model, opt, range(3, 5))
-    fresh, fresh_opt, later = build()
+    fresh, fresh_opt, later = _frozen_fc2_and_held_group()
     fresh.load_state_dict(model_state)
     fresh.fc2.weight.requires_grad_(True)
     fresh_opt.add_param_group(later)
@@ -157,20 +159,13 @@ def test_params_unfrozen_then_a_group_added_resume_by_repeating_the_calls(pools,
 def other_order_worker() -> str:
     """The run of :func:`unfrozen_then_added_worker` saved after the unfreezing, resumed with the group added first and the param
     unfrozen after: its flat buffers come in another order, which the error names."""
-    def build():
-        torch.manual_seed(0)
-        model = TinyNet()
-        model.fc2.weight.requires_grad_(False)
-        decay, no_decay = param_groups(model)
-        return model, zeroshard.ShardedOptimizer(torch.optim.AdamW([decay], lr=1e-2), bucket_size_mb=BUCKET_MB), no_decay
-
-    model, opt, later = build()
+    model, opt, later = _frozen_fc2_and_held_group()
     model.fc2.weight.requires_grad_(True)
     _train(model, opt, range(1))
     opt.add_param_group(later)
     _train(model, opt, range(1, 2))
     saved = opt.state_dict()
-    fresh, fresh_opt, later = build()
+    fresh, fresh_opt, later = _frozen_fc2_and_held_group()
     fresh_opt.add_param_group(later)
     fresh.fc2.weight.requires_grad_(True)
     _train(fresh, fresh_opt, range(1))  # shards the unfrozen param after the added group

@@ -73,9 +73,9 @@ def packed_worker() -> None:
     """Format 2 of a model whose params all start 64 bytes apart, or whose one odd-sized param ends its bucket: its buckets
     are format 3's, and it loads as it is."""
     torch.manual_seed(0)
-    for model in (nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32)), nn.Linear(13, 1, bias=False)):
+    for model, width in ((nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32)), 16), (nn.Linear(13, 1, bias=False), 13)):
         opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), stage=2)
-        model(torch.randn(4, model[0].in_features if isinstance(model, nn.Sequential) else 13)).sum().backward()
+        model(torch.randn(4, width)).sum().backward()
         opt.step()
         saved = opt.state_dict()
         saved["zeroshard"]["version"] = 2
