@@ -675,6 +675,36 @@ def test_a_clip_on_some_ranks_only_raises_on_every_rank(pools):
     assert clip.startswith("clip_grad_norm_(): the ranks clip this step differently (max_norm here 0.05"), clip
 
 
+def lr_on_one_rank_worker(group: int, stage: int) -> list[object]:
+    """Every rank steps twice with the same lr (a scheduler's change alike on every rank passes), then rank 1 halves param group
+    ``group``'s lr (as ReduceLROnPlateau fed its own loss would): [whether the params stayed as they were, what step() raised]."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(_adamw(model), stage=stage)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _train(model, opt, range(2))
+    scheduler.step()
+    if dist.get_rank() == 1:
+        opt.param_groups[group]["lr"] /= 2
+    loss_fn(model, *batch(dist.get_rank(), 2)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step()
+    except RuntimeError as error:
+        return [all(torch.equal(a, b) for a, b in zip(before, model.parameters())), str(error)]
+    return [True, "no error"]
+
+
+@pytest.mark.parametrize("group, stage", [(0, 1), (1, 2)])
+def test_a_learning_rate_set_on_some_ranks_only_raises_on_every_rank(pools, group, stage):
+    # Each rank would step its own shard with its own lr, and the replicas stay identical: silent where DDP's drift apart.
+    for rank, (unchanged, message) in enumerate(pools[2].run(lr_on_one_rank_worker, group, stage)):
+        assert unchanged, rank
+        lr = 2.5e-3 if rank == 1 else 5e-3
+        assert message.startswith(f"step(): the ranks step param group {group} with different learning rates (lr here {lr:g}; the 2 "
+                                  "ranks' values differ)"), (rank, message)
+
+
 def scheduler_on_wrapped_worker() -> list[str]:
     """A scheduler built on the wrapped optimizer (as a framework holding ``opt.optimizer`` builds it), the fused update and
     the wrapped optimizer's own step: the warnings its ``step()`` gave."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,13 +51,16 @@ class GradStats:
 
 
 def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0,
-                      timeout: datetime.timedelta | None = None, caller: str = "step()", max_norm: float = 0.0) -> ReducedStats:
+                      timeout: datetime.timedelta | None = None, caller: str = "step()", max_norm: float = 0.0,
+                      lrs: Sequence[object] = ()) -> ReducedStats:
     """Reduce this rank's sum of squares (or max magnitude) and used-flags (``local_used``: per shard, per param) over every
     data-parallel rank, reading nothing back: :meth:`ReducedStats.read` does (the step's one host sync), or
     :meth:`ReducedStats.norm` keeps the norm on the device. ``caller`` is named in a timeout error.
 
-    ``max_norm``: the coming step's clip (0: none). On CPU or with ``timeout`` (the host waits anyway) it rides along as
-    ``c = log1p(max_norm)`` and ``c**2``, and :meth:`ReducedStats.read` raises where the ranks' differ (a clip on some ranks only).
+    ``max_norm``: the coming step's clip (0: none); ``lrs``: each param group's learning rate (a float or a 1-element tensor;
+    ``None`` where the optimizer has none). On CPU or with ``timeout`` (the host waits anyway) each rides along as
+    ``c = log1p(x)`` and ``c**2``, and :meth:`ReducedStats.read` raises where the ranks' differ: a clip on some ranks only, or
+    a learning rate set differently on some rank (each would update its own shard with its own, where DDP's replicas drift apart).
 
     Raises:
         ValueError: another ``norm_type``.
@@ -76,8 +80,9 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
         local = torch.stack([s.grad_shard.abs().max() if s.grad_shard.numel() else torch.zeros((), device=device) for s in shards]).max()
     summed = local if norm_type == 2.0 else (~torch.isfinite(local)).float()  # sum of squares, or a non-finite count
     checked = device.type == "cpu" or timeout is not None
-    code = math.log1p(max_norm)  # at most ~710: its square stays finite in fp32 (inf for an inf max_norm)
-    extra = [torch.tensor([code, code * code], dtype=dtype, device=device)] if checked else []
+    checked_values = (max_norm, *(_number(lr) for lr in lrs)) if checked else ()
+    codes = [_code(value) for value in checked_values]
+    extra = [torch.tensor([x for c in codes for x in (c, c * c)], dtype=dtype, device=device)] if checked else []
     both = torch.cat([summed.reshape(1).to(dtype), flags, *extra])
     replica_rank = dist.get_rank(groups.replicate) if groups.replicate is not None else 0
     hint = "run the same backward passes and call clip_grad_norm_() and step() alike"
@@ -89,7 +94,17 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
         for group in groups.reducing:
             work = collectives.all_reduce(local, group, op=dist.ReduceOp.MAX)
             collectives.wait(work, timeout, f"{caller}: the all-reduce of the gradient inf-norm", hint)
-    return ReducedStats(both, local, local_used, norm_type, dtype, max_norm if checked else None, groups.data_parallel_size, caller)
+    return ReducedStats(both, local, local_used, norm_type, dtype, checked_values, groups.data_parallel_size, caller)
+
+
+def _number(value: object) -> float:
+    """A learning rate as a float: a tensor's value (on CPU, or read where the host waits anyway), 0 for ``None`` (none kept)."""
+    return 0.0 if value is None else float(value)  # type: ignore[arg-type]
+
+
+def _code(value: float) -> float:
+    """``log1p(|value|)`` with ``value``'s sign: at most ~710, so its square stays finite in fp32 (inf for an infinite value)."""
+    return math.copysign(math.log1p(abs(value)), value)
 
 
 @functools.cache  # never evicted: a step on another stream may still read one
@@ -111,7 +126,8 @@ class ReducedStats:
     local_used: list[list[bool]]
     norm_type: float
     dtype: torch.dtype
-    max_norm: float | None = None  # the clip every rank must share, summed at the end of ``both`` with its square (None: not sent)
+    # (max_norm, lr of each param group): what every rank must share, each summed at the end of ``both`` with its square (empty: not sent)
+    checked: tuple[float, ...] = ()
     ranks: int = 1  # the data-parallel ranks that summed it
     caller: str = "step()"
 
@@ -134,21 +150,28 @@ class ReducedStats:
             norm = math.sqrt(values[0]) if math.isfinite(values[0]) else values[0]
         else:
             norm = float(self.local) if values[0] == 0 else math.nan
-        if self.max_norm is not None:
-            self._check_agreement(values[-2], values[-1])
+        if self.checked:
+            self._check_agreement(values[len(values) - 2 * len(self.checked) :])
         used, start = [], 1  # values[0]: the norm's
         for per_shard in self.local_used:
             used.append([v > 0 for v in values[start : start + len(per_shard)]])
             start += len(per_shard)
         return GradStats(norm, used, self.dtype)
 
-    def _check_agreement(self, total: float, squares: float) -> None:
-        """Raise ``RuntimeError`` unless every rank sent this rank's :attr:`max_norm` (``total``, ``squares``: the sums of its codes)."""
-        m = self.max_norm or 0.0
-        code = math.log1p(m)
-        # fp32 sums of equal values are off by at most ranks * 2**-24 relative: 1e-3 holds to 16k ranks
-        if not (math.isclose(total, self.ranks * code, rel_tol=1e-3, abs_tol=1e-12)
-                and math.isclose(squares, self.ranks * code * code, rel_tol=1e-3, abs_tol=1e-12)):
-            raise RuntimeError(f"{self.caller}: the ranks clip this step differently (max_norm here {m:g}, 0 for none; the {self.ranks} ranks' "
-                               "values differ): a clip_grad_norm_() on some ranks only pairs its all-reduce with the others' step(). Every "
-                               "rank must run the same backward passes and call clip_grad_norm_() and step() alike")
+    def _check_agreement(self, sums: list[float]) -> None:
+        """Raise ``RuntimeError`` unless every rank sent this rank's :attr:`checked` values (``sums``: per value, the sums of its code
+        and its square). A relative difference below about 0.2% passes: fp32 sums of equal values are off by at most
+        ``ranks * 2**-24`` relative, and a tolerance of 1e-3 holds that to 16k ranks."""
+        for index, (value, total, squares) in enumerate(zip(self.checked, sums[0::2], sums[1::2])):
+            code = _code(value)
+            if math.isclose(total, self.ranks * code, rel_tol=1e-3, abs_tol=1e-12) and math.isclose(
+                    squares, self.ranks * code * code, rel_tol=1e-3, abs_tol=1e-12):
+                continue
+            if index == 0:
+                raise RuntimeError(f"{self.caller}: the ranks clip this step differently (max_norm here {value:g}, 0 for none; the {self.ranks} "
+                                   "ranks' values differ): a clip_grad_norm_() on some ranks only pairs its all-reduce with the others' step(). "
+                                   "Every rank must run the same backward passes and call clip_grad_norm_() and step() alike")
+            raise RuntimeError(f"{self.caller}: the ranks step param group {index - 1} with different learning rates (lr here {value:g}; the "
+                               f"{self.ranks} ranks' values differ): each rank would update its own shard of the params with its own lr, where "
+                               "DDP's replicas would drift apart. Set the lr alike on every rank: a scheduler fed each rank's own metric "
+                               "(ReduceLROnPlateau on a local loss) needs the metric all-reduced first")
