@@ -3,7 +3,8 @@
 cProfile inflates Python-heavy code several times over; this wraps about thirty functions and methods of the step path in
 ``time.perf_counter`` timers instead (inclusive times, about 1 µs per wrapped call) and prints, for zeroshard stages 1 and 2 at
 each size of the ``overhead`` suite named (default: ``example``), the host µs per step of each, after 20 warm-up steps, over
-``--steps`` steps of forward, backward, ``step()``, ``zero_grad()``. One rank: NCCL on a GPU, gloo on CPU. The wrapped names
+``--steps`` steps of forward, backward, ``step()``, ``zero_grad()``. One rank (NCCL on a GPU, gloo on CPU), or under
+``torchrun --nproc-per-node N`` every rank, rank 0 printing its own (a collective's wait then holds the ranks' skew). The wrapped names
 are zeroshard's internals: a rename makes this script fail at its start (#27; figures in docs/benchmarks.md).
 """
 
@@ -28,7 +29,7 @@ import zeroshard.step.fused_adam as fused_adam
 import zeroshard.step.grad_norm as grad_norm
 import zeroshard.update as update
 from bench import overhead
-from bench.host_phases import init_one_rank
+from bench.host_phases import init_ranks
 
 # (owner, attribute): what is timed, where the step path looks it up
 TIMED: list[tuple[Any, str]] = [
@@ -68,11 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     calls: collections.Counter = collections.Counter()
     for owner, name in TIMED:
         setattr(owner, name, timed(getattr(owner, name), f"{getattr(owner, '__name__', owner)}.{name}", seconds, calls))
-    device = init_one_rank("29544")
+    device = init_ranks("29544")
     try:
         for size in args.sizes or ["example"]:
             config = overhead.SIZES[size]
-            x = torch.randint(0, 256, (config.batch_size, config.seq_len), generator=torch.Generator().manual_seed(0)).to(device)
+            x = torch.randint(0, 256, (config.batch_size, config.seq_len), generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
             for method in ("zeroshard_stage1", "zeroshard_stage2"):
                 model, opt = overhead.build_method(method, config, device)
                 for step in range(20 + args.steps):
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
                     model(x, x).backward()
                     opt.step()
                     opt.zero_grad()
+                if dist.get_rank() != 0:
+                    continue
                 print(f"== {size} {method}: inclusive host µs per step (calls per step)", flush=True)
                 for label, total in sorted(seconds.items(), key=lambda item: -item[1]):
                     print(f"  {total / args.steps * 1e6:8.1f} µs  ({calls[label] / args.steps:4.1f})  {label}", flush=True)

@@ -310,6 +310,15 @@ def test_host_phases_prints_a_line_per_size_and_method():
     assert result.stdout.count("Ordered by: internal time") == 2, result.stdout
 
 
+def test_host_phases_under_torchrun_prints_rank_0s_times_once():
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29549", "-m",
+                             "bench.host_phases", "--steps", "2", "--warmup", "1", "--rounds", "2"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    lines = [line for line in result.stdout.splitlines() if "ms/step" in line]
+    assert result.returncode == 0 and len(lines) == 6, result.stdout + result.stderr
+    assert {line.split()[1] for line in lines} == {"ddp_adamw_fused", "zeroshard_stage1", "zeroshard_stage2"}
+
+
 def test_step_parts_times_the_step_and_its_parts_per_method():
     """``python -m bench.step_parts`` wraps zeroshard internals by name: this fails once one of them is renamed."""
     result = subprocess.run([sys.executable, "-m", "bench.step_parts", "small-compute", "--steps", "2"], cwd=ROOT, capture_output=True,
