@@ -671,21 +671,22 @@ def test_a_clip_on_some_ranks_only_raises_on_every_rank(pools):
     assert pools[2].run(huge_clip_worker) == [True, True]
     # Its all-reduce pairs with the others' step: each rank would update its shard with its own clip (no error before).
     step, clip = pools[2].run(clip_on_one_rank_worker)
-    assert step.startswith("step(): the ranks clip this step differently (max_norm here 0, 0 for none; the 2 ranks' values differ)"), step
-    assert clip.startswith("clip_grad_norm_(): the ranks clip this step differently (max_norm here 0.05"), clip
+    assert step.startswith("step(): the ranks clip this step differently (max_norm here 0, 0 for none; per rank: 0, 0.05)"), step
+    assert clip.startswith("clip_grad_norm_(): the ranks clip this step differently (max_norm here 0.05, 0 for none; per rank: 0, 0.05)"), clip
 
 
-def lr_on_one_rank_worker(group: int, stage: int) -> list[object]:
-    """Every rank steps twice with the same lr (a scheduler's change alike on every rank passes), then rank 1 halves param group
-    ``group``'s lr (as ReduceLROnPlateau fed its own loss would): [whether the params stayed as they were, what step() raised]."""
+def lr_on_one_rank_worker(group: int, stage: int, factor: float) -> list[object]:
+    """Every rank steps twice with the same lr (a scheduler's change alike on every rank passes), then the last rank multiplies
+    param group ``group``'s lr by ``factor`` (as ReduceLROnPlateau fed its own loss would): [whether the params stayed as they
+    were, what step() raised]."""
     torch.manual_seed(0)
     model = TinyNet()
     opt = zeroshard.ShardedOptimizer(_adamw(model), stage=stage)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     _train(model, opt, range(2))
     scheduler.step()
-    if dist.get_rank() == 1:
-        opt.param_groups[group]["lr"] /= 2
+    if dist.get_rank() == dist.get_world_size() - 1:
+        opt.param_groups[group]["lr"] *= factor
     loss_fn(model, *batch(dist.get_rank(), 2)).backward()
     before = [p.detach().clone() for p in model.parameters()]
     try:
@@ -695,14 +696,40 @@ def lr_on_one_rank_worker(group: int, stage: int) -> list[object]:
     return [True, "no error"]
 
 
-@pytest.mark.parametrize("group, stage", [(0, 1), (1, 2)])
-def test_a_learning_rate_set_on_some_ranks_only_raises_on_every_rank(pools, group, stage):
-    # Each rank would step its own shard with its own lr, and the replicas stay identical: silent where DDP's drift apart.
-    for rank, (unchanged, message) in enumerate(pools[2].run(lr_on_one_rank_worker, group, stage)):
+@pytest.mark.parametrize("world_size, group, stage, factor", [(2, 0, 1, 0.5), (2, 1, 2, 0.5), (3, 0, 2, 1.001)])
+def test_a_learning_rate_set_on_some_ranks_only_raises_on_every_rank(pools, world_size, group, stage, factor):
+    # Each rank would step its own shard with its own lr, and the replicas stay identical: silent where DDP's drift apart. A
+    # rank 0.1% off at 3 ranks once raised alone, the others stepping on (each rank compared the sums with its own lr).
+    lrs = [5e-3] * (world_size - 1) + [5e-3 * factor]
+    for rank, (unchanged, message) in enumerate(pools[world_size].run(lr_on_one_rank_worker, group, stage, factor)):
         assert unchanged, rank
-        lr = 2.5e-3 if rank == 1 else 5e-3
-        assert message.startswith(f"step(): the ranks step param group {group} with different learning rates (lr here {lr:g}; the 2 "
-                                  "ranks' values differ)"), (rank, message)
+        assert message.startswith(f"step(): the ranks step AdamW's param group {group} with different learning rates (lr here {lrs[rank]:g}; "
+                                  f"per rank: {', '.join(f'{lr:.6g}' for lr in lrs)})"), (rank, message)
+
+
+class _LrAuto(torch.optim.Optimizer):
+    """An optimizer whose groups' ``lr`` is not a number: its own business, not compared across ranks."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": "auto"})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-1e-3)
+
+
+def lr_not_a_number_worker() -> bool:
+    torch.manual_seed(0)
+    model = TinyNet()
+    _train(model, zeroshard.ShardedOptimizer(_LrAuto(model.parameters())), range(2))
+    return True
+
+
+def test_a_learning_rate_that_is_not_a_number_is_not_compared(pools):
+    assert pools[2].run(lr_not_a_number_worker) == [True, True]
 
 
 def scheduler_on_wrapped_worker() -> list[str]:

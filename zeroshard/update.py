@@ -117,7 +117,8 @@ class UpdateMixin:
         self._reducer.reduce_for_step()
         for shard in self._shards:
             shard.take_replaced_grads()
-        lrs = [group.get("lr") for group in self.optimizer.param_groups]  # checked alike on every rank where the host waits anyway
+        # checked alike on every rank where the host waits anyway
+        lrs = [(f"{type(self.optimizer).__name__}'s param group {g}", group.get("lr")) for g, group in enumerate(self.optimizer.param_groups)]
         return reduce_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._timeout, caller, max_norm or 0.0, lrs)
 
     def _shard_unfrozen(self) -> bool:

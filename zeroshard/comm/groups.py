@@ -40,6 +40,11 @@ class ShardingGroups:
         """Ranks whose gradients are averaged: shard size times the number of replicas."""
         return self.shard_size * (dist.get_world_size(self.replicate) if self.replicate is not None else 1)
 
+    @functools.cached_property
+    def data_parallel_rank(self) -> int:
+        """This rank's place among the :attr:`data_parallel_size` ranks: its shard group rank, plus the shard size times its replicate group rank."""
+        return dist.get_rank(self.shard) + self.shard_size * (dist.get_rank(self.replicate) if self.replicate is not None else 0)
+
     def all(self) -> list[ProcessGroup]:
         """The groups in the order collectives span them: shard first, then replicate."""
         return [self.shard] + ([self.replicate] if self.replicate is not None else [])

@@ -52,15 +52,16 @@ class GradStats:
 
 def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0,
                       timeout: datetime.timedelta | None = None, caller: str = "step()", max_norm: float = 0.0,
-                      lrs: Sequence[object] = ()) -> ReducedStats:
+                      lrs: Sequence[tuple[str, object]] = ()) -> ReducedStats:
     """Reduce this rank's sum of squares (or max magnitude) and used-flags (``local_used``: per shard, per param) over every
     data-parallel rank, reading nothing back: :meth:`ReducedStats.read` does (the step's one host sync), or
     :meth:`ReducedStats.norm` keeps the norm on the device. ``caller`` is named in a timeout error.
 
-    ``max_norm``: the coming step's clip (0: none); ``lrs``: each param group's learning rate (a float or a 1-element tensor;
-    ``None`` where the optimizer has none). On CPU or with ``timeout`` (the host waits anyway) each rides along as
-    ``c = log1p(x)`` and ``c**2``, and :meth:`ReducedStats.read` raises where the ranks' differ: a clip on some ranks only, or
-    a learning rate set differently on some rank (each would update its own shard with its own, where DDP's replicas drift apart).
+    ``max_norm``: the coming step's clip (0: none); ``lrs``: each param group's learning rate, named (a float or a 1-element
+    tensor; anything else, ``None`` included, counts as 0). On CPU or with ``timeout`` (the host waits anyway) each rides along
+    as ``log1p(|x|)`` with its sign, in a slot per data-parallel rank (the others' zero, so the sum is exact and every rank reads
+    every rank's values), and :meth:`ReducedStats.read` raises on every rank alike where they differ: a clip on some ranks only,
+    or a learning rate set differently on some rank (each would update its own shard with its own, where DDP's replicas drift apart).
 
     Raises:
         ValueError: another ``norm_type``.
@@ -80,9 +81,10 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
         local = torch.stack([s.grad_shard.abs().max() if s.grad_shard.numel() else torch.zeros((), device=device) for s in shards]).max()
     summed = local if norm_type == 2.0 else (~torch.isfinite(local)).float()  # sum of squares, or a non-finite count
     checked = device.type == "cpu" or timeout is not None
-    checked_values = (max_norm, *(_number(lr) for lr in lrs)) if checked else ()
-    codes = [_code(value) for value in checked_values]
-    extra = [torch.tensor([x for c in codes for x in (c, c * c)], dtype=dtype, device=device)] if checked else []
+    checked_values = (("max_norm", max_norm), *((name, _number(lr)) for name, lr in lrs)) if checked else ()
+    ranks, me = groups.data_parallel_size, groups.data_parallel_rank
+    slots = [_code(value) if r == me else 0.0 for _, value in checked_values for r in range(ranks)]
+    extra = [torch.tensor(slots, dtype=dtype, device=device)] if checked else []
     both = torch.cat([summed.reshape(1).to(dtype), flags, *extra])
     replica_rank = dist.get_rank(groups.replicate) if groups.replicate is not None else 0
     hint = "run the same backward passes and call clip_grad_norm_() and step() alike"
@@ -98,8 +100,18 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
 
 
 def _number(value: object) -> float:
-    """A learning rate as a float: a tensor's value (on CPU, or read where the host waits anyway), 0 for ``None`` (none kept)."""
-    return 0.0 if value is None else float(value)  # type: ignore[arg-type]
+    """A learning rate as a float: a number's or a 1-element tensor's value (read where the host waits anyway), else 0 (``None``:
+    none kept; another kind of value, ``"auto"``, is the optimizer's own business)."""
+    if isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.numel() == 1):
+        return float(value)
+    return 0.0
+
+
+def _same(a: float, b: float) -> bool:
+    """Whether two codes of :func:`_code` stand for the same value: equal (infinities too), both NaN, or within 1e-6 relative."""
+    if a == b or (math.isnan(a) and math.isnan(b)):
+        return True
+    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= 1e-6 * max(abs(a), abs(b))
 
 
 def _code(value: float) -> float:
@@ -126,8 +138,9 @@ class ReducedStats:
     local_used: list[list[bool]]
     norm_type: float
     dtype: torch.dtype
-    # (max_norm, lr of each param group): what every rank must share, each summed at the end of ``both`` with its square (empty: not sent)
-    checked: tuple[float, ...] = ()
+    # (name, value) of max_norm and of each param group's lr: what every rank must share, each in a slot per data-parallel rank
+    # at the end of ``both`` (empty: not sent)
+    checked: tuple[tuple[str, float], ...] = ()
     ranks: int = 1  # the data-parallel ranks that summed it
     caller: str = "step()"
 
@@ -151,27 +164,26 @@ class ReducedStats:
         else:
             norm = float(self.local) if values[0] == 0 else math.nan
         if self.checked:
-            self._check_agreement(values[len(values) - 2 * len(self.checked) :])
+            self._check_agreement(values[len(values) - self.ranks * len(self.checked) :])
         used, start = [], 1  # values[0]: the norm's
         for per_shard in self.local_used:
             used.append([v > 0 for v in values[start : start + len(per_shard)]])
             start += len(per_shard)
         return GradStats(norm, used, self.dtype)
 
-    def _check_agreement(self, sums: list[float]) -> None:
-        """Raise ``RuntimeError`` unless every rank sent this rank's :attr:`checked` values (``sums``: per value, the sums of its code
-        and its square). A relative difference below about 0.2% passes: fp32 sums of equal values are off by at most
-        ``ranks * 2**-24`` relative, and a tolerance of 1e-3 holds that to 16k ranks."""
-        for index, (value, total, squares) in enumerate(zip(self.checked, sums[0::2], sums[1::2])):
-            code = _code(value)
-            if math.isclose(total, self.ranks * code, rel_tol=1e-3, abs_tol=1e-12) and math.isclose(
-                    squares, self.ranks * code * code, rel_tol=1e-3, abs_tol=1e-12):
+    def _check_agreement(self, slots: list[float]) -> None:
+        """Raise ``RuntimeError`` unless every rank sent the same :attr:`checked` values (``slots``: per value, each rank's code).
+        Every rank reads the same slots, so every rank raises, or none; codes within 1e-6 relative pass (fp32 holds ~6e-8)."""
+        for index, (name, value) in enumerate(self.checked):
+            codes = slots[index * self.ranks : (index + 1) * self.ranks]
+            if all(_same(c, codes[0]) for c in codes):
                 continue
+            values = ", ".join(f"{math.copysign(math.expm1(abs(c)), c):.6g}" for c in codes[:8]) + (", ..." if self.ranks > 8 else "")
             if index == 0:
-                raise RuntimeError(f"{self.caller}: the ranks clip this step differently (max_norm here {value:g}, 0 for none; the {self.ranks} "
-                                   "ranks' values differ): a clip_grad_norm_() on some ranks only pairs its all-reduce with the others' step(). "
-                                   "Every rank must run the same backward passes and call clip_grad_norm_() and step() alike")
-            raise RuntimeError(f"{self.caller}: the ranks step param group {index - 1} with different learning rates (lr here {value:g}; the "
-                               f"{self.ranks} ranks' values differ): each rank would update its own shard of the params with its own lr, where "
-                               "DDP's replicas would drift apart. Set the lr alike on every rank: a scheduler fed each rank's own metric "
-                               "(ReduceLROnPlateau on a local loss) needs the metric all-reduced first")
+                raise RuntimeError(f"{self.caller}: the ranks clip this step differently (max_norm here {value:g}, 0 for none; per rank: {values}): "
+                                   "a clip_grad_norm_() on some ranks only pairs its all-reduce with the others' step(). Every rank must run the "
+                                   "same backward passes and call clip_grad_norm_() and step() alike")
+            raise RuntimeError(f"{self.caller}: the ranks step {name} with different learning rates (lr here {value:g}; per rank: {values}): "
+                               "each rank would update its own shard of the params with its own lr, where DDP's replicas would drift apart. "
+                               "Set the lr alike on every rank: a scheduler fed each rank's own metric (ReduceLROnPlateau on a local loss) "
+                               "needs the metric all-reduced first")
