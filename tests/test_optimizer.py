@@ -675,13 +675,13 @@ def test_a_clip_on_some_ranks_only_raises_on_every_rank(pools):
     assert clip.startswith("clip_grad_norm_(): the ranks clip this step differently (max_norm here 0.05, 0 for none; per rank: 0, 0.05)"), clip
 
 
-def lr_on_one_rank_worker(group: int, stage: int, factor: float) -> list[object]:
+def lr_on_one_rank_worker(group: int, stage: int, factor: float, hybrid: bool) -> list[object]:
     """Every rank steps twice with the same lr (a scheduler's change alike on every rank passes), then the last rank multiplies
     param group ``group``'s lr by ``factor`` (as ReduceLROnPlateau fed its own loss would): [whether the params stayed as they
-    were, what step() raised]."""
+    were, what step() raised]. ``hybrid``: shard groups of 2."""
     torch.manual_seed(0)
     model = TinyNet()
-    opt = zeroshard.ShardedOptimizer(_adamw(model), stage=stage)
+    opt = zeroshard.ShardedOptimizer(_adamw(model), stage=stage, process_group=zeroshard.hybrid_mesh(2) if hybrid else None)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     _train(model, opt, range(2))
     scheduler.step()
@@ -696,12 +696,13 @@ def lr_on_one_rank_worker(group: int, stage: int, factor: float) -> list[object]
     return [True, "no error"]
 
 
-@pytest.mark.parametrize("world_size, group, stage, factor", [(2, 0, 1, 0.5), (2, 1, 2, 0.5), (3, 0, 2, 1.001)])
-def test_a_learning_rate_set_on_some_ranks_only_raises_on_every_rank(pools, world_size, group, stage, factor):
+@pytest.mark.parametrize("world_size, group, stage, factor, hybrid", [(2, 0, 1, 0.5, False), (2, 1, 2, 0.5, False), (3, 0, 2, 1.001, False),
+                                                                  (4, 1, 2, 0.5, True)])
+def test_a_learning_rate_set_on_some_ranks_only_raises_on_every_rank(pools, world_size, group, stage, factor, hybrid):
     # Each rank would step its own shard with its own lr, and the replicas stay identical: silent where DDP's drift apart. A
     # rank 0.1% off at 3 ranks once raised alone, the others stepping on (each rank compared the sums with its own lr).
     lrs = [5e-3] * (world_size - 1) + [5e-3 * factor]
-    for rank, (unchanged, message) in enumerate(pools[world_size].run(lr_on_one_rank_worker, group, stage, factor)):
+    for rank, (unchanged, message) in enumerate(pools[world_size].run(lr_on_one_rank_worker, group, stage, factor, hybrid)):
         assert unchanged, rank
         assert message.startswith(f"step(): the ranks step AdamW's param group {group} with different learning rates (lr here {lrs[rank]:g}; "
                                   f"per rank: {', '.join(f'{lr:.6g}' for lr in lrs)})"), (rank, message)

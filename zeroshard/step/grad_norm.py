@@ -82,9 +82,11 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
     summed = local if norm_type == 2.0 else (~torch.isfinite(local)).float()  # sum of squares, or a non-finite count
     checked = device.type == "cpu" or timeout is not None
     checked_values = (("max_norm", max_norm), *((name, _number(lr)) for name, lr in lrs)) if checked else ()
-    ranks, me = groups.data_parallel_size, groups.data_parallel_rank
-    slots = [_code(value) if r == me else 0.0 for _, value in checked_values for r in range(ranks)]
-    extra = [torch.tensor(slots, dtype=dtype, device=device)] if checked else []
+    extra = []
+    if checked:
+        slots = torch.zeros(len(checked_values), groups.data_parallel_size, dtype=dtype)  # per value, a slot per data-parallel rank
+        slots[:, groups.data_parallel_rank] = torch.tensor([_code(value) for _, value in checked_values], dtype=dtype)
+        extra.append(slots.reshape(-1).to(device))
     both = torch.cat([summed.reshape(1).to(dtype), flags, *extra])
     replica_rank = dist.get_rank(groups.replicate) if groups.replicate is not None else 0
     hint = "run the same backward passes and call clip_grad_norm_() and step() alike"
