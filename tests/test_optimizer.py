@@ -671,8 +671,29 @@ def test_a_clip_on_some_ranks_only_raises_on_every_rank(pools):
     assert pools[2].run(huge_clip_worker) == [True, True]
     # Its all-reduce pairs with the others' step: each rank would update its shard with its own clip (no error before).
     step, clip = pools[2].run(clip_on_one_rank_worker)
-    assert step.startswith("step(): the ranks clip this step differently (max_norm here 0, 0 for none; per rank: 0, 0.05)"), step
-    assert clip.startswith("clip_grad_norm_(): the ranks clip this step differently (max_norm here 0.05, 0 for none; per rank: 0, 0.05)"), clip
+    assert step.startswith("step(): the ranks clip this step differently (max_norm here 0, 0 for none; 0 on rank 0; 0.05 on rank 1)"), step
+    assert clip.startswith("clip_grad_norm_(): the ranks clip this step differently (max_norm here 0.05, 0 for none; 0 on rank 0; 0.05 on rank 1)"), clip
+
+
+def clip_slightly_off_worker() -> str:
+    """Every rank clips, the last at a max_norm 0.1% above the others': what the clip raised."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ShardedOptimizer(_adamw(model))
+    loss_fn(model, *batch(dist.get_rank(), 0)).backward()
+    try:
+        opt.clip_grad_norm_(1.001 if dist.get_rank() == dist.get_world_size() - 1 else 1.0)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_clip_slightly_off_on_one_of_three_ranks_raises_on_every_rank(pools):
+    # Each rank compared the sums of the ranks' codes with its own max_norm: near the tolerance the one rank off raised alone, and
+    # the others stepped on into a gloo error at the next collective.
+    for rank, message in enumerate(pools[3].run(clip_slightly_off_worker)):
+        assert message.startswith(f"clip_grad_norm_(): the ranks clip this step differently (max_norm here {1.001 if rank == 2 else 1.0:g}, 0 for none; "
+                                  "1 on ranks 0, 1; 1.001 on rank 2)"), (rank, message)
 
 
 def lr_on_one_rank_worker(group: int, stage: int, factor: float, hybrid: bool) -> list[object]:
@@ -699,13 +720,14 @@ def lr_on_one_rank_worker(group: int, stage: int, factor: float, hybrid: bool) -
 @pytest.mark.parametrize("world_size, group, stage, factor, hybrid", [(2, 0, 1, 0.5, False), (2, 1, 2, 0.5, False), (3, 0, 2, 1.001, False),
                                                                   (4, 1, 2, 0.5, True)])
 def test_a_learning_rate_set_on_some_ranks_only_raises_on_every_rank(pools, world_size, group, stage, factor, hybrid):
-    # Each rank would step its own shard with its own lr, and the replicas stay identical: silent where DDP's drift apart. A
-    # rank 0.1% off at 3 ranks once raised alone, the others stepping on (each rank compared the sums with its own lr).
+    # Each rank would step its own shard with its own lr, and the replicas stay identical: silent where DDP's drift apart.
     lrs = [5e-3] * (world_size - 1) + [5e-3 * factor]
+    others = ", ".join(str(r) for r in range(world_size - 1))
+    held = f"0.005 on rank{'s' if world_size > 2 else ''} {others}; {5e-3 * factor:.7g} on rank {world_size - 1})"
     for rank, (unchanged, message) in enumerate(pools[world_size].run(lr_on_one_rank_worker, group, stage, factor, hybrid)):
         assert unchanged, rank
         assert message.startswith(f"step(): the ranks step AdamW's param group {group} with different learning rates (lr here {lrs[rank]:g}; "
-                                  f"per rank: {', '.join(f'{lr:.6g}' for lr in lrs)})"), (rank, message)
+                                  + held), (rank, message)
 
 
 class _LrAuto(torch.optim.Optimizer):

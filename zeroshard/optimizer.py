@@ -273,8 +273,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
 
         Raises:
             ValueError: ``max_norm`` not positive, or ``norm_type`` not 2 or inf.
-            RuntimeError: with ``collective_timeout_s``, a collective that some rank did not join
-                in time (named).
+            RuntimeError: as :meth:`step`'s (a timeout; ranks that clip or set an lr differently).
         """
         if not max_norm > 0:
             raise ValueError(f"max_norm={max_norm!r} must be positive")
@@ -283,6 +282,7 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         stats = self._gather_stats(float(norm_type), "clip_grad_norm_()", float(max_norm))
         self._clip_norm, self._clip_task = float(max_norm), self._reducer.followed_task
         if self._on_device(stats):  # step() decides again: a GradScaler may step in since
+            stats.check()  # as read() does
             self._stats = stats
             scale = self._loss_scale_value()  # no GradScaler (_on_device): the loss scale, maybe on the device
             return unscale(stats.norm(), 1.0 if scale is None else scale).to(stats.dtype)
@@ -320,7 +320,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
         Raises:
             RuntimeError: a ``torch.amp.GradScaler`` drives it while ``loss_scale`` is active; with
                 ``collective_timeout_s``, a collective that some rank did not join in time (named;
-                the process group is unusable afterwards).
+                the process group is unusable afterwards); where the host reads the statistics (CPU,
+                a timeout), ranks that clip or set an lr differently (on every rank).
 
         Returns:
             The closure's loss, or ``None``.
@@ -387,9 +388,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients as ``torch.optim.Optimizer.zero_grad`` does, and drop what zeroshard holds of them.
 
-        ``set_to_none=False`` leaves zero gradients, and the next step updates every param that has
-        one (weight decay, moments), as ``torch.optim`` does; ``model.zero_grad()`` is followed the
-        same way.
+        ``set_to_none=False`` leaves zero gradients: the next step updates every param holding one
+        (weight decay, moments), as ``torch.optim`` does. ``model.zero_grad()`` is followed alike.
         """
         self._reducer.reset()
         self._shard_set.zero_grad(set_to_none)
@@ -400,8 +400,8 @@ class ShardedOptimizer(StateDictMixin, DelegatingOptimizer):
     def close(self) -> None:
         """Remove this optimizer's gradient hooks from the params and give the params up (idempotent).
 
-        Afterwards :meth:`step` raises. Garbage collection of the optimizer does the same, and so
-        does another ``ShardedOptimizer`` built on the same params. The params keep their values.
+        Afterwards :meth:`step` raises. So do garbage collection and another ``ShardedOptimizer``
+        built on the same params. The params keep their values.
         """
         self.wait_params()
         self._reducer.close()

@@ -117,9 +117,8 @@ class UpdateMixin:
         self._reducer.reduce_for_step()
         for shard in self._shards:
             shard.take_replaced_grads()
-        # checked alike on every rank where the host waits anyway
-        lrs = [(f"{type(self.optimizer).__name__}'s param group {g}", group.get("lr")) for g, group in enumerate(self.optimizer.param_groups)]
-        return reduce_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._timeout, caller, max_norm or 0.0, lrs)
+        return reduce_grad_stats(self._shards, self._reducer.local_used(), self.groups, norm_type, self._timeout, caller, max_norm or 0.0,
+                                 self.optimizer)  # its groups' lrs: checked alike on every rank where the host waits anyway
 
     def _shard_unfrozen(self) -> bool:
         """Shard and hook up the params unfrozen since their group was sharded (:meth:`ShardSet.add_unfrozen`: a collective when
@@ -177,7 +176,9 @@ class UpdateMixin:
         log_skip(self._skipped_steps, lambda: pending.loss_scale() or self.loss_scale, self.rank)
 
     def _update_on_device(self, stats: ReducedStats) -> None:
-        """The step with the norm, clip coefficient, overflow flag and loss scale on the device (:meth:`_on_device`): no host sync."""
+        """The step with the norm, clip coefficient, overflow flag and loss scale on the device (:meth:`_on_device`): no host sync
+        (where the host waited for the statistics anyway, CPU or ``collective_timeout_s``, it checks that the ranks agree first)."""
+        stats.check()  # the ranks whose host decides (a param without a gradient there) check too: every rank raises alike
         norm = stats.norm()
         if self._scaler is not None:
             self._scaler.to_device(norm.device)

@@ -93,6 +93,48 @@ def test_device_decision_matches_ddp_and_reads_back_only_when_the_host_decides(p
         assert run["steps"] == run["ref_steps"] and max(run["steps"]) == STEPS - 1, (run["steps"], run["ref_steps"])
 
 
+def lr_off_on_device_worker(branch_off: bool) -> tuple[int, bool, str]:
+    """Two steps alike, then rank 1 halves its lr (and, with ``branch_off``, its branch gets no gradient, so rank 1's host
+    decides while rank 0's device does): (host reads in the third step, params unchanged, what it raised)."""
+    fused_adam.KERNEL_ON_CPU = True
+    rank = dist.get_rank()
+    try:
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = zeroshard.ShardedOptimizer(torch.optim.AdamW(param_groups(model), lr=1e-2), collective_timeout_s=60)
+        for step in range(2):
+            loss_fn(model, *batch(rank, step)).backward()
+            opt.step()
+            model.zero_grad()
+        if rank == 1:
+            opt.param_groups[0]["lr"] /= 2
+        loss_fn(model, *batch(rank, 2), not (branch_off and rank == 1)).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        reads: list[int] = []
+        read = ReducedStats.read
+        with mock.patch.object(ReducedStats, "read", lambda stats: reads.append(1) or read(stats)):
+            try:
+                opt.step()
+                message = "no error"
+            except RuntimeError as error:
+                message = str(error)
+        return len(reads), all(torch.equal(a, b) for a, b in zip(before, model.parameters())), message
+    finally:
+        fused_adam.KERNEL_ON_CPU = False
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernel on CPU chunks (TRITON_INTERPRET=1, set without a GPU)")
+@pytest.mark.parametrize("branch_off", [False, True])
+def test_an_lr_set_on_one_rank_raises_on_every_rank_where_the_device_decides(pools, branch_off):
+    # The check sat in ReducedStats.read only: where the device decided (no read) it was skipped, and where one rank's host
+    # decided (a param without a gradient there) that rank raised alone, the other stepping on into the all-gather.
+    for rank, (reads, unchanged, message) in enumerate(pools[2].run(lr_off_on_device_worker, branch_off)):
+        assert reads == (1 if branch_off and rank == 1 else 0), (rank, reads)
+        assert unchanged, rank
+        assert message.startswith("step(): the ranks step AdamW's param group 0 with different learning rates (lr here "
+                                  f"{0.005 if rank == 1 else 0.01:g}; 0.01 on rank 0; 0.005 on rank 1)"), (rank, message)
+
+
 def torch_clip_worker(on_device: bool, default_fp64: bool = False) -> tuple[int, list[torch.Tensor]]:
     """5 steps clipped by ``torch.nn.utils.clip_grad_norm_`` on the model's params (what HF Trainer and accelerate run),
     the step deciding on the device or (``on_device=False``) on the host; statistics reads, and the params.

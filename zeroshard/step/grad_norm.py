@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import functools
 import math
-from collections.abc import Sequence
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -52,16 +52,17 @@ class GradStats:
 
 def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], groups: ShardingGroups, norm_type: float = 2.0,
                       timeout: datetime.timedelta | None = None, caller: str = "step()", max_norm: float = 0.0,
-                      lrs: Sequence[tuple[str, object]] = ()) -> ReducedStats:
+                      optimizer: torch.optim.Optimizer | None = None) -> ReducedStats:
     """Reduce this rank's sum of squares (or max magnitude) and used-flags (``local_used``: per shard, per param) over every
     data-parallel rank, reading nothing back: :meth:`ReducedStats.read` does (the step's one host sync), or
     :meth:`ReducedStats.norm` keeps the norm on the device. ``caller`` is named in a timeout error.
 
-    ``max_norm``: the coming step's clip (0: none); ``lrs``: each param group's learning rate, named (a float or a 1-element
-    tensor; anything else, ``None`` included, counts as 0). On CPU or with ``timeout`` (the host waits anyway) each rides along
-    as ``log1p(|x|)`` with its sign, in a slot per data-parallel rank (the others' zero, so the sum is exact and every rank reads
-    every rank's values), and :meth:`ReducedStats.read` raises on every rank alike where they differ: a clip on some ranks only,
-    or a learning rate set differently on some rank (each would update its own shard with its own, where DDP's replicas drift apart).
+    ``max_norm``: the coming step's clip (0: none); ``optimizer``: the wrapped optimizer, whose param groups' ``lr`` (a real
+    number or a 1-element tensor; anything else, ``None`` included, counts as 0) every rank must share too. On CPU or with
+    ``timeout`` (the host waits anyway) each rides along as ``log1p(|x|)`` with its sign, in a slot per data-parallel rank (the
+    others' zero, so the sum is exact and every rank reads every rank's values), and :meth:`ReducedStats.check` raises on every
+    rank alike where they differ: a clip on some ranks only, or a learning rate set differently on some rank (each would update
+    its own shard with its own, where DDP's replicas drift apart).
 
     Raises:
         ValueError: another ``norm_type``.
@@ -81,7 +82,9 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
         local = torch.stack([s.grad_shard.abs().max() if s.grad_shard.numel() else torch.zeros((), device=device) for s in shards]).max()
     summed = local if norm_type == 2.0 else (~torch.isfinite(local)).float()  # sum of squares, or a non-finite count
     checked = device.type == "cpu" or timeout is not None
-    checked_values = (("max_norm", max_norm), *((name, _number(lr)) for name, lr in lrs)) if checked else ()
+    groups_lrs = [] if optimizer is None or not checked else [
+        (f"{type(optimizer).__name__}'s param group {g}", _number(group.get("lr"))) for g, group in enumerate(optimizer.param_groups)]
+    checked_values = (("max_norm", max_norm), *groups_lrs) if checked else ()
     extra = []
     if checked:
         slots = torch.zeros(len(checked_values), groups.data_parallel_size, dtype=dtype)  # per value, a slot per data-parallel rank
@@ -98,22 +101,16 @@ def reduce_grad_stats(shards: list[LocalShard], local_used: list[list[bool]], gr
         for group in groups.reducing:
             work = collectives.all_reduce(local, group, op=dist.ReduceOp.MAX)
             collectives.wait(work, timeout, f"{caller}: the all-reduce of the gradient inf-norm", hint)
-    return ReducedStats(both, local, local_used, norm_type, dtype, checked_values, groups.data_parallel_size, caller)
+    return ReducedStats(both, local, local_used, norm_type, dtype, checked_values, groups.data_parallel_size, caller,
+                        tuple(groups.data_parallel_ranks) if checked else ())
 
 
 def _number(value: object) -> float:
     """A learning rate as a float: a number's or a 1-element tensor's value (read where the host waits anyway), else 0 (``None``:
     none kept; another kind of value, ``"auto"``, is the optimizer's own business)."""
-    if isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.numel() == 1):
+    if isinstance(value, numbers.Real) or (isinstance(value, Tensor) and value.numel() == 1):
         return float(value)
     return 0.0
-
-
-def _same(a: float, b: float) -> bool:
-    """Whether two codes of :func:`_code` stand for the same value: equal (infinities too), both NaN, or within 1e-6 relative."""
-    if a == b or (math.isnan(a) and math.isnan(b)):
-        return True
-    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= 1e-6 * max(abs(a), abs(b))
 
 
 def _code(value: float) -> float:
@@ -133,7 +130,8 @@ def _all_set(count: int, device: torch.device, dtype: torch.dtype) -> Tensor:
 @dataclass(frozen=True)
 class ReducedStats:
     """The all-reduced statistics, still on the device: ``both`` is ``[sum of squares (inf norm: the count of non-finite shards),
-    one used-flag per param...]`` in ``dtype``; ``local`` the inf norm's all-reduced largest magnitude (0-dim), or this rank's sum of squares."""
+    one used-flag per param..., then per :attr:`checked` value one slot per data-parallel rank...]`` in ``dtype``; ``local`` the
+    inf norm's all-reduced largest magnitude (0-dim), or this rank's sum of squares."""
 
     both: Tensor
     local: Tensor
@@ -145,6 +143,7 @@ class ReducedStats:
     checked: tuple[tuple[str, float], ...] = ()
     ranks: int = 1  # the data-parallel ranks that summed it
     caller: str = "step()"
+    global_ranks: tuple[int, ...] = ()  # the global rank of each slot (where checked): how an error names them
 
     @property
     def used_everywhere(self) -> bool:
@@ -165,27 +164,34 @@ class ReducedStats:
             norm = math.sqrt(values[0]) if math.isfinite(values[0]) else values[0]
         else:
             norm = float(self.local) if values[0] == 0 else math.nan
-        if self.checked:
-            self._check_agreement(values[len(values) - self.ranks * len(self.checked) :])
+        self.check()
         used, start = [], 1  # values[0]: the norm's
         for per_shard in self.local_used:
             used.append([v > 0 for v in values[start : start + len(per_shard)]])
             start += len(per_shard)
         return GradStats(norm, used, self.dtype)
 
-    def _check_agreement(self, slots: list[float]) -> None:
-        """Raise ``RuntimeError`` unless every rank sent the same :attr:`checked` values (``slots``: per value, each rank's code).
-        Every rank reads the same slots, so every rank raises, or none; codes within 1e-6 relative pass (fp32 holds ~6e-8)."""
-        for index, (name, value) in enumerate(self.checked):
-            codes = slots[index * self.ranks : (index + 1) * self.ranks]
-            if all(_same(c, codes[0]) for c in codes):
+    def check(self) -> None:
+        """Raise ``RuntimeError`` on every rank alike unless every rank sent the same :attr:`checked` values (a clip's ``max_norm``,
+        each param group's lr): every rank reads the same slots. Codes within 1e-6 relative pass (fp32 holds ~6e-8): values
+        within about 1e-6 relative below 1, a few 1e-6 above. Reads only the slots (where checked, the host waited for them anyway)."""
+        if not self.checked:
+            return
+        codes = self.both[self.both.numel() - self.ranks * len(self.checked) :].view(len(self.checked), self.ranks)
+        equal = (codes == codes[:, :1]).all(dim=1).tolist()  # the common case, in three operators whatever the world size
+        for index, ((name, value), same) in enumerate(zip(self.checked, equal)):
+            row = [] if same else codes[index].tolist()
+            if same or all(math.isclose(c, row[0], rel_tol=1e-6, abs_tol=0.0) or (math.isnan(c) and math.isnan(row[0])) for c in row):
                 continue
-            values = ", ".join(f"{math.copysign(math.expm1(abs(c)), c):.6g}" for c in codes[:8]) + (", ..." if self.ranks > 8 else "")
-            if index == 0:
-                raise RuntimeError(f"{self.caller}: the ranks clip this step differently (max_norm here {value:g}, 0 for none; per rank: {values}): "
-                                   "a clip_grad_norm_() on some ranks only pairs its all-reduce with the others' step(). Every rank must run the "
+            held: dict[str, list[str]] = {}  # each value sent, with the global ranks that sent it
+            for rank, c in zip(self.global_ranks or range(self.ranks), row):
+                held.setdefault(f"{math.copysign(math.expm1(abs(c)), c):.7g}", []).append(str(rank))
+            values = "; ".join(f"{v} on rank{'s' if len(r) > 1 else ''} {', '.join(r[:8])}{', ...' if len(r) > 8 else ''}" for v, r in held.items())
+            if name == "max_norm":
+                raise RuntimeError(f"{self.caller}: the ranks clip this step differently (max_norm here {value:g}, 0 for none; {values}): a "
+                                   "clip_grad_norm_() on some ranks only pairs its all-reduce with the others' step(). Every rank must run the "
                                    "same backward passes and call clip_grad_norm_() and step() alike")
-            raise RuntimeError(f"{self.caller}: the ranks step {name} with different learning rates (lr here {value:g}; per rank: {values}): "
-                               "each rank would update its own shard of the params with its own lr, where DDP's replicas would drift apart. "
-                               "Set the lr alike on every rank: a scheduler fed each rank's own metric (ReduceLROnPlateau on a local loss) "
+            raise RuntimeError(f"{self.caller}: the ranks step {name} with different learning rates (lr here {value:g}; {values}): each "
+                               "rank would update its own shard of the params with its own lr, where DDP's replicas would drift apart. Set "
+                               "the lr alike on every rank: a scheduler fed each rank's own metric (ReduceLROnPlateau on a local loss) "
                                "needs the metric all-reduced first")
