@@ -41,14 +41,14 @@ class ShardingGroups:
         return self.shard_size * (dist.get_world_size(self.replicate) if self.replicate is not None else 1)
 
     @functools.cached_property
-    def data_parallel_rank(self) -> int:
-        """This rank's place among the :attr:`data_parallel_size` ranks: its shard group rank, plus the shard size times its replicate group rank."""
-        return dist.get_rank(self.shard) + self.shard_size * (dist.get_rank(self.replicate) if self.replicate is not None else 0)
+    def data_parallel_ranks(self) -> list[int]:
+        """The global rank of each of the :attr:`data_parallel_size` ranks: the mesh's ranks, flattened (replica by replica)."""
+        return [int(r) for r in self.mesh.mesh.flatten().tolist()]
 
     @functools.cached_property
-    def data_parallel_ranks(self) -> list[int]:
-        """The global rank of each data-parallel rank (:attr:`data_parallel_rank` order; the mesh's ranks, flattened)."""
-        return [int(r) for r in self.mesh.mesh.flatten().tolist()]
+    def data_parallel_rank(self) -> int:
+        """This rank's place in :attr:`data_parallel_ranks`."""
+        return self.data_parallel_ranks.index(dist.get_rank())
 
     def all(self) -> list[ProcessGroup]:
         """The groups in the order collectives span them: shard first, then replicate."""
